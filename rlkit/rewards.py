@@ -1,0 +1,290 @@
+"""Function rewards: turn decoded responses into one scalar score per trajectory.
+
+A scoring function has the verl signature
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+
+and returns either a number or a dict with a "score" key; the dict's other numeric keys (e.g. "acc")
+are averaged over the batch and logged as "reward/<key>". Built-in scorers live in `SCORERS`, keyed by
+the dataset's `data_source` column; a user file replaces them with `--reward.custom-fn path.py:fn`.
+`RewardFn` scores a batch, `token_level_rewards` puts each score on the last response token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+import numbers
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ScoreFn = Callable[..., float | dict]
+
+SCORERS: dict[str, ScoreFn] = {}
+
+
+def register_scorer(*data_sources: str):
+    """Decorator: register a scoring function in `SCORERS` under each given data_source.
+
+    Registering a different function under a name that is already taken raises ValueError
+    (re-running the same definition, e.g. in a notebook, is allowed).
+    """
+    if not data_sources:
+        raise ValueError("register_scorer needs at least one data_source, e.g. @register_scorer('my/dataset')")
+
+    def decorator(fn: ScoreFn) -> ScoreFn:
+        for name in data_sources:
+            old = SCORERS.get(name)
+            if old is not None and _describe(old) != _describe(fn):
+                raise ValueError(f"data_source {name!r} is already scored by {_describe(old)}; pick another name")
+            SCORERS[name] = fn
+        return fn
+
+    return decorator
+
+
+# ----------------------------------------------------------------------------- built-in scorers
+
+# "#### 1,234.5": optional minus, a digit, then digits/commas, then an optional decimal part.
+_GSM8K_ANSWER = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d*)?)")
+
+
+def _normalize_number(text: str) -> str:
+    """Drop thousands separators and a trailing full stop: "1,234." -> "1234"."""
+    return text.strip().replace(",", "").rstrip(".")
+
+
+@register_scorer("openai/gsm8k", "gsm8k")
+def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """GSM8K, strict format: 1.0 if the LAST "#### <number>" in the response equals the ground truth.
+
+    Commas are stripped from both sides and a trailing "." from the answer ("#### 1,234." -> "1234");
+    the comparison is on strings, so "72.0" does not match "72". No "####" answer scores 0.0.
+    """
+    matches = _GSM8K_ANSWER.findall(solution_str)
+    if not matches:
+        return 0.0
+    return 1.0 if _normalize_number(matches[-1]) == _normalize_number(str(ground_truth)) else 0.0
+
+
+@register_scorer("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+def math_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """MATH: 1.0 if math-verify judges the response's answer equal to the ground truth, else 0.0.
+
+    A ground truth without "$" or "\\boxed" is wrapped in "$...$" so that math-verify parses it as LaTeX.
+    math-verify's timeouts use signal.alarm, which only works in the main thread; elsewhere (e.g. a
+    thread pool) they are switched off, so a pathological expression can then take arbitrarily long.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as e:
+        raise ImportError("math_score needs the math-verify package: pip install math-verify") from e
+
+    gold_text = str(ground_truth)
+    if "$" not in gold_text and "\\boxed" not in gold_text:
+        gold_text = f"${gold_text}$"
+    seconds = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(gold_text, parsing_timeout=seconds)
+    answer = parse(solution_str, parsing_timeout=seconds)
+    return 1.0 if verify(gold, answer, timeout_seconds=seconds) else 0.0
+
+
+@register_scorer("rlkit/arith")
+def arith_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """rlkit's embedded arithmetic task: the whole response (whitespace aside) must be the integer answer."""
+    s = 1.0 if solution_str.strip() == str(ground_truth) else 0.0
+    return {"score": s, "acc": s}
+
+
+# ----------------------------------------------------------------------------- user functions
+
+_SPEC_FORMAT = 'expected "path/to/file.py:function_name" (or "package.module:function_name")'
+
+
+def load_function(spec: str) -> ScoreFn:
+    """Load a function from "path/to/file.py:function_name" or "package.module:function_name".
+
+    Relative file paths are resolved against the current working directory. Errors say what is wrong
+    and how to fix it: ValueError for a malformed spec, an unimportable module, a missing or
+    non-callable attribute; FileNotFoundError (with the absolute path tried) for a missing file.
+    """
+    location, sep, name = str(spec).rpartition(":")
+    if not sep or not location or not name:
+        raise ValueError(f"bad function spec {spec!r}: {_SPEC_FORMAT}")
+
+    if location.endswith(".py") or "/" in location or "\\" in location:
+        path = Path(location).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"reward file not found: {path} (from {spec!r}); relative paths are resolved against the "
+                f"current directory {Path.cwd()} - fix the path or pass an absolute one"
+            )
+        module_name = f"rlkit_custom_{re.sub(r'[^0-9a-zA-Z_]', '_', path.stem)}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # so dataclasses, pickle-by-reference etc. can find it
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+        where = str(path)
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (location == e.name or location.startswith(e.name + ".")):
+                raise  # the module exists but one of its own imports is missing
+            raise ValueError(
+                f"cannot import module {location!r} (from {spec!r}): install it, or give a file path "
+                f'instead: "path/to/file.py:{name}"'
+            ) from e
+        where = f"module {location}"
+
+    if not hasattr(module, name):
+        defined = sorted(
+            k for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
+        raise ValueError(
+            f"{where} has no function {name!r}; it defines: {', '.join(defined) or '(no public functions)'} "
+            f"- fix the name after the ':' in {spec!r}"
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise ValueError(f"{name!r} in {where} is a {type(fn).__name__}, not a function; point {spec!r} at a function")
+    return fn
+
+
+# ----------------------------------------------------------------------------- batch scoring
+
+
+def _describe(fn) -> str:
+    """'module:qualname' of a function, for error messages."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _as_number(value, what: str) -> float:
+    """A finite float from a scorer's output, or ValueError explaining what was wrong with it."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} is {value!r} ({type(value).__name__}); expected a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{what} is {value}; expected a finite number")
+    return value
+
+
+def _parse_output(out) -> tuple[float, dict[str, float]]:
+    """Split a scorer's return value into (score, numeric extras); ValueError if it is unusable."""
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ValueError(f"returned a dict without a 'score' key (keys: {sorted(out)})")
+        extras = {
+            k: float(v) for k, v in out.items()
+            if k != "score" and isinstance(v, numbers.Real)  # non-numeric extras (e.g. "pred") are not logged
+        }
+        return _as_number(out["score"], "dict['score']"), extras
+    return _as_number(out, "return value"), {}
+
+
+class RewardFn:
+    """Scores a batch of decoded responses: one scalar per trajectory."""
+
+    def __init__(self, custom_fn: str | ScoreFn | None = None, on_error: str = "raise"):
+        """custom_fn: "path.py:fn" (or a callable) used for every data_source; None looks up `SCORERS`.
+
+        on_error: "raise" turns a failing or invalid score into a RuntimeError naming the function,
+        sample and data_source; "zero" scores such samples 0.0 and counts them in metrics["reward/errors"].
+        """
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+        if custom_fn is None or callable(custom_fn):
+            self.custom_fn = custom_fn
+        else:
+            self.custom_fn = load_function(custom_fn)
+        self.on_error = on_error
+
+    def scorer_for(self, data_source: str) -> ScoreFn:
+        """The function that scores `data_source`: the custom one if given, else the registered one."""
+        if self.custom_fn is not None:
+            return self.custom_fn
+        if data_source not in SCORERS:
+            raise ValueError(
+                f"no reward function for data_source {data_source!r}; registered: {', '.join(sorted(SCORERS))}. "
+                "Write your own compute_score(data_source, solution_str, ground_truth, extra_info=None) "
+                "and pass --reward.custom-fn path.py:fn"
+            )
+        return SCORERS[data_source]
+
+    def __call__(self, data_sources, responses: list[str], ground_truths, extra_infos=None):
+        """Score B responses; returns (float32 tensor of shape (B,), metrics dict of floats).
+
+        `data_sources` may be one string for the whole batch. Scorers are called with keyword arguments,
+        as verl does. Metrics: "reward/<key>" = mean of each extra numeric key returned by dict scorers
+        (over the samples that returned it), and "reward/errors" when on_error="zero".
+        """
+        n = len(responses)
+        if isinstance(data_sources, str):
+            data_sources = [data_sources] * n
+        if extra_infos is None:
+            extra_infos = [None] * n
+        if not (len(data_sources) == len(ground_truths) == len(extra_infos) == n):
+            raise ValueError(
+                f"batch length mismatch: {len(data_sources)} data_sources, {n} responses, "
+                f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos"
+            )
+
+        scores, extras, errors = [], {}, []
+        for i in range(n):
+            fn = self.scorer_for(data_sources[i])
+            try:
+                out = fn(data_source=data_sources[i], solution_str=responses[i],
+                         ground_truth=ground_truths[i], extra_info=extra_infos[i])
+                score, sample_extras = _parse_output(out)
+            except Exception as e:
+                response = str(responses[i])
+                short = response if len(response) <= 200 else response[:200] + "..."
+                message = (f"reward function {_describe(fn)} failed on sample {i} "
+                           f"(data_source={data_sources[i]!r}, response={short!r}): {type(e).__name__}: {e}")
+                if self.on_error == "raise":
+                    raise RuntimeError(message + " - fix the function or use on_error='zero'") from e
+                errors.append(message)
+                score, sample_extras = 0.0, {}
+            scores.append(score)
+            for k, v in sample_extras.items():
+                extras.setdefault(k, []).append(v)
+
+        metrics = {f"reward/{k}": sum(v) / len(v) for k, v in extras.items()}
+        if self.on_error == "zero":
+            metrics["reward/errors"] = float(len(errors))
+            if errors:
+                logger.warning("%d/%d reward calls failed and scored 0.0; first: %s", len(errors), n, errors[0])
+        return torch.tensor(scores, dtype=torch.float32), metrics
+
+
+def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) scores -> (B, T) zeros with each score on its row's last valid response token.
+
+    For the usual right-padded mask that token is at index mask.sum(-1) - 1 (verl's convention);
+    taking the last 1 in the mask also handles masks with holes. A row with no valid token stays zero.
+    """
+    if scores.dim() != 1 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"scores must have shape (B,) = ({response_mask.shape[0]},), got {tuple(scores.shape)}")
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    out = torch.zeros(response_mask.shape, dtype=dtype, device=response_mask.device)
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    last = torch.where(response_mask.bool(), positions, -1).max(dim=-1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = scores.to(out.device, dtype)[rows]
+    return out
