@@ -1,0 +1,132 @@
+"""GRPO: Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath), in one file.
+
+For each prompt, sample a group of n responses, score each with a verifiable reward, and use the
+response's reward relative to its group as the advantage -- no value model:
+
+    A_i = (r_i - mean(r_group)) / (std(r_group) + eps)          (Dr.GRPO: no division by std)
+
+Then maximise the PPO clipped surrogate with a KL penalty to the reference (starting) policy:
+
+    L = -mean_t min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A) + beta * KL(pi || pi_ref),
+    rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+
+Run it:
+
+    python recipes/grpo.py                          # embedded tiny model + arithmetic task, CPU, ~5 min
+    python recipes/grpo.py --help                   # every option, documented
+    python recipes/grpo.py --model.path Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \
+        --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
+        --data.max-prompt-length 512 --data.max-response-length 512 --actor.lr 1e-5
+
+Batch-size arithmetic, per training step:
+
+    data.train_batch_size prompts            B   = 32
+    x rollout.n samples each                 n   = 8      -> B*n = 256 trajectories
+    split into mini-batches of               M   = actor.ppo_mini_batch_size prompts (M*n trajectories)
+                                                          -> B/M optimizer steps per epoch, x actor.ppo_epochs
+    each mini-batch is accumulated over micro-batches of actor.ppo_micro_batch_size trajectories
+    (micro-batches change memory use, never the result: losses are normalised by mini-batch totals).
+
+With B == M and ppo_epochs == 1 the update is exactly on-policy (one optimizer step, rho = 1).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+
+from rlkit import algos, loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.engine import set_threads
+from rlkit.rewards import RewardFn, token_level_rewards
+from rlkit.workers import build_policy
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3, ppo_mini_batch_size=32, ppo_micro_batch_size=256))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    norm_adv_by_std_in_grpo: bool = True
+    """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.ppo_clip_loss(
+            log_prob, mb["old_log_probs"], mb["advantages"], mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio, clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=mode, **norm,
+        )
+        loss = pg_loss
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+        if a.use_kl_loss:
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
+            loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, mode, **norm)
+            metrics["kl_loss"] = algos.masked_mean(kl, mask).item()
+        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = pg_loss.item()
+        return loss, metrics
+
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.configure_environment()
+    set_threads(cfg.trainer.num_threads)
+    torch.manual_seed(cfg.trainer.seed)
+    if cfg.rollout.n < 2:
+        raise ValueError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
+    if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
+        raise ValueError(f"--data.train-batch-size {cfg.data.train_batch_size} must be a multiple of --actor.ppo-mini-batch-size {cfg.actor.ppo_mini_batch_size}")
+    policy = build_policy(cfg)  # actor + rollout + reference, in this process
+    tok = policy.tokenizer
+    train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
+    reward_fn = RewardFn(cfg.reward.custom_fn, cfg.reward.on_error)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
+            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
+
+            with loop.timer("gen", timings):  # rollout: sample one response per row
+                batch = policy.generate(batch)
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                batch = batch.union(policy.compute_log_prob(batch))
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+
+            # ALGO LOGIC: group-relative advantage, the same for every token of a response
+            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+
+            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))

@@ -1,0 +1,125 @@
+"""Checkpoints that are never half-written, and resuming from the newest complete one.
+
+Layout of `default_local_dir`::
+
+    checkpoints/global_step_20/
+        hf/              the policy as a Hugging Face folder (LoRA merged): from_pretrained loads it
+        state.pt         trainable weights, optimizer, scheduler, RNG states, data-loader position
+        config.json      the run's config, checked when resuming
+    checkpoints/latest   the newest step, a text file
+
+A checkpoint is written into a temporary folder next to its final place and renamed only when
+complete (a rename is atomic on one filesystem), so a crash mid-save leaves at most a
+`.tmp-*` folder that resume ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PREFIX = "global_step_"
+# Config fields that may differ between the run that saved and the run that resumes.
+RESUMABLE_CHANGES = {"trainer.resume", "trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq",
+                     "trainer.test_freq", "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.device",
+                     "trainer.num_threads", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
+                     "data.val_max_samples", "rollout.log_prob_micro_batch_size"}
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch (CPU and CUDA) random states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1}"""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=None, keep: int = 2) -> Path:
+    """Atomically write checkpoint `step` (state -> state.pt, save_hf(folder) -> hf/), then prune to `keep`."""
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"{PREFIX}{step}"
+    tmp = root / f".tmp-{PREFIX}{step}"
+    tmp.mkdir()
+    torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if save_hf is not None:
+        save_hf(tmp / "hf")
+    if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
+        shutil.rmtree(final)
+    tmp.rename(final)
+    (root / "latest.tmp").write_text(str(step))
+    (root / "latest.tmp").replace(root / "latest")
+    if keep > 0:
+        for old in sorted(list_checkpoints(root))[:-keep]:
+            shutil.rmtree(root / f"{PREFIX}{old}", ignore_errors=True)
+    return final
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[int]:
+    """Steps of the complete checkpoints under ckpt_root, ascending."""
+    root = Path(ckpt_root)
+    steps = []
+    for p in root.glob(f"{PREFIX}*") if root.is_dir() else []:
+        if (p / "state.pt").is_file() and p.name[len(PREFIX):].isdigit():
+            steps.append(int(p.name[len(PREFIX):]))
+    return sorted(steps)
+
+
+def find_resume_path(resume: str, ckpt_root: str | Path) -> Path | None:
+    """'disable' -> None; 'auto' -> newest checkpoint or None; anything else must be a checkpoint folder."""
+    if resume == "disable":
+        return None
+    if resume == "auto":
+        steps = list_checkpoints(ckpt_root)
+        return Path(ckpt_root) / f"{PREFIX}{steps[-1]}" if steps else None
+    path = Path(resume)
+    if not (path / "state.pt").is_file():
+        raise FileNotFoundError(f"--trainer.resume {resume}: not a checkpoint folder (expected {path / 'state.pt'}); use 'auto' or a {PREFIX}N folder")
+    return path
+
+
+def check_config(saved: dict, current: dict) -> None:
+    """Refuse to resume when settings that shape the run changed (the error lists them)."""
+    a, b = flatten(saved), flatten(json.loads(json.dumps(current, default=str)))
+    diff = [k for k in sorted(set(a) | set(b)) if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
+    if diff:
+        lines = "\n".join(f"  {k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in diff)
+        raise ValueError(
+            f"cannot resume: the config differs from the checkpoint's in\n{lines}\n"
+            "Resume with the same settings, or start a new run with another --trainer.experiment-name / --trainer.default-local-dir"
+        )
+
+
+def load(path: str | Path) -> tuple[dict, dict]:
+    """(state, saved config) of a checkpoint folder; restores the RNG states."""
+    path = Path(path)
+    state = torch.load(path / "state.pt", weights_only=False)
+    set_rng_state(state["rng"])
+    return state, json.loads((path / "config.json").read_text())

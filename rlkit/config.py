@@ -1,0 +1,156 @@
+"""Typed configuration shared by every recipe. `tyro` turns these dataclasses into the CLI.
+
+Each field's docstring is its `--help` text. Names follow verl's where verl has the same knob
+(`train_batch_size`, `ppo_mini_batch_size`, `clip_ratio`, `kl_loss_coef`, ...), flattened:
+verl's `actor_rollout_ref.actor.clip_ratio` is `--actor.clip-ratio` here. A recipe adds its own
+algorithm fields next to these in its own `Config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlkit import embedded
+
+
+@dataclass
+class ModelConfig:
+    path: str = str(embedded.MODEL_DIR)
+    """model to train: a local Hugging Face folder or a hub id (default: the embedded tiny model)"""
+    trust_remote_code: bool = False
+    """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """parameter dtype: auto = float32 on CPU, bfloat16 on GPU"""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains all parameters (and keeps a frozen copy as the reference policy)"""
+    lora_alpha: int = 16
+    """LoRA scaling alpha"""
+    target_modules: str = "all-linear"
+    """LoRA target modules: 'all-linear' or a comma-separated list such as 'q_proj,v_proj'"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: [str(embedded.DATA_DIR / "train.parquet")])
+    """verl-format parquet file(s) for training (columns data_source, prompt, ability, reward_model, extra_info)"""
+    val_files: list[str] = field(default_factory=lambda: [str(embedded.DATA_DIR / "val.parquet")])
+    """verl-format parquet file(s) for validation; empty to skip validation"""
+    prompt_key: str = "prompt"
+    """column that holds the chat messages"""
+    max_prompt_length: int = 64
+    """prompt token budget; longer prompts are handled by `truncation`"""
+    max_response_length: int = 8
+    """maximum number of generated tokens per response"""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """what to do with a prompt over max_prompt_length: error (names the row), or keep the end (left), the start (right), both ends (middle)"""
+    filter_overlong_prompts: bool = False
+    """drop prompts over max_prompt_length when loading, instead of applying `truncation`"""
+    train_batch_size: int = 32
+    """prompts per training step (each sampled rollout.n times)"""
+    val_batch_size: int = 512
+    """prompts per generation batch during validation"""
+    val_max_samples: int = 512
+    """use at most this many validation prompts (-1 = all)"""
+    shuffle: bool = True
+    """shuffle the training prompts every epoch (seeded by trainer.seed)"""
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["hf"] = "hf"
+    """generation backend: hf (transformers generate)"""
+    n: int = 8
+    """responses sampled per prompt (the group size of GRPO)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    val_temperature: float = 0.0
+    """temperature for validation; 0 = greedy"""
+    log_prob_micro_batch_size: int = 256
+    """sequences per forward pass when computing log-probs without gradients"""
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in optimizer steps"""
+    grad_clip: float = 1.0
+    """clip the global gradient norm to this value"""
+    ppo_mini_batch_size: int = 32
+    """prompts per optimizer step; × rollout.n trajectories (as in verl). train_batch_size / this = optimizer steps per epoch"""
+    ppo_micro_batch_size: int = 64
+    """trajectories per forward/backward pass; gradients are accumulated over a mini-batch"""
+    ppo_epochs: int = 1
+    """passes over the rollout batch per training step"""
+    shuffle: bool = False
+    """shuffle trajectories before splitting into mini-batches"""
+    clip_ratio: float = 0.2
+    """PPO clip range ε for the ratio π/π_old"""
+    clip_ratio_low: float | None = None
+    """lower clip ε (defaults to clip_ratio)"""
+    clip_ratio_high: float | None = None
+    """upper clip ε (defaults to clip_ratio; DAPO's clip-higher uses 0.28)"""
+    clip_ratio_c: float | None = 3.0
+    """dual-clip constant c > 1 bounding the loss for negative advantages (None disables)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are averaged into one number"""
+    entropy_coeff: float = 0.0
+    """weight of the entropy bonus (subtracted from the loss)"""
+    use_kl_loss: bool = True
+    """add a KL(π‖π_ref) penalty to the loss"""
+    kl_loss_coef: float = 0.001
+    """weight of the KL penalty"""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); append '+' for the straight-through k2 gradient"""
+    nan_policy: Literal["error", "skip"] = "error"
+    """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
+
+
+@dataclass
+class RewardConfig:
+    custom_fn: str | None = None
+    """your scoring function as path/to/file.py:function_name, verl signature compute_score(data_source, solution_str, ground_truth, extra_info=None)"""
+    on_error: Literal["raise", "zero"] = "raise"
+    """when a scoring function raises or returns a non-number: stop (raise) or score 0 and count it (zero)"""
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 1
+    """passes over the training prompts"""
+    total_training_steps: int | None = None
+    """stop after this many steps (overrides total_epochs when set)"""
+    test_freq: int = 10
+    """validate every this many steps (0 = only at the end)"""
+    val_before_train: bool = True
+    """validate the starting model before the first step"""
+    save_freq: int = 0
+    """save a checkpoint every this many steps (0 = only at the end)"""
+    max_ckpt_to_keep: int = 2
+    """keep the newest this many checkpoints"""
+    resume: str = "disable"
+    """'disable', 'auto' (latest checkpoint in default_local_dir) or a checkpoint folder"""
+    default_local_dir: str = "outputs/{experiment_name}"
+    """where checkpoints, metrics.jsonl and the learning-curve PNG are written"""
+    project_name: str = "rlkit"
+    """project name for wandb"""
+    experiment_name: str = "grpo-embedded"
+    """run name"""
+    logger: list[Literal["console", "wandb"]] = field(default_factory=lambda: ["console"])
+    """where to log: console and/or wandb (WANDB_MODE=offline works with no network)"""
+    seed: int = 1
+    """seed for data order, sampling and initialisation"""
+    device: str = "auto"
+    """cpu, cuda, cuda:1, ... (auto = cuda when available)"""
+    num_threads: int = 0
+    """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""

@@ -1,0 +1,182 @@
+"""Prompts in, batches out: verl-format parquet -> chat template -> token ids -> left-padded batches.
+
+A verl parquet row has `data_source`, `prompt` (a list of chat messages), `ability`,
+`reward_model` ({"style", "ground_truth"}) and `extra_info`. Files are read unchanged through
+`datasets`; the tokenizer's chat template turns messages into text; prompts are left-padded so that
+every generated token is appended at the same position.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlkit.protocol import DataProto
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+
+
+def load_parquet(files: list[str], prompt_key: str = "prompt"):
+    """Read verl-format parquet file(s) with `datasets`; check the columns rlkit needs."""
+    import datasets
+
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"data file not found: {', '.join(missing)} (pass existing parquet files to --data.train-files/--data.val-files)")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    datasets.disable_progress_bars()
+    ds = datasets.load_dataset("parquet", data_files=list(files), split="train")
+    for col in (prompt_key, *REQUIRED_COLUMNS):
+        if col not in ds.column_names:
+            raise ValueError(
+                f"{files}: missing column {col!r}; found {ds.column_names}. rlkit reads verl-format parquet: "
+                "data_source (str), prompt (list of {role, content}), ability, reward_model ({style, ground_truth}), extra_info (dict)"
+                + (f". If your prompts are in another column, pass --data.prompt-key NAME" if col == prompt_key else "")
+            )
+    rm = ds.features["reward_model"]
+    if not isinstance(rm, dict) or "ground_truth" not in rm:
+        raise ValueError(f"{files}: column 'reward_model' must be a struct with a 'ground_truth' field, got {rm}")
+    if len(ds) == 0:
+        raise ValueError(f"{files}: the dataset is empty")
+    return ds
+
+
+def render_prompts(tokenizer, prompts: list) -> list[str]:
+    """Chat messages -> text with the tokenizer's chat template (plain strings pass through)."""
+    if all(isinstance(p, str) for p in prompts):
+        return list(prompts)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer ({tokenizer.name_or_path}) has no chat template, but the prompts are chat messages. "
+            "Use an instruct/chat model, set tokenizer.chat_template in its tokenizer_config.json, or store plain-string prompts"
+        )
+    return [tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in prompts]
+
+
+def truncate(ids: list[int], max_len: int, mode: str, row: int) -> list[int]:
+    """Fit one prompt's token ids into max_len: keep its end (left), start (right) or both ends (middle)."""
+    if len(ids) <= max_len:
+        return ids
+    if mode == "left":
+        return ids[-max_len:]
+    if mode == "right":
+        return ids[:max_len]
+    if mode == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head):]
+    raise ValueError(
+        f"prompt in row {row} has {len(ids)} tokens, over --data.max-prompt-length {max_len}. Fix: raise "
+        f"--data.max-prompt-length to at least {len(ids)}, drop such rows with --data.filter-overlong-prompts, "
+        "or cut them with --data.truncation left|right|middle"
+    )
+
+
+@dataclass
+class PromptSet:
+    """Tokenized prompts plus the per-row fields rewards need."""
+
+    input_ids: list[list[int]]
+    data_source: np.ndarray
+    ground_truth: np.ndarray
+    extra_info: np.ndarray
+    raw_prompt: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def batch(self, rows, pad_id: int) -> DataProto:
+        """Left-pad the prompts of `rows` into a DataProto (input_ids, attention_mask, position_ids)."""
+        ids = [self.input_ids[i] for i in rows]
+        width = max(map(len, ids))
+        input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for j, x in enumerate(ids):
+            input_ids[j, width - len(x):] = torch.tensor(x)
+            mask[j, width - len(x):] = 1
+        rows = np.asarray(rows)
+        return DataProto.from_dict(
+            tensors={"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+            non_tensors={
+                "data_source": self.data_source[rows],
+                "ground_truth": self.ground_truth[rows],
+                "extra_info": self.extra_info[rows],
+                "raw_prompt": self.raw_prompt[rows],
+                "index": rows,
+            },
+        )
+
+
+def _objects(values) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = list(values)
+    return out
+
+
+def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1) -> PromptSet:
+    """Load parquet, render + tokenize prompts, and apply truncation / overlong filtering (cfg: DataConfig)."""
+    ds = load_parquet(files, cfg.prompt_key)
+    if max_samples > 0:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    prompts = ds[cfg.prompt_key]
+    texts = render_prompts(tokenizer, prompts)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    keep = list(range(len(ids)))
+    if cfg.filter_overlong_prompts:
+        keep = [i for i in keep if len(ids[i]) <= cfg.max_prompt_length]
+        if not keep:
+            raise ValueError(f"{files}: every prompt is over --data.max-prompt-length {cfg.max_prompt_length}; raise it")
+    else:
+        ids = [truncate(x, cfg.max_prompt_length, cfg.truncation, i) for i, x in enumerate(ids)]
+    extra = ds["extra_info"] if "extra_info" in ds.column_names else [None] * len(ds)
+    rm = ds["reward_model"]
+    return PromptSet(
+        input_ids=[ids[i] for i in keep],
+        data_source=_objects([ds["data_source"][i] for i in keep]),
+        ground_truth=_objects([rm[i]["ground_truth"] for i in keep]),
+        extra_info=_objects([extra[i] for i in keep]),
+        raw_prompt=_objects([prompts[i] for i in keep]),
+    )
+
+
+class PromptLoader:
+    """Yields batches of `batch_size` prompts, epoch after epoch, in a seeded order; resumable.
+
+    The order of epoch e is a permutation drawn from `seed + e`, so (epoch, position) is all the
+    state there is: `state_dict()` / `load_state_dict()` restore it exactly.
+    """
+
+    def __init__(self, prompts: PromptSet, batch_size: int, pad_id: int, shuffle: bool = True, seed: int = 0):
+        if len(prompts) < batch_size:
+            raise ValueError(f"--data.train-batch-size {batch_size} is larger than the dataset ({len(prompts)} prompts); lower it")
+        self.prompts, self.batch_size, self.pad_id, self.shuffle, self.seed = prompts, batch_size, pad_id, shuffle, seed
+        self.epoch, self.position = 0, 0
+
+    def __len__(self) -> int:
+        """Batches per epoch (the last incomplete batch is dropped)."""
+        return len(self.prompts) // self.batch_size
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.prompts)))
+        return torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def next_batch(self) -> DataProto:
+        """The next batch; moves to the next epoch when this one is used up."""
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        start = self.position * self.batch_size
+        rows = self._order(self.epoch)[start:start + self.batch_size]
+        self.position += 1
+        batch = self.prompts.batch(rows, self.pad_id)
+        batch.meta["epoch"] = self.epoch
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]

@@ -1,0 +1,193 @@
+"""The embedded default: a tiny arithmetic task and a tiny model that half-knows it.
+
+`python recipes/grpo.py` with no arguments must run on a 2-core CPU with no network and visibly
+learn. So rlkit ships (in `rlkit/assets/`):
+
+- `arith/train.parquet`, `arith/val.parquet`: two-digit addition ("What is 23+58?" -> "81") in the
+  verl parquet format, train and held-out splits with disjoint problems;
+- `tiny-arith/`: a ~0.5M-parameter Llama-shaped causal LM in the ordinary Hugging Face format
+  (config.json, model.safetensors, tokenizer.json with a chat template), loaded by the same
+  `from_pretrained` call that loads Qwen. It was trained here by a short supervised pass on the
+  train split, stopped early on purpose, so it answers roughly a quarter of held-out problems
+  correctly: the headroom that RL then closes.
+
+Everything is rebuilt, deterministically, by::
+
+    python -m rlkit.embedded            # ~1 minute on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+MODEL_DIR = ASSETS / "tiny-arith"
+DATA_DIR = ASSETS / "arith"
+DATA_SOURCE = "rlkit/arith"
+
+# A ChatML-style template (the format Qwen uses), so the embedded model is prompted the same way.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The task
+# ---------------------------------------------------------------------------------------------
+def arith_problems(seed: int = 0, max_operand: int = 99, n_val: int = 512) -> tuple[list, list]:
+    """All `a+b` with 0 <= a, b <= max_operand, shuffled with `seed`, split into (train, val)."""
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[n_val:], pairs[:n_val]
+
+
+def arith_row(a: int, b: int, split: str, index: int) -> dict:
+    """One verl-format row: data_source, prompt (chat messages), ability, reward_model, extra_info."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def write_arith_parquet(out_dir: Path = DATA_DIR, seed: int = 0) -> tuple[Path, Path]:
+    """Write train.parquet and val.parquet of the embedded task; returns their paths."""
+    import datasets
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train, val = arith_problems(seed)
+    paths = []
+    for split, pairs in (("train", train), ("val", val)):
+        rows = [arith_row(a, b, split, i) for i, (a, b) in enumerate(pairs)]
+        path = out_dir / f"{split}.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer and the model
+# ---------------------------------------------------------------------------------------------
+def build_tokenizer(corpus: list[str]):
+    """A byte-level BPE tokenizer trained with `tokenizers` on `corpus`; digits stay single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=96, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:0]
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def build_model(vocab_size: int, pad_id: int, eos_id: int, hidden: int = 128, layers: int = 2, seed: int = 0):
+    """A small Llama-shaped causal LM with random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def sft(model, tokenizer, pairs, steps: int, batch_size: int = 64, lr: float = 1e-3, warmup: int = 100, seed: int = 0):
+    """Teacher-forced training on prompt+answer, loss on the answer tokens only (AdamW, linear warm-up, clip 1)."""
+    import torch
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in tqdm(range(steps), desc="SFT of the embedded model", leave=False):
+        batch = rng.sample(pairs, batch_size)
+        ids, labels = [], []
+        for a, b in batch:
+            p = tokenizer.apply_chat_template(arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False)
+            p_ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+            r_ids = tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids.append(p_ids + r_ids)
+            labels.append([-100] * len(p_ids) + r_ids)
+        width = max(map(len, ids))
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        label_t = torch.tensor([[-100] * (width - len(x)) + x for x in labels])
+        attn = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / warmup)
+        loss = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, labels=label_t).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.eval()
+    return model
+
+
+def build(steps: int = 200, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
+    """Write the task parquet files and train + save the embedded starting checkpoint."""
+    import torch
+
+    torch.manual_seed(seed)
+    write_arith_parquet(data_dir, seed)
+    train, _ = arith_problems(seed)
+    corpus = [f"What is {a}+{b}? {a + b}" for a, b in train[:2000]] + ["user assistant"]
+    tokenizer = build_tokenizer(corpus)
+    model = build_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=seed)
+    sft(model, tokenizer, train, steps=steps, seed=seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(
+        f"rlkit's embedded starting checkpoint: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{steps} SFT steps on two-digit addition (seed {seed}). Rebuild with `python -m rlkit.embedded`.\n"
+    )
+    return out_dir
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200, help="SFT steps (fewer = weaker start)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
+    print(json.dumps({"saved": str(build(args.steps, args.seed, args.out))}))

@@ -1,0 +1,256 @@
+"""Training engine for one device (CPU or one GPU): a Hugging Face causal LM, optionally with LoRA.
+
+It knows how to (1) compute per-token log-probs (and entropy) of responses in micro-batches,
+(2) run the policy update: epochs × mini-batches, each accumulated over micro-batches, with a
+loss function the *recipe* supplies, then grad-norm clipping and an AdamW step, and (3) save and
+load itself. It knows nothing about any RL algorithm.
+
+The reference policy costs no memory with LoRA: it is the same model with the adapter disabled.
+Full-parameter training keeps a frozen copy instead.
+
+Dropout stays off (eval mode) in every pass, so the log-probs of the update equal the old
+log-probs when the weights have not moved: the PPO ratio is exactly 1 on-policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rlkit import algos
+from rlkit.protocol import DataProto
+
+# loss_fn(micro_batch, log_prob, entropy_or_None, norm) -> (loss, metrics). `norm` holds the
+# mini-batch's token and sequence counts (num_tokens, num_seqs) so that per-micro-batch losses add
+# up to the mini-batch loss exactly, whatever the micro-batch split.
+LossFn = Callable[[DataProto, torch.Tensor, "torch.Tensor | None", dict], "tuple[torch.Tensor, dict]"]
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' -> cuda if available else cpu; otherwise torch.device(name)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on GPU, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """AutoTokenizer with left padding and a pad token (falls back to EOS)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    """AutoModelForCausalLM.from_pretrained with errors that say what to do."""
+    from transformers import AutoModelForCausalLM
+
+    local = Path(path).expanduser()
+    looks_local = path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1]
+    if looks_local and not local.exists():
+        raise FileNotFoundError(f"--model.path {path}: no such folder. Pass a local Hugging Face model folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            raise ValueError(f"{path} ships its own modelling code; if you trust it, pass --model.trust-remote-code") from e
+        raise
+    except OSError as e:
+        raise OSError(
+            f"could not load a model from {path!r}: {e}\nPass a local folder with config.json and weights, or a hub id "
+            "(downloads need network; set HF_HUB_OFFLINE=1 to use only the local cache)"
+        ) from e
+    return model.to(device)
+
+
+def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Drop prompt columns that are padding in every row and response columns past the longest response.
+
+    Returns (trimmed tensors over the whole sequence, number of prompt columns dropped, response columns kept).
+    """
+    mask = tensors["attention_mask"]
+    first = int((mask[:, :prompt_len].sum(0) > 0).nonzero()[0]) if prompt_len else 0
+    resp = mask[:, prompt_len:]
+    keep = int((resp.sum(0) > 0).nonzero().max()) + 1 if resp.any() else 1
+    end = prompt_len + keep
+    return {k: v[:, first:end] for k, v in tensors.items()}, first, keep
+
+
+class TorchEngine:
+    """A causal LM on one device with its optimizer; see the module docstring."""
+
+    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", total_steps: int | None = None):
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(model_cfg.dtype, self.device)
+        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        model = load_model(model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code)
+        if model_cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.lora = model_cfg.lora_rank > 0
+        self.ref_model = None
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = model_cfg.target_modules
+            model = get_peft_model(model, LoraConfig(
+                r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+            ))
+        elif actor_cfg is not None and actor_cfg.use_kl_loss:
+            self.ref_model = copy.deepcopy(model).requires_grad_(False)
+        self.model = model.eval()
+        self.actor_cfg = actor_cfg
+        self.optimizer = self.scheduler = None
+        if actor_cfg is not None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(params, lr=actor_cfg.lr, weight_decay=actor_cfg.weight_decay)
+            warm = max(actor_cfg.warmup_steps, 0)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+
+    # -- forward passes ------------------------------------------------------------------------
+    def _reference(self):
+        """Context + module that compute the reference policy's log-probs."""
+        if self.lora:
+            return self.model.disable_adapter(), self.model
+        return nullcontext(), (self.ref_model if self.ref_model is not None else self.model)
+
+    def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
+        """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R)."""
+        prompt_len = mb["prompts"].shape[1]
+        resp_len = mb["responses"].shape[1]
+        t, first, keep = trim_padding(
+            {k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len
+        )
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False).logits
+        logits = logits[:, prompt_len - first - 1: -1].float() / temperature
+        labels = mb["responses"][:, :keep].to(self.device)
+        logp = torch.zeros(len(mb), resp_len, device=self.device)
+        logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
+        ent = None
+        if with_entropy:
+            ent = torch.zeros(len(mb), resp_len, device=self.device)
+            ent[:, :keep] = algos.entropy_from_logits(logits)
+        return logp, ent
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: DataProto, temperature: float, micro_batch_size: int, ref: bool = False, with_entropy: bool = False):
+        """Log-probs of the current (or, with ref=True, the reference) policy, without gradients."""
+        ctx, model = self._reference() if ref else (nullcontext(), self.model)
+        out_lp, out_ent = [], []
+        with ctx:
+            for mb in batch.split(micro_batch_size):
+                lp, ent = self.forward(model, mb, temperature, with_entropy)
+                out_lp.append(lp.cpu())
+                if with_entropy:
+                    out_ent.append(ent.cpu())
+        return torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)
+
+    # -- the update ----------------------------------------------------------------------------
+    def update(self, batch: DataProto, loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
+               epochs: int = 1, temperature: float = 1.0, with_entropy: bool = False, shuffle_seed: int | None = None) -> dict:
+        """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
+
+        One optimizer step per mini-batch. Returns averaged metrics: actor/loss, actor/grad_norm,
+        actor/lr and whatever loss_fn reports.
+        """
+        cfg = self.actor_cfg
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def add(key, value):
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+
+        for epoch in range(epochs):
+            data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
+            for mini in data.split(mini_batch_size):
+                mask = mini["response_mask"]
+                norm = {"num_tokens": max(int(mask.sum()), 1), "num_seqs": len(mini)}
+                self.optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for mb in mini.split(micro_batch_size):
+                    logp, ent = self.forward(self.model, mb, temperature, with_entropy)
+                    loss, metrics = loss_fn(mb.to(self.device), logp, ent, norm)
+                    if not torch.isfinite(loss):
+                        if cfg.nan_policy == "skip":
+                            add("actor/skipped_steps", 1)
+                            break
+                        raise FloatingPointError(
+                            f"non-finite loss ({loss.item()}) in the policy update; no step was taken and no checkpoint written. "
+                            "Lower --actor.lr, check rewards for NaN/inf, or pass --actor.nan-policy skip"
+                        )
+                    loss.backward()
+                    total += loss.item()
+                    for k, v in metrics.items():
+                        add(k, v)
+                else:
+                    params = [p for p in self.model.parameters() if p.requires_grad]
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    if not torch.isfinite(grad_norm):
+                        if cfg.nan_policy == "skip":
+                            add("actor/skipped_steps", 1)
+                            self.optimizer.zero_grad(set_to_none=True)
+                            continue
+                        raise FloatingPointError(
+                            "non-finite gradient norm in the policy update; no step was taken and no checkpoint written. "
+                            "Lower --actor.lr or pass --actor.nan-policy skip"
+                        )
+                    add("actor/lr", self.optimizer.param_groups[0]["lr"])
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    add("actor/loss", total)
+                    add("actor/grad_norm", grad_norm.item())
+        self.optimizer.zero_grad(set_to_none=True)
+        return {k: sums[k] / counts[k] if k != "actor/skipped_steps" else sums[k] for k in sums}
+
+    # -- state ---------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        """A Hugging Face folder that `from_pretrained` loads; LoRA is merged into the weights."""
+        model = self.model
+        if self.lora:
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def state_dict(self) -> dict:
+        """Trainable weights (+ optimizer and scheduler) for exact resumption."""
+        weights = {k: v for k, v in self.model.state_dict().items() if not self.lora or "lora_" in k}
+        return {"model": weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = self.model.load_state_dict(state["model"], strict=False)
+        if self.lora and missing.unexpected_keys:
+            raise ValueError(f"checkpoint does not match this model: unexpected keys {missing.unexpected_keys[:5]}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def num_params(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total
+
+
+def set_threads(num_threads: int = 0) -> int:
+    """torch CPU threads: 0 = 1 on small machines (≤ 4 cores), where 2 threads often run slower, else torch's default."""
+    if num_threads <= 0:
+        num_threads = 1 if (os.cpu_count() or 1) <= 4 else torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+

@@ -1,0 +1,175 @@
+"""The plumbing every recipe's loop shares: timing, scoring, metrics, validation, checkpoints, resume.
+
+Nothing here is an algorithm. A recipe calls these so that its own file can show only the steps
+of the algorithm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlkit import checkpoint
+from rlkit.protocol import DataProto
+from rlkit.tracking import Tracker
+
+
+@contextmanager
+def timer(name: str, timings: dict):
+    """Adds the seconds spent in the block to timings[name]."""
+    start = time.perf_counter()
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def decode_responses(batch: DataProto, tokenizer) -> list[str]:
+    """The response text of every row (padding and EOS removed)."""
+    ids = batch["responses"].masked_fill(batch["response_mask"] == 0, tokenizer.pad_token_id)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
+    """One scalar per trajectory from the reward function, plus its metrics."""
+    return reward_fn(batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"])
+
+
+def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:
+    """What people watch about a rollout batch: score, advantage, lengths, entropy, KL to the reference."""
+    mask = batch["response_mask"].float()
+    length = mask.sum(-1)
+    out = {
+        "critic/score/mean": scores.mean().item(),
+        "critic/score/std": scores.std(unbiased=False).item(),
+        "response_length/mean": length.mean().item(),
+        "response_length/max": length.max().item(),
+        "response_length/clip_ratio": (length >= max_response_length).float().mean().item(),
+        "prompt_length/mean": batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float().mean().item(),
+    }
+    tokens = mask.sum().clamp(min=1)
+    if "advantages" in batch:
+        adv = batch["advantages"][mask.bool()]
+        out.update({"critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item()})
+    if "entropys" in batch:
+        out["actor/entropy"] = ((batch["entropys"] * mask).sum() / tokens).item()
+    if "ref_log_prob" in batch and "old_log_probs" in batch:
+        out["actor/kl_to_ref_k1"] = (((batch["old_log_probs"] - batch["ref_log_prob"]) * mask).sum() / tokens).item()
+    return out
+
+
+def validate(policy, prompts, reward_fn, batch_size: int) -> dict:
+    """Generate on every validation prompt (rollout.val_temperature; 0 = greedy) and average the scores."""
+    tok = policy.tokenizer
+    scores, extra = [], {}
+    for start in range(0, len(prompts), batch_size):
+        rows = list(range(start, min(start + batch_size, len(prompts))))
+        out = policy.generate(prompts.batch(rows, tok.pad_token_id), validate=True)
+        s, m = score(out, tok, reward_fn)
+        scores.append(s)
+        for k, v in m.items():
+            extra.setdefault(k, []).append((v, len(rows)))
+    scores = torch.cat(scores)
+    res = {"val/score": scores.mean().item()}
+    for k, pairs in extra.items():
+        res["val/" + k.split("/", 1)[-1]] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
+    if "val/acc" not in res:  # scorer reports no accuracy: count full marks
+        res["val/acc"] = (scores >= 1.0).float().mean().item()
+    return res
+
+
+def max_rss_gb() -> float:
+    """Peak resident memory of this process, GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Run:
+    """Output folder, logging, validation schedule, checkpoints and resume for one training run."""
+
+    def __init__(self, cfg, policy, train_loader, val_prompts, reward_fn):
+        t = cfg.trainer
+        self.cfg, self.policy, self.loader, self.val_prompts, self.reward_fn = cfg, policy, train_loader, val_prompts, reward_fn
+        self.config = dataclasses.asdict(cfg)
+        self.out_dir = Path(t.default_local_dir.format(experiment_name=t.experiment_name, project_name=t.project_name))
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.total_steps = t.total_training_steps or t.total_epochs * len(train_loader)
+        self.start_step = 0
+        self.val_history: list[tuple[int, float]] = []
+        path = checkpoint.find_resume_path(t.resume, self.ckpt_dir)
+        if path is not None:
+            state, saved = checkpoint.load(path)
+            checkpoint.check_config(saved, self.config)
+            policy.load_state_dict(state["policy"])
+            train_loader.load_state_dict(state["loader"])
+            self.start_step = state["step"]
+            self.val_history = state.get("val_history", [])
+        elif t.resume == "disable" and checkpoint.list_checkpoints(self.ckpt_dir):
+            raise FileExistsError(
+                f"{self.ckpt_dir} already holds checkpoints of an earlier run. Continue it with --trainer.resume auto, "
+                "or start a new one with another --trainer.experiment-name (nothing was overwritten)"
+            )
+        self.tracker = Tracker(self.out_dir, t.logger, t.project_name, t.experiment_name, self.config, self.total_steps, self.start_step)
+        trainable, total = policy.num_params()
+        self.tracker.message(
+            f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | "
+            f"{self.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples | output {self.out_dir}"
+            + (f" | resumed at step {self.start_step}" if self.start_step else "")
+        )
+
+    def steps(self):
+        """Step numbers still to run (1-based); validates before the first when asked."""
+        t = self.cfg.trainer
+        if self.start_step == 0 and t.val_before_train and self.val_prompts is not None:
+            self.validate(0)
+        return range(self.start_step + 1, self.total_steps + 1)
+
+    def validate(self, step: int) -> dict:
+        """Run validation, print it, remember it for the final summary."""
+        metrics = validate(self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
+        self.val_history.append((step, metrics["val/acc"]))
+        self.tracker.message(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        if step == 0:
+            self.tracker.log(0, metrics)
+        return metrics
+
+    def end_of_step(self, step: int, metrics: dict, timings: dict, batch: DataProto) -> None:
+        """Validate / log / checkpoint on their schedules."""
+        t = self.cfg.trainer
+        last = step == self.total_steps
+        if self.val_prompts is not None and ((t.test_freq > 0 and step % t.test_freq == 0) or last):
+            metrics.update(self.validate(step))
+        tokens = int(batch["attention_mask"].sum())
+        metrics.update({f"timing/{k}": v for k, v in timings.items()})
+        metrics["perf/throughput"] = tokens / max(timings.get("step", 0.0), 1e-9)
+        metrics["perf/max_rss_gb"] = max_rss_gb()
+        metrics["training/epoch"] = batch.meta.get("epoch", 0)
+        self.tracker.log(step, metrics)
+        if (t.save_freq > 0 and step % t.save_freq == 0) or last:
+            self.save(step)
+
+    def save(self, step: int) -> Path:
+        state = {"policy": self.policy.state_dict(), "loader": self.loader.state_dict(), "val_history": self.val_history}
+        return checkpoint.save(self.ckpt_dir, step, state, self.config, save_hf=self.policy.save_pretrained, keep=self.cfg.trainer.max_ckpt_to_keep)
+
+    def finish(self) -> dict:
+        """Close the logs, draw the learning curve and print the before/after summary."""
+        png = self.tracker.finish()
+        summary = {"out_dir": str(self.out_dir), "learning_curve": str(png)}
+        if len(self.val_history) >= 2:
+            (s0, a0), (s1, a1) = self.val_history[0], self.val_history[-1]
+            summary.update(val_acc_before=a0, val_acc_after=a1)
+            print(f"held-out accuracy: {a0:.3f} at step {s0} -> {a1:.3f} at step {s1} ({100 * (a1 - a0):+.1f} points)")
+        print(f"metrics: {self.out_dir / 'metrics.jsonl'} | learning curve: {png} | checkpoints: {self.ckpt_dir}")
+        return summary
+
+
+def configure_environment() -> None:
+    """Quiet, offline-friendly defaults for the libraries underneath."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    np.set_printoptions(precision=4)

@@ -1,0 +1,78 @@
+"""Rollout adapter `hf`: sample responses with transformers' `generate` (KV-cached, batched).
+
+Input: a DataProto of left-padded prompts (input_ids, attention_mask, position_ids).
+Output: the same rows with the prompt and response laid side by side, the layout every later
+step uses::
+
+    prompts        (B, P)   left-padded prompt ids
+    responses      (B, R)   generated ids, right-padded
+    response_mask  (B, R)   1 for generated tokens up to and including the first EOS
+    input_ids      (B, P+R) prompts ++ responses;  attention_mask, position_ids to match
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkit.protocol import DataProto
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a response: the generation config's EOS ids plus the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def response_mask(responses: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """1 for tokens up to and including the first EOS of each row; a row without EOS is all 1."""
+    is_eos = torch.isin(responses, torch.tensor(eos, device=responses.device))
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).long()
+
+
+def assemble(prompts: DataProto, responses: torch.Tensor, eos: list[int], pad_id: int) -> DataProto:
+    """Lay prompts and responses side by side (see module docstring); pads after EOS become pad_id."""
+    mask = response_mask(responses, eos)
+    responses = torch.where(mask.bool(), responses, torch.full_like(responses, pad_id))
+    attn = torch.cat([prompts["attention_mask"], mask], dim=1)
+    out = prompts.select(tensor_keys=[])
+    out["prompts"] = prompts["input_ids"]
+    out["responses"] = responses
+    out["response_mask"] = mask
+    out["input_ids"] = torch.cat([prompts["input_ids"], responses], dim=1)
+    out["attention_mask"] = attn
+    out["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
+    return out
+
+
+class HFRollout:
+    """Generation with `model.generate` on the training model itself (no second copy)."""
+
+    def __init__(self, model, tokenizer, device):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.eos = eos_ids(model, tokenizer)
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, micro_batch_size: int | None = None) -> DataProto:
+        """Sample one response per row (repeat the prompts first for n samples). temperature 0 = greedy."""
+        outs = []
+        chunks = prompts.split(micro_batch_size) if micro_batch_size else [prompts]
+        for chunk in chunks:
+            ids = chunk["input_ids"].to(self.device)
+            kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
+                          pad_token_id=self.tokenizer.pad_token_id)
+            if temperature > 0:
+                kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
+            else:
+                kwargs.update(temperature=None, top_p=None, top_k=None)
+            seq = self.model.generate(input_ids=ids, attention_mask=chunk["attention_mask"].to(self.device), **kwargs)
+            resp = seq[:, ids.shape[1]:].cpu()
+            if resp.shape[1] < max_new_tokens:  # every row stopped early: pad to a fixed width
+                pad = torch.full((len(resp), max_new_tokens - resp.shape[1]), self.tokenizer.pad_token_id, dtype=resp.dtype)
+                resp = torch.cat([resp, pad], dim=1)
+            outs.append(assemble(chunk, resp, self.eos, self.tokenizer.pad_token_id))
+        return DataProto.concat(outs)

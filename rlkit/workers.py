@@ -1,0 +1,92 @@
+"""Workers: what the recipe (the single controller) calls to generate, score log-probs and update.
+
+A recipe never touches a model directly. It calls a worker group::
+
+    policy.generate(prompts)             -> prompts + responses (+ masks)
+    policy.compute_log_prob(batch)       -> old_log_probs, entropys
+    policy.compute_ref_log_prob(batch)   -> ref_log_prob
+    policy.update(batch, loss_fn)        -> metrics
+
+`ActorRolloutRefWorker` is the actor (trained), the rollout (generation) and the reference
+(frozen) roles on one model. `LocalWorkerGroup` runs one such worker in this process; a group
+with workers on Ray answers the same calls, so a recipe does not change when it scales out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlkit.engine import TorchEngine, num_params
+from rlkit.protocol import DataProto
+from rlkit.rollout import HFRollout
+
+
+class ActorRolloutRefWorker:
+    """Actor + rollout + reference on one model (one device)."""
+
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0):
+        if rollout_cfg.name != "hf":
+            raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf")
+        self.engine = TorchEngine(model_cfg, actor_cfg, device)
+        self.tokenizer = self.engine.tokenizer
+        self.rollout = HFRollout(self.engine.model, self.tokenizer, self.engine.device)
+        self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
+        self.updates = 0
+
+    def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
+        """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
+        r = self.rollout_cfg
+        return self.rollout.generate(
+            prompts, self.data_cfg.max_response_length,
+            temperature=r.val_temperature if validate else r.temperature, top_p=r.top_p, top_k=r.top_k,
+        )
+
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        """Per-token log-probs of the responses under the current policy (π_old) and their entropy."""
+        lp, ent = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.rollout_cfg.log_prob_micro_batch_size, with_entropy=True)
+        return DataProto.from_dict(tensors={"old_log_probs": lp, "entropys": ent})
+
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy)."""
+        lp, _ = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.rollout_cfg.log_prob_micro_batch_size, ref=True)
+        return DataProto.from_dict(tensors={"ref_log_prob": lp})
+
+    def update(self, batch: DataProto, loss_fn) -> dict:
+        """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
+        a = self.actor_cfg
+        metrics = self.engine.update(
+            batch, loss_fn, mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n, micro_batch_size=a.ppo_micro_batch_size,
+            epochs=a.ppo_epochs, temperature=self.rollout_cfg.temperature, with_entropy=a.entropy_coeff != 0,
+            shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
+        )
+        self.updates += 1
+        return metrics
+
+    def num_params(self) -> tuple[int, int]:
+        return num_params(self.engine.model)
+
+    def state_dict(self) -> dict:
+        return {**self.engine.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+        self.updates = state["updates"]
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.engine.save_pretrained(path)
+
+
+class LocalWorkerGroup:
+    """One worker in this process. Method calls go straight to it; same interface as a Ray group."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+
+def build_policy(cfg) -> LocalWorkerGroup:
+    """The actor/rollout/reference worker group for a recipe config (fields model, actor, rollout, data, trainer)."""
+    t = cfg.trainer
+    return LocalWorkerGroup(ActorRolloutRefWorker(cfg.model, cfg.actor, cfg.rollout, cfg.data, device=t.device, seed=t.seed))
