@@ -32,13 +32,9 @@ With B == M and ppo_epochs == 1 the update is exactly on-policy (one optimizer s
 
 from dataclasses import dataclass, field
 
-import torch
-import tyro
-
 from rlkit import algos, loop
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
-from rlkit.engine import set_threads
 from rlkit.rewards import RewardFn, token_level_rewards
 from rlkit.workers import build_policy
 
@@ -48,7 +44,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3, ppo_mini_batch_size=32, ppo_micro_batch_size=256))
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, ppo_micro_batch_size=256))
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     norm_adv_by_std_in_grpo: bool = True
@@ -82,13 +78,9 @@ def make_actor_loss(cfg: Config):
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
-    loop.configure_environment()
-    set_threads(cfg.trainer.num_threads)
-    torch.manual_seed(cfg.trainer.seed)
+    loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ValueError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
-        raise ValueError(f"--data.train-batch-size {cfg.data.train_batch_size} must be a multiple of --actor.ppo-mini-batch-size {cfg.actor.ppo_mini_batch_size}")
     policy = build_policy(cfg)  # actor + rollout + reference, in this process
     tok = policy.tokenizer
     train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
@@ -106,13 +98,13 @@ def main(cfg: Config) -> dict:
 
             with loop.timer("gen", timings):  # rollout: sample one response per row
                 batch = policy.generate(batch)
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 batch = batch.union(policy.compute_log_prob(batch))
-            with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
@@ -129,4 +121,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    loop.cli(main, Config)

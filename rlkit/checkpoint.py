@@ -76,8 +76,9 @@ def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=No
     tmp.rename(final)
     (root / "latest.tmp").write_text(str(step))
     (root / "latest.tmp").replace(root / "latest")
-    if keep > 0:
-        for old in sorted(list_checkpoints(root))[:-keep]:
+    if keep > 0:  # the oldest go; never the one just written (it may be older than others after a resume)
+        others = [s for s in list_checkpoints(root) if s != step]
+        for old in others[:max(len(others) - keep + 1, 0)]:
             shutil.rmtree(root / f"{PREFIX}{old}", ignore_errors=True)
     return final
 
@@ -120,6 +121,6 @@ def check_config(saved: dict, current: dict) -> None:
 def load(path: str | Path) -> tuple[dict, dict]:
     """(state, saved config) of a checkpoint folder; restores the RNG states."""
     path = Path(path)
-    state = torch.load(path / "state.pt", weights_only=False)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)  # resumable on another device
     set_rng_state(state["rng"])
     return state, json.loads((path / "config.json").read_text())

@@ -23,10 +23,13 @@ REQUIRED_COLUMNS = ("data_source", "reward_model")
 def load_parquet(files: list[str], prompt_key: str = "prompt"):
     """Read verl-format parquet file(s) with `datasets`; check the columns rlkit needs."""
     import datasets
+    import pyarrow.parquet as pq
 
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"data file not found: {', '.join(missing)} (pass existing parquet files to --data.train-files/--data.val-files)")
+    if sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0:  # `datasets` fails obscurely on these
+        raise ValueError(f"{files}: the dataset is empty")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     datasets.disable_progress_bars()
     ds = datasets.load_dataset("parquet", data_files=list(files), split="train")
@@ -40,8 +43,6 @@ def load_parquet(files: list[str], prompt_key: str = "prompt"):
     rm = ds.features["reward_model"]
     if not isinstance(rm, dict) or "ground_truth" not in rm:
         raise ValueError(f"{files}: column 'reward_model' must be a struct with a 'ground_truth' field, got {rm}")
-    if len(ds) == 0:
-        raise ValueError(f"{files}: the dataset is empty")
     return ds
 
 
@@ -121,7 +122,8 @@ def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1) -> Pr
     ds = load_parquet(files, cfg.prompt_key)
     if max_samples > 0:
         ds = ds.select(range(min(max_samples, len(ds))))
-    prompts = ds[cfg.prompt_key]
+    cols = ds.to_dict()  # plain lists, read once (indexing a `datasets` column row by row is very slow)
+    prompts = cols[cfg.prompt_key]
     texts = render_prompts(tokenizer, prompts)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     keep = list(range(len(ids)))
@@ -131,11 +133,11 @@ def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1) -> Pr
             raise ValueError(f"{files}: every prompt is over --data.max-prompt-length {cfg.max_prompt_length}; raise it")
     else:
         ids = [truncate(x, cfg.max_prompt_length, cfg.truncation, i) for i, x in enumerate(ids)]
-    extra = ds["extra_info"] if "extra_info" in ds.column_names else [None] * len(ds)
-    rm = ds["reward_model"]
+    extra = cols.get("extra_info", [None] * len(ds))
+    rm = cols["reward_model"]
     return PromptSet(
         input_ids=[ids[i] for i in keep],
-        data_source=_objects([ds["data_source"][i] for i in keep]),
+        data_source=_objects([cols["data_source"][i] for i in keep]),
         ground_truth=_objects([rm[i]["ground_truth"] for i in keep]),
         extra_info=_objects([extra[i] for i in keep]),
         raw_prompt=_objects([prompts[i] for i in keep]),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -94,11 +94,12 @@ def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dic
 class TorchEngine:
     """A causal LM on one device with its optimizer; see the module docstring."""
 
-    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", total_steps: int | None = None):
+    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None):
+        """need_ref: keep a reference policy (default: when actor_cfg.use_kl_loss); free with LoRA."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device)
+        model = load_model(model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code)  # first: its errors say what to do
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-        model = load_model(model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code)
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.lora = model_cfg.lora_rank > 0
@@ -111,7 +112,7 @@ class TorchEngine:
                 r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                 target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
             ))
-        elif actor_cfg is not None and actor_cfg.use_kl_loss:
+        elif need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss):
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
         self.model = model.eval()
         self.actor_cfg = actor_cfg
@@ -127,6 +128,8 @@ class TorchEngine:
         """Context + module that compute the reference policy's log-probs."""
         if self.lora:
             return self.model.disable_adapter(), self.model
+        if self.ref_model is None and self.optimizer is not None:  # the policy trains: it is no reference
+            raise ValueError("no reference policy: full-parameter training keeps a frozen copy only with --actor.use-kl-loss")
         return nullcontext(), (self.ref_model if self.ref_model is not None else self.model)
 
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
@@ -161,6 +164,19 @@ class TorchEngine:
         return torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)
 
     # -- the update ----------------------------------------------------------------------------
+    @contextmanager
+    def _checkpointing(self):
+        """Hugging Face checkpoints a layer's activations only in training mode: put just the checkpointed
+        modules in it for the update; their attention/dropout submodules stay in eval mode (Llama, Qwen, ...)."""
+        flagged = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False)]
+        for m in flagged:
+            m.training = True
+        try:
+            yield
+        finally:
+            for m in flagged:
+                m.training = False
+
     def update(self, batch: DataProto, loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
                epochs: int = 1, temperature: float = 1.0, with_entropy: bool = False, shuffle_seed: int | None = None) -> dict:
         """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
@@ -176,45 +192,46 @@ class TorchEngine:
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
 
-        for epoch in range(epochs):
-            data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
-            for mini in data.split(mini_batch_size):
-                mask = mini["response_mask"]
-                norm = {"num_tokens": max(int(mask.sum()), 1), "num_seqs": len(mini)}
-                self.optimizer.zero_grad(set_to_none=True)
-                total = 0.0
-                for mb in mini.split(micro_batch_size):
-                    logp, ent = self.forward(self.model, mb, temperature, with_entropy)
-                    loss, metrics = loss_fn(mb.to(self.device), logp, ent, norm)
-                    if not torch.isfinite(loss):
-                        if cfg.nan_policy == "skip":
-                            add("actor/skipped_steps", 1)
-                            break
-                        raise FloatingPointError(
-                            f"non-finite loss ({loss.item()}) in the policy update; no step was taken and no checkpoint written. "
-                            "Lower --actor.lr, check rewards for NaN/inf, or pass --actor.nan-policy skip"
-                        )
-                    loss.backward()
-                    total += loss.item()
-                    for k, v in metrics.items():
-                        add(k, v)
-                else:
-                    params = [p for p in self.model.parameters() if p.requires_grad]
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                    if not torch.isfinite(grad_norm):
-                        if cfg.nan_policy == "skip":
-                            add("actor/skipped_steps", 1)
-                            self.optimizer.zero_grad(set_to_none=True)
-                            continue
-                        raise FloatingPointError(
-                            "non-finite gradient norm in the policy update; no step was taken and no checkpoint written. "
-                            "Lower --actor.lr or pass --actor.nan-policy skip"
-                        )
-                    add("actor/lr", self.optimizer.param_groups[0]["lr"])
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    add("actor/loss", total)
-                    add("actor/grad_norm", grad_norm.item())
+        with self._checkpointing():
+            for epoch in range(epochs):
+                data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
+                for mini in data.split(mini_batch_size):
+                    mask = mini["response_mask"]
+                    norm = {"num_tokens": max(int(mask.sum()), 1), "num_seqs": len(mini)}
+                    self.optimizer.zero_grad(set_to_none=True)
+                    total = 0.0
+                    for mb in mini.split(micro_batch_size):
+                        logp, ent = self.forward(self.model, mb, temperature, with_entropy)
+                        loss, metrics = loss_fn(mb.to(self.device), logp, ent, norm)
+                        if not torch.isfinite(loss):
+                            if cfg.nan_policy == "skip":
+                                add("actor/skipped_steps", 1)
+                                break
+                            raise FloatingPointError(
+                                f"non-finite loss ({loss.item()}) in the policy update; no step was taken and no checkpoint written. "
+                                "Lower --actor.lr, check rewards for NaN/inf, or pass --actor.nan-policy skip"
+                            )
+                        loss.backward()
+                        total += loss.item()
+                        for k, v in metrics.items():
+                            add(k, v)
+                    else:
+                        params = [p for p in self.model.parameters() if p.requires_grad]
+                        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                        if not torch.isfinite(grad_norm):
+                            if cfg.nan_policy == "skip":
+                                add("actor/skipped_steps", 1)
+                                self.optimizer.zero_grad(set_to_none=True)
+                                continue
+                            raise FloatingPointError(
+                                "non-finite gradient norm in the policy update; no step was taken and no checkpoint written. "
+                                "Lower --actor.lr or pass --actor.nan-policy skip"
+                            )
+                        add("actor/lr", self.optimizer.param_groups[0]["lr"])
+                        self.optimizer.step()
+                        self.scheduler.step()
+                        add("actor/loss", total)
+                        add("actor/grad_norm", grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         return {k: sums[k] / counts[k] if k != "actor/skipped_steps" else sums[k] for k in sums}
 

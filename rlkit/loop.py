@@ -13,7 +13,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from rlkit import checkpoint
@@ -168,8 +167,37 @@ class Run:
         return summary
 
 
-def configure_environment() -> None:
-    """Quiet, offline-friendly defaults for the libraries underneath."""
+def setup(cfg) -> None:
+    """Before anything loads: quiet library defaults, torch threads, the seed, and batch-size checks."""
+    from rlkit.engine import set_threads
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    np.set_printoptions(precision=4)
+    set_threads(cfg.trainer.num_threads)
+    torch.manual_seed(cfg.trainer.seed)
+    b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if b <= 0 or m <= 0 or b % m:
+        raise ValueError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, OSError, FloatingPointError, RuntimeError, ImportError)
+
+
+def cli(main, config_cls):
+    """Parse the command line into `config_cls` with tyro and run `main(cfg)`.
+
+    A mistake in the input ends with one line naming the problem and the fix, not a traceback
+    (set RLKIT_TRACEBACK=1 to see the traceback).
+    """
+    import sys
+
+    import tyro
+
+    cfg = tyro.cli(config_cls, description=sys.modules[main.__module__].__doc__)
+    try:
+        return main(cfg)
+    except USER_ERRORS as e:
+        if os.environ.get("RLKIT_TRACEBACK"):
+            raise
+        print(f"\nrlkit: error: {e}\n(set RLKIT_TRACEBACK=1 for the full traceback)", file=sys.stderr)
+        sys.exit(1)

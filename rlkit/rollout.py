@@ -48,6 +48,11 @@ def assemble(prompts: DataProto, responses: torch.Tensor, eos: list[int], pad_id
     return out
 
 
+# A hub model's generation_config.json may carry sampling defaults (Qwen2.5: repetition_penalty 1.05) that
+# generate() would apply; switch them off so responses come from softmax(logits / T), what the log-probs score.
+NEUTRAL_SAMPLING = dict(repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0)
+
+
 class HFRollout:
     """Generation with `model.generate` on the training model itself (no second copy)."""
 
@@ -64,7 +69,7 @@ class HFRollout:
         for chunk in chunks:
             ids = chunk["input_ids"].to(self.device)
             kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
-                          pad_token_id=self.tokenizer.pad_token_id)
+                          pad_token_id=self.tokenizer.pad_token_id, **NEUTRAL_SAMPLING)
             if temperature > 0:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
             else:

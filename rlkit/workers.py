@@ -24,10 +24,10 @@ from rlkit.rollout import HFRollout
 class ActorRolloutRefWorker:
     """Actor + rollout + reference on one model (one device)."""
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0):
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None):
         if rollout_cfg.name != "hf":
             raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf")
-        self.engine = TorchEngine(model_cfg, actor_cfg, device)
+        self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref)
         self.tokenizer = self.engine.tokenizer
         self.rollout = HFRollout(self.engine.model, self.tokenizer, self.engine.device)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
@@ -86,7 +86,10 @@ class LocalWorkerGroup:
         return getattr(self.worker, name)
 
 
-def build_policy(cfg) -> LocalWorkerGroup:
-    """The actor/rollout/reference worker group for a recipe config (fields model, actor, rollout, data, trainer)."""
+def build_policy(cfg, need_ref: bool | None = None) -> LocalWorkerGroup:
+    """The actor/rollout/reference worker group for a recipe config (fields model, actor, rollout, data, trainer).
+
+    need_ref: whether the recipe asks for reference log-probs (default: cfg.actor.use_kl_loss).
+    """
     t = cfg.trainer
-    return LocalWorkerGroup(ActorRolloutRefWorker(cfg.model, cfg.actor, cfg.rollout, cfg.data, device=t.device, seed=t.seed))
+    return LocalWorkerGroup(ActorRolloutRefWorker(cfg.model, cfg.actor, cfg.rollout, cfg.data, device=t.device, seed=t.seed, need_ref=need_ref))

@@ -1,0 +1,147 @@
+"""DAPO: Decoupled clip and Dynamic sAmpling Policy Optimization (Yu et al., 2025), in one file.
+
+GRPO's group-relative advantage with four changes:
+
+1. clip-higher: decoupled clip range, rho in [1 - 0.2, 1 + 0.28], so rare tokens can grow;
+2. token-level loss: every token of the batch weighs the same (loss_agg_mode=token-mean);
+3. overlong reward shaping: inside the last `overlong_buffer_len` tokens before
+   max_response_length, the reward falls linearly, by up to `overlong_penalty_factor`:
+       r += min(-(|y| - (L_max - L_buf)) / L_buf * factor, 0);
+4. dynamic sampling: groups whose responses all score the same carry no signal (advantage 0);
+   drop them and keep generating until train_batch_size informative groups are collected.
+No KL penalty by default.
+
+    python recipes/dapo.py                          # embedded tiny model + arithmetic task, CPU
+    python recipes/dapo.py --help
+
+Batch-size arithmetic, per training step: as grpo.py (B prompts x n samples, mini-batches of
+M prompts, micro-batches of trajectories), except that B informative prompts are collected from
+as many generation batches of `gen_batch_size` prompts as needed (at most max_num_gen_batches).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlkit import algos, loop
+from rlkit.protocol import DataProto
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.rewards import RewardFn, token_level_rewards
+from rlkit.workers import build_policy
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(
+        lr=1e-4, ppo_mini_batch_size=32, ppo_micro_batch_size=256, clip_ratio_low=0.2, clip_ratio_high=0.28,
+        loss_agg_mode="token-mean", use_kl_loss=False))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    norm_adv_by_std_in_grpo: bool = True
+    """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
+    overlong_buffer_len: int = 2
+    """length of the soft-punishment zone before max_response_length (0 disables overlong shaping)"""
+    overlong_penalty_factor: float = 1.0
+    """largest overlong penalty, reached at max_response_length"""
+    filter_groups: bool = True
+    """dynamic sampling: drop groups whose rewards are all equal and generate more"""
+    gen_batch_size: int = 48
+    """prompts per generation batch while collecting informative groups (trainer.total_epochs counts these batches)"""
+    max_num_gen_batches: int = 10
+    """stop with an error after this many generation batches in one step (0 = unlimited)"""
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.ppo_clip_loss(
+            log_prob, mb["old_log_probs"], mb["advantages"], mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio, clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=mode, **norm,
+        )
+        loss = pg_loss
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+        if a.use_kl_loss:
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
+            loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, mode, **norm)
+            metrics["kl_loss"] = algos.masked_mean(kl, mask).item()
+        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = pg_loss.item()
+        return loss, metrics
+
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.rollout.n < 2:
+        raise ValueError("DAPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
+    policy = build_policy(cfg)  # actor + rollout + reference, in this process
+    tok = policy.tokenizer
+    train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.gen_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
+    reward_fn = RewardFn(cfg.reward.custom_fn, cfg.reward.on_error)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            kept, num_gen_batches = [], 0
+            while sum(len(b) for b in kept) < cfg.data.train_batch_size * cfg.rollout.n:
+                num_gen_batches += 1
+                if 0 < cfg.max_num_gen_batches < num_gen_batches:
+                    raise RuntimeError(
+                        f"dynamic sampling: {cfg.max_num_gen_batches} generation batches gave fewer than {cfg.data.train_batch_size} "
+                        "prompts whose responses differ in reward. The task is too easy or too hard for the model: "
+                        "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --filter-groups False")
+                batch = train.next_batch()
+                batch["uid"] = [f"{step}-{num_gen_batches}-{i}" for i in range(len(batch))]  # one group id per prompt
+                batch = batch.repeat(cfg.rollout.n, interleave=True)  # a group's rows adjacent
+
+                with loop.timer("gen", timings):  # rollout: sample one response per row
+                    batch = policy.generate(batch)
+                with loop.timer("reward", timings):  # one verifiable score per response
+                    scores, reward_metrics = loop.score(batch, tok, reward_fn)
+
+                # ALGO LOGIC: overlong reward shaping, then keep only groups whose rewards differ
+                if cfg.overlong_buffer_len > 0:
+                    scores = scores + algos.overlong_reward_penalty(
+                        batch["response_mask"].sum(-1), cfg.data.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+                batch["scores"] = scores
+                keep = algos.informative_groups(batch["uid"], scores) if cfg.filter_groups else torch.ones(len(batch), dtype=torch.bool)
+                kept.append(batch.index(keep))
+            batch = DataProto.concat(kept).index(slice(0, cfg.data.train_batch_size * cfg.rollout.n))
+            scores = batch["scores"]
+            reward_metrics["dapo/num_gen_batches"] = num_gen_batches
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                batch = batch.union(policy.compute_log_prob(batch))
+
+            # ALGO LOGIC: group-relative advantage, the same for every token of a response
+            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+
+            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

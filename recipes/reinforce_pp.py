@@ -1,0 +1,129 @@
+"""REINFORCE++ (Hu, 2025), and its group-baseline variant, in one file.
+
+REINFORCE with PPO's tricks and no value model. The KL to the reference policy is part of the
+reward, token by token, and the advantage is the discounted return, whitened over the whole batch:
+
+    r_t = -beta * KL_t  (+ the outcome score s on the last token)
+    G_t = r_t + gamma * G_{t+1}
+    A_t = (G_t - mean(G)) / std(G)                 over every valid token of the batch
+
+With --baseline (REINFORCE++-baseline) the outcome is first centred on its prompt's group mean,
+then whitened over the batch: A_i = whiten(s_i - mean_group), the same for every token.
+The update is grpo.py's clipped surrogate.
+
+    python recipes/reinforce_pp.py                  # embedded tiny model + arithmetic task, CPU
+    python recipes/reinforce_pp.py --baseline       # the group-baseline variant
+    python recipes/reinforce_pp.py --help
+
+Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
+samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
+accumulated over micro-batches of actor.ppo_micro_batch_size trajectories. Plain REINFORCE++
+needs no group, so rollout.n = 1 works.
+"""
+
+from dataclasses import dataclass, field
+
+from rlkit import algos, loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.rewards import RewardFn, token_level_rewards
+from rlkit.workers import build_policy
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, ppo_micro_batch_size=256, use_kl_loss=False))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    baseline: bool = False
+    """REINFORCE++-baseline: subtract the prompt group's mean score before batch whitening (needs rollout.n >= 2)"""
+    gamma: float = 1.0
+    """discount of the return G_t = r_t + gamma * G_{t+1}"""
+    use_kl_in_reward: bool = True
+    """subtract kl_coef * KL_t from each token's reward"""
+    kl_coef: float = 0.001
+    """weight beta of the KL in the reward"""
+    kl_penalty: str = "kl"
+    """KL estimator in the reward: kl (k1), abs, mse (k2), low_var_kl (k3)"""
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.ppo_clip_loss(
+            log_prob, mb["old_log_probs"], mb["advantages"], mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio, clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=mode, **norm,
+        )
+        loss = pg_loss
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+        if a.use_kl_loss:
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
+            loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, mode, **norm)
+            metrics["kl_loss"] = algos.masked_mean(kl, mask).item()
+        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = pg_loss.item()
+        return loss, metrics
+
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.baseline and cfg.rollout.n < 2:
+        raise ValueError("REINFORCE++-baseline needs --rollout.n >= 2: the baseline is the mean of the prompt's group")
+    policy = build_policy(cfg, need_ref=cfg.actor.use_kl_loss or cfg.use_kl_in_reward)  # actor + rollout + reference
+    tok = policy.tokenizer
+    train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
+    reward_fn = RewardFn(cfg.reward.custom_fn, cfg.reward.on_error)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
+            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
+
+            with loop.timer("gen", timings):  # rollout: sample one response per row
+                batch = policy.generate(batch)
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss or cfg.use_kl_in_reward:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                batch = batch.union(policy.compute_log_prob(batch))
+
+            # ALGO LOGIC: token rewards (score on the last token, minus beta * KL_t), then the whitened return
+            mask = batch["response_mask"]
+            batch["token_level_rewards"] = token_level_rewards(scores, mask)
+            if cfg.use_kl_in_reward:
+                kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty) * mask
+                batch["token_level_rewards"] = batch["token_level_rewards"] - cfg.kl_coef * kl
+            if cfg.baseline:
+                batch["advantages"] = algos.reinforce_pp_baseline_advantage(batch["token_level_rewards"].sum(-1), batch["uid"], mask)
+            else:
+                batch["advantages"], _ = algos.reinforce_pp_advantage(batch["token_level_rewards"], mask, cfg.gamma)
+
+            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

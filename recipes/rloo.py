@@ -1,0 +1,108 @@
+"""RLOO: REINFORCE Leave-One-Out (Kool et al., 2019; Ahmadian et al., 2024), in one file.
+
+Sample n responses per prompt; each response's baseline is the mean reward of the *other* n-1
+responses of its prompt, an unbiased baseline that needs no value model:
+
+    A_i = s_i - 1/(n-1) * sum_{j != i} s_j
+
+Everything else is grpo.py: the same clipped surrogate, KL penalty and loop. Unlike GRPO, the
+advantage is not divided by the group's std, so groups with large reward spread weigh more.
+
+    python recipes/rloo.py                          # embedded tiny model + arithmetic task, CPU
+    python recipes/rloo.py --help
+
+Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
+samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
+accumulated over micro-batches of actor.ppo_micro_batch_size trajectories.
+"""
+
+from dataclasses import dataclass, field
+
+from rlkit import algos, loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.rewards import RewardFn, token_level_rewards
+from rlkit.workers import build_policy
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, ppo_micro_batch_size=256))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.ppo_clip_loss(
+            log_prob, mb["old_log_probs"], mb["advantages"], mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio, clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=mode, **norm,
+        )
+        loss = pg_loss
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+        if a.use_kl_loss:
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
+            loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, mode, **norm)
+            metrics["kl_loss"] = algos.masked_mean(kl, mask).item()
+        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = pg_loss.item()
+        return loss, metrics
+
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.rollout.n < 2:
+        raise ValueError("RLOO needs --rollout.n >= 2: each response's baseline is the mean of the others of its prompt")
+    policy = build_policy(cfg)  # actor + rollout + reference, in this process
+    tok = policy.tokenizer
+    train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
+    reward_fn = RewardFn(cfg.reward.custom_fn, cfg.reward.on_error)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
+            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
+
+            with loop.timer("gen", timings):  # rollout: sample one response per row
+                batch = policy.generate(batch)
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                batch = batch.union(policy.compute_log_prob(batch))
+
+            # ALGO LOGIC: leave-one-out advantage, the same for every token of a response
+            advantages = algos.rloo_advantage(scores, batch["uid"])
+            batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+
+            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

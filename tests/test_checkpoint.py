@@ -1,0 +1,186 @@
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlkit import checkpoint as ckpt
+from rlkit.config import ActorConfig, ModelConfig
+
+CONFIG = {"actor": {"lr": 1e-6, "clip_ratio": 0.2}, "trainer": {"total_training_steps": 10, "seed": 1}, "data": {"train_files": ["a.parquet"]}}
+
+
+def tiny_hf(folder):
+    folder.mkdir()
+    (folder / "model.txt").write_text("weights")
+
+
+def save(root, step, keep=2, save_hf=tiny_hf):
+    return ckpt.save(root, step, {"policy": {"w": torch.full((2,), float(step))}, "loader": {"epoch": 0, "position": step}}, CONFIG, save_hf=save_hf, keep=keep)
+
+
+def test_save_layout_and_latest(tmp_path):
+    path = save(tmp_path, 5)
+    assert path == tmp_path / "global_step_5"
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "hf", "state.pt"]
+    assert (path / "hf" / "model.txt").read_text() == "weights"
+    assert json.loads((path / "config.json").read_text()) == CONFIG
+    assert (tmp_path / "latest").read_text() == "5"
+    assert ckpt.list_checkpoints(tmp_path) == [5]
+    state, config = ckpt.load(path)
+    assert state["step"] == 5 and state["loader"] == {"epoch": 0, "position": 5}
+    assert torch.equal(state["policy"]["w"], torch.full((2,), 5.0))
+    assert config == CONFIG
+    assert not list(tmp_path.glob(".tmp-*")) and not (tmp_path / "latest.tmp").exists()
+
+
+def test_keep_last_k(tmp_path):
+    for step in (1, 2, 3):
+        save(tmp_path, step, keep=2)
+    assert ckpt.list_checkpoints(tmp_path) == [2, 3]
+    assert not (tmp_path / "global_step_1").exists()
+    assert (tmp_path / "latest").read_text() == "3"
+    for step in (4, 5):
+        save(tmp_path, step, keep=0)  # 0 keeps everything
+    assert ckpt.list_checkpoints(tmp_path) == [2, 3, 4, 5]
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
+    save(tmp_path, 10, keep=0)
+    save(tmp_path, 20, keep=0)
+    path = save(tmp_path, 12, keep=1)  # e.g. after resuming from an explicit older checkpoint
+    assert path.is_dir() and ckpt.list_checkpoints(tmp_path) == [12]
+    assert ckpt.find_resume_path("auto", tmp_path) == path
+    save(tmp_path, 20, keep=0)
+    save(tmp_path, 15, keep=2)
+    assert ckpt.list_checkpoints(tmp_path) == [15, 20]
+
+
+def test_resaving_a_step_replaces_it(tmp_path):
+    save(tmp_path, 3)
+    ckpt.save(tmp_path, 3, {"policy": {"w": torch.zeros(1)}}, CONFIG)
+    assert ckpt.list_checkpoints(tmp_path) == [3]
+    assert not (tmp_path / "global_step_3" / "hf").exists()
+    assert torch.equal(ckpt.load(tmp_path / "global_step_3")[0]["policy"]["w"], torch.zeros(1))
+
+
+def test_list_checkpoints_ignores_incomplete_and_foreign_folders(tmp_path):
+    assert ckpt.list_checkpoints(tmp_path / "missing") == []
+    save(tmp_path, 2)
+    (tmp_path / "global_step_7").mkdir()  # no state.pt
+    (tmp_path / "global_step_x").mkdir()
+    (tmp_path / "global_step_x" / "state.pt").write_text("")
+    (tmp_path / ".tmp-global_step_9").mkdir()
+    assert ckpt.list_checkpoints(tmp_path) == [2]
+
+
+def test_crash_mid_save_leaves_previous_checkpoint(tmp_path):
+    save(tmp_path, 1)
+
+    def crash(folder):
+        folder.mkdir()
+        (folder / "partial").write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        save(tmp_path, 2, save_hf=crash)
+    assert not (tmp_path / "global_step_2").exists()
+    assert ckpt.list_checkpoints(tmp_path) == [1]
+    assert ckpt.find_resume_path("auto", tmp_path) == tmp_path / "global_step_1"
+    assert (tmp_path / "latest").read_text() == "1"
+    assert list(tmp_path.glob(".tmp-*"))  # the leftover ...
+    save(tmp_path, 2)
+    assert not list(tmp_path.glob(".tmp-*"))  # ... is removed by the next successful save
+    assert ckpt.list_checkpoints(tmp_path) == [1, 2]
+    assert not (tmp_path / "global_step_2" / "hf" / "partial").exists()
+
+
+def test_find_resume_path(tmp_path):
+    assert ckpt.find_resume_path("disable", tmp_path) is None
+    assert ckpt.find_resume_path("auto", tmp_path) is None
+    assert ckpt.find_resume_path("auto", tmp_path / "does-not-exist") is None
+    save(tmp_path, 4)
+    save(tmp_path, 8)
+    assert ckpt.find_resume_path("disable", tmp_path) is None
+    assert ckpt.find_resume_path("auto", tmp_path) == tmp_path / "global_step_8"
+    assert ckpt.find_resume_path(str(tmp_path / "global_step_4"), tmp_path) == tmp_path / "global_step_4"
+    bad = tmp_path / "global_step_99"
+    with pytest.raises(FileNotFoundError) as e:
+        ckpt.find_resume_path(str(bad), tmp_path)
+    msg = str(e.value)
+    assert "--trainer.resume" in msg and str(bad) in msg and "not a checkpoint folder" in msg and "auto" in msg
+
+
+def draws():
+    return random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()
+
+
+def test_load_restores_rng(tmp_path):
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    path = save(tmp_path, 1)
+    first = draws()
+    draws()  # move on further
+    ckpt.load(path)
+    assert draws() == first
+
+
+def test_check_config():
+    ckpt.check_config(CONFIG, json.loads(json.dumps(CONFIG)))
+    changed = json.loads(json.dumps(CONFIG))
+    changed["actor"]["lr"] = 3e-6
+    with pytest.raises(ValueError) as e:
+        ckpt.check_config(CONFIG, changed)
+    msg = str(e.value)
+    assert "actor.lr: saved 1e-06, now 3e-06" in msg
+    assert "clip_ratio" not in msg
+    resumable = json.loads(json.dumps(CONFIG))
+    resumable["trainer"]["total_training_steps"] = 20
+    assert "trainer.total_training_steps" in ckpt.RESUMABLE_CHANGES
+    ckpt.check_config(CONFIG, resumable)
+    added = json.loads(json.dumps(CONFIG))
+    added["actor"]["new_knob"] = 1
+    with pytest.raises(ValueError, match=r"actor\.new_knob: saved None, now 1"):
+        ckpt.check_config(CONFIG, added)
+
+
+def test_check_config_accepts_the_saved_json_of_a_dataclass_config(tmp_path):
+    import dataclasses
+
+    cfg = {"model": dataclasses.asdict(ModelConfig()), "actor": dataclasses.asdict(ActorConfig())}
+    ckpt.save(tmp_path, 1, {}, cfg)
+    _, saved = ckpt.load(tmp_path / "global_step_1")
+    ckpt.check_config(saved, cfg)
+
+
+# -- a real Hugging Face export ----------------------------------------------------------------
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_hf_export_loads_with_from_pretrained(tmp_path, lora_rank):
+    from rlkit.engine import TorchEngine
+
+    torch.manual_seed(0)
+    engine = TorchEngine(ModelConfig(lora_rank=lora_rank), ActorConfig(), device="cpu")
+    if lora_rank:  # lora_B starts at zero; perturb it so that merging changes the weights
+        lora_b = [p for n, p in engine.model.named_parameters() if "lora_B" in n]
+        assert lora_b
+        with torch.no_grad():
+            for p in lora_b:
+                p.normal_(0, 0.05)
+    ids = torch.tensor([engine.tokenizer("What is 12+34? 4", add_special_tokens=False)["input_ids"]])
+    path = ckpt.save(tmp_path, 1, engine.state_dict(), CONFIG, save_hf=engine.save_pretrained)
+    exported = AutoModelForCausalLM.from_pretrained(path / "hf").eval()
+    expected = logits_of(engine.model, ids)
+    if lora_rank:
+        base = AutoModelForCausalLM.from_pretrained(ModelConfig().path).eval()
+        assert not torch.allclose(logits_of(base, ids), expected, atol=1e-3)  # the LoRA weights matter
+        assert not any("lora" in k for k in exported.state_dict())
+        torch.testing.assert_close(logits_of(exported, ids), expected, atol=1e-5, rtol=0)
+    else:
+        assert torch.equal(logits_of(exported, ids), expected)
+    assert (path / "hf" / "tokenizer.json").is_file()

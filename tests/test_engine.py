@@ -1,0 +1,472 @@
+"""Tests for rlkit/engine.py, rlkit/rollout.py and rlkit/workers.py on the embedded tiny model (CPU)."""
+
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlkit import algos, embedded
+from rlkit.config import ActorConfig, DataConfig, ModelConfig
+from rlkit.data import build_prompts
+from rlkit.engine import TorchEngine, load_model, load_tokenizer, trim_padding
+from rlkit.protocol import DataProto
+from rlkit.rollout import HFRollout, assemble, response_mask
+from rlkit.workers import build_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+T = 0.7  # the temperature log-probs are computed at
+B = 8  # rows per test batch
+
+
+def make_engine(lora_rank: int = 0, gradient_checkpointing: bool = False, **actor) -> TorchEngine:
+    model = ModelConfig(lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing)
+    return TorchEngine(model, ActorConfig(**{"lr": 1e-3, **actor}), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt_set():
+    tok = load_tokenizer(str(embedded.MODEL_DIR))
+    return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=16)
+
+
+def prompts(prompt_set, tok, rows=B) -> DataProto:
+    return prompt_set.batch(list(range(rows)), tok.pad_token_id)
+
+
+def sample(engine, prompt_set, rows=B, temperature=2.0, seed=0, max_new_tokens=8) -> DataProto:
+    """Sampled rollouts; a high temperature gives responses of several lengths (so trimming matters)."""
+    torch.manual_seed(seed)
+    rollout = HFRollout(engine.model, engine.tokenizer, engine.device)
+    return rollout.generate(prompts(prompt_set, engine.tokenizer, rows), max_new_tokens, temperature=temperature)
+
+
+def likelihood_loss(mb, log_prob, entropy, norm):
+    """A simple nonzero loss: minus the token-mean log-likelihood of the responses."""
+    return -algos.agg_loss(log_prob, mb["response_mask"], "token-mean", **norm), {}
+
+
+def params(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.model.parameters()]
+
+
+def max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def use_sgd(engine, lr: float) -> None:
+    """Plain SGD instead of AdamW: the step is linear in the gradient, so gradient differences show."""
+    engine.optimizer = torch.optim.SGD([p for p in engine.model.parameters() if p.requires_grad], lr=lr)
+    engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
+
+
+# ----------------------------------------------------------------------------- response_mask / assemble
+
+
+@pytest.mark.parametrize(
+    "row, eos, expected",
+    [
+        ([5, 2, 0, 0], [2], [1, 1, 0, 0]),
+        ([2, 2, 5, 5], [2], [1, 0, 0, 0]),  # only the first EOS counts
+        ([5, 5, 5, 5], [2], [1, 1, 1, 1]),  # no EOS: truncated, all valid
+        ([5, 5, 5, 2], [2], [1, 1, 1, 1]),
+        ([5, 7, 3, 2], [3, 7], [1, 1, 0, 0]),  # several EOS ids: the first of any
+        ([5, 3, 7, 7], [3, 7], [1, 1, 0, 0]),
+        ([5, 6, 2, 9], [3, 7], [1, 1, 1, 1]),
+    ],
+)
+def test_response_mask(row, eos, expected):
+    assert response_mask(torch.tensor([row]), eos).tolist() == [expected]
+
+
+def test_response_mask_batched():
+    rows = torch.tensor([[5, 2, 0, 0], [2, 2, 5, 5], [5, 5, 5, 5]])
+    assert response_mask(rows, [2]).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_assemble_concatenates_and_pads_after_eos():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    batch = DataProto.from_dict(
+        tensors={"input_ids": torch.tensor([[0, 0, 11, 12], [13, 14, 15, 16]]), "attention_mask": mask,
+                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        non_tensors={"uid": ["a", "b"]},
+    )
+    out = assemble(batch, torch.tensor([[21, 2, 23, 24], [25, 26, 27, 28]]), eos=[2], pad_id=0)
+    assert out["prompts"].tolist() == [[0, 0, 11, 12], [13, 14, 15, 16]]
+    assert out["responses"].tolist() == [[21, 2, 0, 0], [25, 26, 27, 28]]
+    assert out["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert out["input_ids"].tolist() == [[0, 0, 11, 12, 21, 2, 0, 0], [13, 14, 15, 16, 25, 26, 27, 28]]
+    assert out["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1, 0, 0], [1] * 8]
+    assert out["position_ids"].tolist() == [[0, 0, 0, 1, 2, 3, 3, 3], list(range(8))]
+    assert list(out["uid"]) == ["a", "b"]  # per-row fields ride along
+
+
+def test_trim_padding_drops_all_pad_prompt_columns_and_columns_past_the_longest_response():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0, 0, 0]])
+    ids = torch.arange(16).view(2, 8)
+    trimmed, first, keep = trim_padding({"input_ids": ids, "attention_mask": mask}, prompt_len=4)
+    assert (first, keep) == (1, 2)
+    assert torch.equal(trimmed["input_ids"], ids[:, 1:6]) and torch.equal(trimmed["attention_mask"], mask[:, 1:6])
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def greedy_by_hand(model, ids: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
+    """Argmax of the logits, one token at a time, on the unpadded prompt (no cache, no mask)."""
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            out.append(nxt)
+            if nxt in eos:
+                break
+    return out
+
+
+def check_greedy(engine, batch, max_new_tokens=8):
+    rollout = HFRollout(engine.model, engine.tokenizer, engine.device)
+    out = rollout.generate(batch, max_new_tokens, temperature=0)
+    for i in range(len(batch)):
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+        expected = greedy_by_hand(engine.model, ids, max_new_tokens, rollout.eos)
+        n = len(expected)
+        assert out["responses"][i, :n].tolist() == expected
+        assert out["response_mask"][i].tolist() == [1] * n + [0] * (max_new_tokens - n)
+        assert (out["responses"][i, n:] == engine.tokenizer.pad_token_id).all()
+    return out
+
+
+def test_generate_shapes_and_greedy(prompt_set):
+    eng = make_engine()
+    batch = prompts(prompt_set, eng.tokenizer, rows=4)
+    assert batch["attention_mask"].sum(1).unique().numel() > 1  # really left-padded
+    rollout = HFRollout(eng.model, eng.tokenizer, eng.device)
+    sampled = rollout.generate(batch, 6, temperature=1.0)
+    P = batch["input_ids"].shape[1]
+    assert sampled["responses"].shape == sampled["response_mask"].shape == (4, 6)
+    assert sampled["input_ids"].shape == sampled["attention_mask"].shape == sampled["position_ids"].shape == (4, P + 6)
+    assert torch.equal(sampled["prompts"], batch["input_ids"])
+
+    greedy = check_greedy(eng, batch)  # every row equals a hand-written argmax loop
+    again = rollout.generate(batch, 8, temperature=0)
+    in_pairs = rollout.generate(batch, 8, temperature=0, micro_batch_size=2)
+    for key in ("responses", "response_mask", "input_ids"):
+        assert torch.equal(greedy[key], again[key]) and torch.equal(greedy[key], in_pairs[key])
+
+
+def test_generate_ignores_sampling_defaults_of_the_model(prompt_set):
+    """A hub generation_config.json (Qwen2.5 ships repetition_penalty=1.05) must not bend the samples."""
+    eng = make_engine()
+    eng.model.generation_config.repetition_penalty = 3.0
+    eng.model.generation_config.no_repeat_ngram_size = 1
+    check_greedy(eng, prompts(prompt_set, eng.tokenizer, rows=4))
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def plain_log_probs(model, batch, temperature):
+    """log_softmax(logits / T) at the response tokens, and the entropy: one untrimmed forward pass."""
+    P = batch["prompts"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, P - 1:-1] / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def test_log_prob_matches_plain_forward_and_is_micro_batch_invariant(prompt_set):
+    eng = make_engine()
+    batch = sample(eng, prompt_set)
+    mask = batch["response_mask"].bool()
+    assert mask.sum(1).unique().numel() > 1  # responses of several lengths
+
+    lp, ent = eng.compute_log_prob(batch, T, micro_batch_size=B, with_entropy=True)
+    ref_lp, ref_ent = plain_log_probs(eng.model, batch, T)
+    assert lp.shape == ent.shape == mask.shape
+    torch.testing.assert_close(lp[mask], ref_lp[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[mask], ref_ent[mask], atol=1e-5, rtol=0)
+    assert (lp[mask] < 0).all()
+
+    one_lp, one_ent = eng.compute_log_prob(batch, T, micro_batch_size=1, with_entropy=True)  # trimmed per row
+    torch.testing.assert_close(one_lp[mask], lp[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(one_ent[mask], ent[mask], atol=1e-5, rtol=0)
+    assert eng.compute_log_prob(batch, T, micro_batch_size=B)[1] is None
+
+
+# ----------------------------------------------------------------------------- reference policy
+
+
+def test_reference_is_frozen_copy_for_full_parameter_training(prompt_set):
+    eng = make_engine(use_kl_loss=True)
+    assert eng.ref_model is not None
+    batch = sample(eng, prompt_set)
+    mask = batch["response_mask"].bool()
+    before, _ = eng.compute_log_prob(batch, T, B)
+    assert torch.equal(eng.compute_log_prob(batch, T, B, ref=True)[0], before)
+
+    metrics = eng.update(batch, likelihood_loss, mini_batch_size=B, micro_batch_size=B, temperature=T)
+    assert metrics["actor/loss"] != 0
+    after, _ = eng.compute_log_prob(batch, T, B)
+    assert (after[mask] - before[mask]).abs().max() > 1e-3  # the policy moved
+    assert torch.equal(eng.compute_log_prob(batch, T, B, ref=True)[0], before)  # the reference did not
+
+
+def test_reference_log_probs_need_a_reference(prompt_set):
+    """Full-parameter training without use_kl_loss keeps no copy: asking for ref log-probs is an error,
+    not silently the policy's own log-probs. An engine without an optimizer never trains: it is its own reference."""
+    eng = make_engine(use_kl_loss=False)
+    batch = sample(eng, prompt_set, rows=2)
+    with pytest.raises(ValueError, match="--actor.use-kl-loss"):
+        eng.compute_log_prob(batch, T, B, ref=True)
+    frozen = TorchEngine(ModelConfig(), None, device="cpu")
+    assert torch.equal(frozen.compute_log_prob(batch, T, B, ref=True)[0], eng.compute_log_prob(batch, T, B)[0])
+
+
+def test_lora_reference_is_the_base_model_without_a_copy(prompt_set):
+    eng = make_engine(lora_rank=4)
+    assert eng.ref_model is None
+    assert [v for v in vars(eng).values() if isinstance(v, torch.nn.Module)] == [eng.model]  # one model in memory
+    base = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR, dtype=torch.float32).eval()
+    batch = sample(eng, prompt_set)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        base_lp, _ = eng.forward(base, batch, T, with_entropy=False)
+
+    assert torch.equal(eng.compute_log_prob(batch, T, B, ref=True)[0], base_lp)
+    lora = {k: v.clone() for k, v in eng.model.named_parameters() if v.requires_grad}
+    assert lora and all("lora_" in k for k in lora)
+    eng.update(batch, likelihood_loss, mini_batch_size=B, micro_batch_size=B, temperature=T)
+    assert any(not torch.equal(v, dict(eng.model.named_parameters())[k]) for k, v in lora.items())
+    policy, _ = eng.compute_log_prob(batch, T, B)
+    assert (policy[mask] - base_lp[mask]).abs().max() > 1e-4
+    assert torch.equal(eng.compute_log_prob(batch, T, B, ref=True)[0], base_lp)
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+def ppo_batch(eng, prompt_set, seed=0) -> DataProto:
+    """Rollouts with old log-probs nudged off-policy (so some ratios clip) and random advantages."""
+    batch = sample(eng, prompt_set, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    old, _ = eng.compute_log_prob(batch, T, B)
+    batch["old_log_probs"] = old + 0.3 * torch.randn(old.shape, generator=gen)
+    batch["advantages"] = torch.randn(B, 1, generator=gen) * batch["response_mask"]
+    return batch
+
+
+def ppo_loss(mode, use_norm=True):
+    def loss_fn(mb, log_prob, entropy, norm):
+        return algos.ppo_clip_loss(log_prob, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
+                                   loss_agg_mode=mode, **(norm if use_norm else {}))
+    return loss_fn
+
+
+def one_step(batch, loss_fn, micro_batch_size, sgd_lr=None, **engine_kw):
+    torch.manual_seed(0)
+    eng = make_engine(**engine_kw)
+    if sgd_lr is not None:
+        use_sgd(eng, sgd_lr)
+    eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=micro_batch_size, temperature=T)
+    return params(eng)
+
+
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_update_is_micro_batch_invariant(prompt_set, mode):
+    batch = ppo_batch(make_engine(), prompt_set)
+    start = params(make_engine())
+    whole = one_step(batch, ppo_loss(mode), B, sgd_lr=1.0)
+    quarters = one_step(batch, ppo_loss(mode), B // 4, sgd_lr=1.0)
+    assert max_diff(whole, start) > 1e-3  # the step is large enough for the check to mean something
+    assert max_diff(whole, quarters) < 1e-6
+
+
+def test_micro_batch_invariance_check_detects_wrong_normalisation(prompt_set):
+    """Control: normalising each micro-batch by its own token count is not invariant, and the check sees it.
+
+    (SGD, not AdamW: Adam's first step is about lr * g / (|g| + eps), which blows up float noise in
+    gradients that nearly cancel, so parameters would differ by ~1e-5 even though the gradients agree.)
+    """
+    batch = ppo_batch(make_engine(), prompt_set)
+    right = one_step(batch, ppo_loss("token-mean"), B // 4, sgd_lr=1.0)
+    wrong = one_step(batch, ppo_loss("token-mean", use_norm=False), B // 4, sgd_lr=1.0)
+    assert max_diff(right, wrong) > 1e-4
+
+
+def test_ratio_is_exactly_one_on_policy(prompt_set):
+    eng = make_engine(use_kl_loss=False)
+    batch = sample(eng, prompt_set)
+    batch["old_log_probs"], _ = eng.compute_log_prob(batch, T, micro_batch_size=B // 4)
+    batch["advantages"] = torch.randn(B, 1, generator=torch.Generator().manual_seed(0)) * batch["response_mask"]
+    seen = []
+
+    def loss_fn(mb, log_prob, entropy, norm):
+        loss, metrics = ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+        seen.append((log_prob.detach(), mb["old_log_probs"], metrics))
+        return loss, metrics
+
+    # two mini-batches of two micro-batches: the second mini-batch comes after one optimizer step
+    metrics = eng.update(batch, loss_fn, mini_batch_size=B // 2, micro_batch_size=B // 4, temperature=T)
+    for log_prob, old, m in seen[:2]:  # the whole first mini-batch, before any step
+        assert torch.equal(log_prob, old)
+        assert m["ppo_kl"] == 0 and m["pg_clipfrac"] == 0 and m["pg_clipfrac_lower"] == 0
+    assert seen[2][2]["ppo_kl"] != 0  # after the step the ratio moves, so the check above can fail
+    assert {"actor/loss", "actor/grad_norm", "actor/lr", "ppo_kl", "pg_clipfrac"} <= set(metrics)
+
+
+def test_ratio_is_one_up_to_rounding_when_micro_batches_differ(prompt_set):
+    """Exactly 1 needs the same micro-batches (same shapes, same float rounding) in both passes."""
+    eng = make_engine(use_kl_loss=False)
+    batch = sample(eng, prompt_set)
+    batch["old_log_probs"], _ = eng.compute_log_prob(batch, T, micro_batch_size=B)
+    batch["advantages"] = torch.ones(B, 1) * batch["response_mask"]
+    seen = []
+
+    def loss_fn(mb, log_prob, entropy, norm):
+        seen.append((log_prob.detach() - mb["old_log_probs"])[mb["response_mask"].bool()].abs().max().item())
+        return ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+
+    metrics = eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=1, temperature=T)
+    assert max(seen) < 1e-5 and metrics["pg_clipfrac"] == 0
+
+
+def test_gradient_checkpointing_is_active_and_changes_nothing(prompt_set):
+    batch = ppo_batch(make_engine(), prompt_set)
+    saved_in_forward = {}
+    for gc in (False, True):
+        eng = make_engine(gradient_checkpointing=gc)
+        counter = [0]
+
+        def pack(t):
+            counter[0] += t.numel()
+            return t
+
+        def loss_fn(mb, log_prob, entropy, norm):
+            saved_in_forward.setdefault(gc, counter[0])  # activations kept for backward by the first forward
+            return ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=B, temperature=T)
+        saved_in_forward[f"params{gc}"] = params(eng)
+        assert not any(m.training for m in eng.model.modules())  # back to eval mode for generation
+    assert saved_in_forward[True] < saved_in_forward[False] / 4
+    assert max_diff(saved_in_forward["paramsFalse"], saved_in_forward["paramsTrue"]) < 1e-6
+
+
+# ----------------------------------------------------------------------------- non-finite losses
+
+
+def nan_loss(mb, log_prob, entropy, norm):
+    return log_prob.sum() * float("nan"), {}
+
+
+def nan_grad_loss(mb, log_prob, entropy, norm):
+    return torch.sqrt(log_prob * 0).sum(), {}  # value 0, gradient NaN
+
+
+@pytest.mark.parametrize("loss_fn, message", [(nan_loss, "non-finite loss"), (nan_grad_loss, "non-finite gradient")])
+def test_non_finite_loss_or_gradient(prompt_set, loss_fn, message):
+    eng = make_engine()
+    batch = sample(eng, prompt_set)
+    before = params(eng)
+    with pytest.raises(FloatingPointError, match="--actor.nan-policy") as info:
+        eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=B // 2, temperature=T)
+    assert message in str(info.value)
+    assert max_diff(params(eng), before) == 0
+
+    eng = make_engine(nan_policy="skip")
+    metrics = eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=B // 2, temperature=T)
+    assert metrics["actor/skipped_steps"] == 1
+    assert max_diff(params(eng), before) == 0
+    assert not eng.optimizer.state and eng.scheduler.last_epoch == 0  # no optimizer or scheduler step either
+
+
+# ----------------------------------------------------------------------------- loading and state
+
+
+def test_load_model_missing_local_path(tmp_path):
+    path = str(tmp_path / "no-such-model")
+    with pytest.raises(FileNotFoundError, match="hub id") as info:
+        load_model(path, torch.float32, torch.device("cpu"))
+    assert path in str(info.value)
+    with pytest.raises(FileNotFoundError, match="hub id"):  # the engine checks the model before the tokenizer
+        TorchEngine(ModelConfig(path=path), ActorConfig(), device="cpu")
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_state_dict_round_trip(prompt_set, lora_rank):
+    a = make_engine(lora_rank=lora_rank)
+    batch = ppo_batch(a, prompt_set)
+    loss_fn = ppo_loss("token-mean")
+
+    def step(eng):
+        return eng.update(batch, loss_fn, mini_batch_size=B // 2, micro_batch_size=B // 4, temperature=T)
+
+    step(a)
+    buf = io.BytesIO()  # through bytes, as a checkpoint is (in memory, optimizer state tensors would be shared)
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = make_engine(lora_rank=lora_rank)
+    assert max_diff(params(a), params(b)) > 0
+    b.load_state_dict(torch.load(buf, weights_only=False))
+    assert max_diff(params(a), params(b)) == 0
+    assert b.scheduler.last_epoch == a.scheduler.last_epoch == 2
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+
+    step(a)
+    step(b)
+    assert max_diff(params(a), params(b)) == 0
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def load_recipe(name="grpo"):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_workers_with_the_grpo_recipe_config():
+    grpo = load_recipe()
+    cfg = grpo.Config()
+    cfg.trainer.device = "cpu"
+    cfg.rollout.n = 2
+    cfg.data.max_response_length = 6
+    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 2, 2
+    policy = build_policy(cfg)
+    tok = policy.tokenizer
+    batch = build_prompts(cfg.data.train_files, tok, cfg.data, max_samples=2).batch([0, 1], tok.pad_token_id)
+    batch["uid"] = ["p0", "p1"]
+    batch = batch.repeat(cfg.rollout.n)
+
+    out = policy.generate(batch)
+    assert {"prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids"} <= set(out.tensors)
+    assert out["responses"].shape == out["response_mask"].shape == (4, 6)
+    assert list(out["uid"]) == ["p0", "p0", "p1", "p1"] and "ground_truth" in out
+    val = policy.generate(batch, validate=True)  # val_temperature 0: greedy, so the two samples of a prompt agree
+    assert torch.equal(val["responses"][0::2], val["responses"][1::2])
+
+    ref = policy.compute_ref_log_prob(out)
+    old = policy.compute_log_prob(out)
+    assert ref.keys() == ["ref_log_prob"] and old.keys() == ["old_log_probs", "entropys"]
+    assert ref["ref_log_prob"].shape == old["old_log_probs"].shape == old["entropys"].shape == (4, 6)
+    assert torch.equal(ref["ref_log_prob"], old["old_log_probs"])  # nothing trained yet
+
+    out = out.union(ref).union(old)
+    adv = algos.grpo_advantage(torch.tensor([1.0, 0.0, 0.0, 1.0]), out["uid"])
+    out["advantages"] = adv[:, None] * out["response_mask"]
+    metrics = policy.update(out, grpo.make_actor_loss(cfg))
+    expected = {"actor/loss", "actor/grad_norm", "actor/lr", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl",
+                "actor/pg_clipfrac", "actor/pg_clipfrac_lower"}
+    assert expected <= set(metrics)
+    assert metrics["actor/ppo_kl"] == 0 and metrics["actor/kl_loss"] == 0  # one on-policy step from the reference
+    assert metrics["actor/lr"] == cfg.actor.lr and policy.updates == 1
+    assert policy.state_dict()["updates"] == 1
+    assert (policy.compute_log_prob(out)["old_log_probs"] - old["old_log_probs"]).abs().max() > 0
