@@ -18,8 +18,10 @@ import logging
 import math
 import numbers
 import re
+import signal
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -198,14 +200,35 @@ def _parse_output(out) -> tuple[float, dict[str, float]]:
     return _as_number(out, "return value"), {}
 
 
+@contextmanager
+def time_limit(seconds: float | None):
+    """Raise TimeoutError in the block after `seconds` (SIGALRM; only on the main thread of a POSIX process,
+    elsewhere no limit). Interrupts Python code that loops or sleeps; not a C call that never returns."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"no result after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class RewardFn:
     """Scores a batch of decoded responses: one scalar per trajectory."""
 
-    def __init__(self, custom_fn: str | ScoreFn | None = None, on_error: str = "raise"):
+    def __init__(self, custom_fn: str | ScoreFn | None = None, on_error: str = "raise", timeout_s: float | None = None):
         """custom_fn: "path.py:fn" (or a callable) used for every data_source; None looks up `SCORERS`.
 
         on_error: "raise" turns a failing or invalid score into a RuntimeError naming the function,
         sample and data_source; "zero" scores such samples 0.0 and counts them in metrics["reward/errors"].
+        timeout_s: time limit per call of the custom function (a call that hangs counts as failing).
         """
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
@@ -214,6 +237,7 @@ class RewardFn:
         else:
             self.custom_fn = load_function(custom_fn)
         self.on_error = on_error
+        self.timeout_s = timeout_s
 
     def scorer_for(self, data_source: str) -> ScoreFn:
         """The function that scores `data_source`: the custom one if given, else the registered one."""
@@ -249,8 +273,9 @@ class RewardFn:
         for i in range(n):
             fn = self.scorer_for(data_sources[i])
             try:
-                out = fn(data_source=data_sources[i], solution_str=responses[i],
-                         ground_truth=ground_truths[i], extra_info=extra_infos[i])
+                with time_limit(self.timeout_s if fn is self.custom_fn else None):
+                    out = fn(data_source=data_sources[i], solution_str=responses[i],
+                             ground_truth=ground_truths[i], extra_info=extra_infos[i])
                 score, sample_extras = _parse_output(out)
             except Exception as e:
                 response = str(responses[i])
@@ -258,7 +283,7 @@ class RewardFn:
                 message = (f"reward function {_describe(fn)} failed on sample {i} "
                            f"(data_source={data_sources[i]!r}, response={short!r}): {type(e).__name__}: {e}")
                 if self.on_error == "raise":
-                    raise RuntimeError(message + " - fix the function or use on_error='zero'") from e
+                    raise RuntimeError(message + " - fix the function, or score such samples 0 with --reward.on-error zero") from e
                 errors.append(message)
                 score, sample_extras = 0.0, {}
             scores.append(score)

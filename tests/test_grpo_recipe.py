@@ -110,10 +110,10 @@ def test_lora_run_trains_only_the_adapter(tmp_path):
     assert diffs and all("proj" in n for n in diffs)  # linear layers merged with the adapter; embeddings untouched
 
 
-def run_cli(*args, timeout=120):
+def run_cli(*args, timeout=120, recipe="grpo"):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RLKIT_TRACEBACK", None)
-    return subprocess.run([sys.executable, str(ROOT / "recipes/grpo.py"), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_help_documents_every_field():

@@ -327,3 +327,18 @@ def test_token_level_rewards_full_row_and_mask_with_holes():
 def test_token_level_rewards_shape_check():
     with pytest.raises(ValueError, match="shape"):
         token_level_rewards(torch.zeros(2), torch.ones(3, 4))
+
+
+def test_a_hanging_user_function_is_stopped_by_the_time_limit():
+    import time
+
+    from rlkit.rewards import RewardFn
+
+    fn = RewardFn(f"{FIXTURE}:hanging_score", timeout_s=0.2)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"hanging_score failed on sample 0 .*TimeoutError: no result after 0.2 s"):
+        fn("rlkit/arith", ["12"], ["12"])
+    assert time.perf_counter() - start < 2
+    zero = RewardFn(f"{FIXTURE}:hanging_score", on_error="zero", timeout_s=0.1)
+    scores, metrics = zero("rlkit/arith", ["1", "2"], ["1", "2"])
+    assert scores.tolist() == [0.0, 0.0] and metrics["reward/errors"] == 2.0
