@@ -117,11 +117,41 @@ class ActorConfig:
 
 
 @dataclass
+class CriticConfig:
+    path: str | None = None
+    """value model to start from: a Hugging Face folder or hub id loaded with a fresh 1-output head (default: --model.path)"""
+    lora_rank: int = 0
+    """LoRA rank for the value model (the head always trains); 0 trains all parameters"""
+    lr: float = 1e-5
+    """AdamW learning rate of the value model"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in optimizer steps"""
+    grad_clip: float = 1.0
+    """clip the value model's global gradient norm to this value"""
+    ppo_mini_batch_size: int | None = None
+    """prompts per critic optimizer step, × rollout.n trajectories (default: actor.ppo_mini_batch_size)"""
+    ppo_micro_batch_size: int = 64
+    """trajectories per forward/backward pass of the value model"""
+    ppo_epochs: int = 1
+    """passes over the rollout batch per training step"""
+    cliprange_value: float | None = 0.5
+    """the value loss does not reward moving V further than this from the old value (None disables)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token value losses are averaged into one number"""
+    nan_policy: Literal["error", "skip"] = "error"
+    """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
+
+
+@dataclass
 class RewardConfig:
     custom_fn: str | None = None
     """your scoring function as path/to/file.py:function_name, verl signature compute_score(data_source, solution_str, ground_truth, extra_info=None)"""
     on_error: Literal["raise", "zero"] = "raise"
-    """when a scoring function raises or returns a non-number: stop (raise) or score 0 and count it (zero)"""
+    """when a scoring function raises, hangs or returns a non-number: stop (raise) or score 0 and count it (zero)"""
+    timeout_s: float = 30.0
+    """time limit per call of --reward.custom-fn (0 = none); a call that takes longer counts as failing"""
 
 
 @dataclass
