@@ -103,7 +103,7 @@ def main(cfg: Config) -> dict:
                     raise RuntimeError(
                         f"dynamic sampling: {cfg.max_num_gen_batches} generation batches gave fewer than {cfg.data.train_batch_size} "
                         "prompts whose responses differ in reward. The task is too easy or too hard for the model: "
-                        "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --filter-groups False")
+                        "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --no-filter-groups")
                 batch = train.next_batch()
                 batch["uid"] = [f"{step}-{num_gen_batches}-{i}" for i in range(len(batch))]  # one group id per prompt
                 batch = batch.repeat(cfg.rollout.n, interleave=True)  # a group's rows adjacent
