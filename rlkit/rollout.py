@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit.algos import logprobs_from_logits
 from rlkit.protocol import DataProto
 
 
@@ -62,8 +63,12 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompts: DataProto, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, micro_batch_size: int | None = None) -> DataProto:
-        """Sample one response per row (repeat the prompts first for n samples). temperature 0 = greedy."""
+                 top_k: int = 0, micro_batch_size: int | None = None, return_log_probs: bool = False) -> DataProto:
+        """Sample one response per row (repeat the prompts first for n samples). temperature 0 = greedy.
+
+        return_log_probs: also return `rollout_log_probs` (B, R), log softmax(logits / temperature) of
+        each sampled token from the raw logits of generation (0 after EOS), as the trainer computes them.
+        """
         outs = []
         chunks = prompts.split(micro_batch_size) if micro_batch_size else [prompts]
         for chunk in chunks:
@@ -74,10 +79,18 @@ class HFRollout:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
-            seq = self.model.generate(input_ids=ids, attention_mask=chunk["attention_mask"].to(self.device), **kwargs)
-            resp = seq[:, ids.shape[1]:].cpu()
-            if resp.shape[1] < max_new_tokens:  # every row stopped early: pad to a fixed width
-                pad = torch.full((len(resp), max_new_tokens - resp.shape[1]), self.tokenizer.pad_token_id, dtype=resp.dtype)
+            out = self.model.generate(input_ids=ids, attention_mask=chunk["attention_mask"].to(self.device),
+                                      return_dict_in_generate=True, output_logits=return_log_probs, **kwargs)
+            resp = out.sequences[:, ids.shape[1]:].cpu()
+            width = resp.shape[1]
+            if width < max_new_tokens:  # every row stopped early: pad to a fixed width
+                pad = torch.full((len(resp), max_new_tokens - width), self.tokenizer.pad_token_id, dtype=resp.dtype)
                 resp = torch.cat([resp, pad], dim=1)
-            outs.append(assemble(chunk, resp, self.eos, self.tokenizer.pad_token_id))
+            piece = assemble(chunk, resp, self.eos, self.tokenizer.pad_token_id)
+            if return_log_probs:
+                logits = torch.stack(out.logits, dim=1).float().cpu() / (temperature if temperature > 0 else 1.0)
+                lp = torch.zeros(len(resp), max_new_tokens)
+                lp[:, :width] = logprobs_from_logits(logits, resp[:, :width])
+                piece["rollout_log_probs"] = lp * piece["response_mask"]
+            outs.append(piece)
         return DataProto.concat(outs)

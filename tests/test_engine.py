@@ -470,3 +470,22 @@ def test_workers_with_the_grpo_recipe_config():
     assert metrics["actor/lr"] == cfg.actor.lr and policy.updates == 1
     assert policy.state_dict()["updates"] == 1
     assert (policy.compute_log_prob(out)["old_log_probs"] - old["old_log_probs"]).abs().max() > 0
+
+
+def test_hf_rollout_log_probs_match_the_trainers():
+    """`rollout_log_probs` from generation's raw logits equal the engine's teacher-forced log-probs."""
+    from rlkit.config import ActorConfig, DataConfig, ModelConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import TorchEngine
+    from rlkit.rollout import HFRollout
+
+    torch.manual_seed(0)
+    engine = TorchEngine(ModelConfig(), ActorConfig())
+    prompts = build_prompts([str(embedded.DATA_DIR / "val.parquet")], engine.tokenizer, DataConfig(), max_samples=6)
+    batch = HFRollout(engine.model, engine.tokenizer, engine.device).generate(
+        prompts.batch(list(range(6)), engine.tokenizer.pad_token_id).repeat(2), 8, temperature=0.7, return_log_probs=True)
+    trainer_lp, _ = engine.compute_log_prob(batch, temperature=0.7, micro_batch_size=4)
+    mask = batch["response_mask"].bool()
+    assert mask.sum() > 12
+    torch.testing.assert_close(batch["rollout_log_probs"][mask], trainer_lp[mask], atol=1e-5, rtol=0)
+    assert torch.all(batch["rollout_log_probs"][~mask] == 0)
