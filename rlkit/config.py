@@ -56,12 +56,24 @@ class DataConfig:
     """use at most this many validation prompts (-1 = all)"""
     shuffle: bool = True
     """shuffle the training prompts every epoch (seeded by trainer.seed)"""
+    task: str | None = None
+    """generate the data instead of reading files: reasoning_gym:NAME (e.g. reasoning_gym:chain_sum; needs `pip install reasoning-gym==0.1.25`); train/val files are then ignored"""
+    task_options: str = ""
+    """the task's own config options, key=value,key=value or JSON (e.g. min_terms=2,max_terms=2,max_digits=1)"""
+    task_train_size: int = 1000
+    """training items to generate (seed task_seed)"""
+    task_val_size: int = 200
+    """validation items to generate (seed task_seed + task_train_size; repeated questions and those also in the training set are dropped); 0 = no validation"""
+    task_seed: int = 0
+    """seed of the generated task data"""
+    task_format: Literal["direct", "default", "plain", "number"] = "direct"
+    """direct/default: reasoning-gym's system prompt of that name, answer read from <answer>...</answer>; plain: no system prompt, the whole response is the answer; number: no system prompt, the last number in the response is the answer"""
 
 
 @dataclass
 class RolloutConfig:
-    name: Literal["hf"] = "hf"
-    """generation backend: hf (transformers generate)"""
+    name: Literal["hf", "vllm"] = "hf"
+    """generation backend: hf (transformers generate on the training model) or vllm (a vLLM engine beside it, weights synced after every update; `bash scripts/install.sh vllm`)"""
     n: int = 8
     """responses sampled per prompt (the group size of GRPO)"""
     temperature: float = 1.0
@@ -74,6 +86,14 @@ class RolloutConfig:
     """temperature for validation; 0 = greedy"""
     log_prob_micro_batch_size: int = 256
     """sequences per forward pass when computing log-probs without gradients"""
+    gpu_memory_utilization: float = 0.5
+    """vllm on a GPU: share of GPU memory the engine may take (weights + KV cache); the trainer needs the rest"""
+    kv_cache_gb: int = 1
+    """vllm on CPU: GiB of RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE)"""
+    enforce_eager: bool = False
+    """vllm on a GPU: skip CUDA graphs (slower decoding, faster start); always on for CPU"""
+    max_num_seqs: int = 0
+    """vllm: most sequences decoded at once (0 = vLLM's default)"""
 
 
 @dataclass

@@ -117,12 +117,40 @@ def _objects(values) -> np.ndarray:
     return out
 
 
-def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1) -> PromptSet:
-    """Load parquet, render + tokenize prompts, and apply truncation / overlong filtering (cfg: DataConfig)."""
-    ds = load_parquet(files, cfg.prompt_key)
-    if max_samples > 0:
-        ds = ds.select(range(min(max_samples, len(ds))))
-    cols = ds.to_dict()  # plain lists, read once (indexing a `datasets` column row by row is very slow)
+def task_columns(cfg, split: str) -> dict[str, list]:
+    """The columns of a generated task (cfg.task, e.g. reasoning_gym:chain_sum) for split 'train' or 'val'."""
+    from rlkit import tasks
+
+    train, val = tasks.train_val_rows(cfg.task, cfg.task_train_size, cfg.task_val_size if split == "val" else 0,
+                                      cfg.task_seed, cfg.task_options, cfg.task_format)
+    rows = val if split == "val" else train
+    if not rows:
+        raise ValueError(f"--data.task {cfg.task}: no {split} items (raise --data.task-{split}-size, or use a task with more distinct problems)")
+    return tasks.columns(rows)
+
+
+def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1, split: str | None = None) -> PromptSet:
+    """Load parquet (or generate cfg.task), render + tokenize prompts, apply truncation / overlong filtering (cfg: DataConfig).
+
+    With cfg.task set the files are ignored; the split is `split`, or 'val' when `files` is cfg.val_files itself
+    (what recipes pass), else 'train'.
+    """
+    if getattr(cfg, "task", None):
+        cols = task_columns(cfg, split or ("val" if files is cfg.val_files else "train"))
+        if max_samples > 0:
+            cols = {k: v[:max_samples] for k, v in cols.items()}
+        if cfg.prompt_key != "prompt":
+            cols[cfg.prompt_key] = cols["prompt"]
+    else:
+        ds = load_parquet(files, cfg.prompt_key)
+        if max_samples > 0:
+            ds = ds.select(range(min(max_samples, len(ds))))
+        cols = ds.to_dict()  # plain lists, read once (indexing a `datasets` column row by row is very slow)
+    for source in set(cols["data_source"]):  # reasoning-gym data (generated or from parquet): its verifier
+        if str(source).startswith("reasoning_gym/"):
+            from rlkit import tasks
+
+            tasks.register(str(source)[len("reasoning_gym/"):])
     prompts = cols[cfg.prompt_key]
     texts = render_prompts(tokenizer, prompts)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -133,7 +161,7 @@ def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1) -> Pr
             raise ValueError(f"{files}: every prompt is over --data.max-prompt-length {cfg.max_prompt_length}; raise it")
     else:
         ids = [truncate(x, cfg.max_prompt_length, cfg.truncation, i) for i, x in enumerate(ids)]
-    extra = cols.get("extra_info", [None] * len(ds))
+    extra = cols.get("extra_info", [None] * len(prompts))
     rm = cols["reward_model"]
     return PromptSet(
         input_ids=[ids[i] for i in keep],

