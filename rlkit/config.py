@@ -202,5 +202,13 @@ class TrainerConfig:
     """seed for data order, sampling and initialisation"""
     device: str = "auto"
     """cpu, cuda, cuda:1, ... (auto = cuda when available)"""
+    backend: Literal["local", "ray"] = "local"
+    """local: one worker in this process; ray: n_workers Ray actors with the model sharded by FSDP2"""
+    n_workers: int = 1
+    """worker processes with --trainer.backend ray (one per GPU; on CPU, gloo)"""
+    cpus_per_worker: float = 1
+    """CPU cores reserved per Ray worker"""
+    ray_address: str | None = None
+    """a running Ray cluster to join (e.g. 127.0.0.1:6379, or set RAY_ADDRESS); default: start a local one"""
     num_threads: int = 0
     """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""

@@ -115,14 +115,34 @@ def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dic
     return {k: v[:, first:end] for k, v in tensors.items()}, first, keep
 
 
+def global_counts(num_tokens: int, num_seqs: int) -> dict:
+    """The loss normalisers of a mini-batch: its token and sequence counts, over all data-parallel processes.
+
+    With N processes each one's loss is divided by (global count / N): data parallelism (FSDP, DDP)
+    averages gradients over processes, so the result is the gradient of the global mini-batch loss,
+    whatever the split. One process: the local counts.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([num_tokens, num_seqs], dtype=torch.float64)
+        dist.all_reduce(t)
+        n = dist.get_world_size()
+        return {"num_tokens": max(t[0].item(), 1.0) / n, "num_seqs": t[1].item() / n}
+    return {"num_tokens": max(num_tokens, 1), "num_seqs": num_seqs}
+
+
 class TorchEngine:
     """A causal LM (or, value_head=True, a value model) on one device with its optimizer; see the module docstring."""
 
-    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None, value_head: bool = False):
+    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None, value_head: bool = False,
+                 wrap: Callable | None = None):
         """need_ref: keep a reference policy (default: when actor_cfg.use_kl_loss); free with LoRA.
 
         actor_cfg: the optimizer settings (lr, weight_decay, warmup_steps, grad_clip, nan_policy); None = no training.
         value_head: a critic, see the module docstring (actor_cfg is then a CriticConfig; no reference).
+        wrap: applied to the model (then to the reference copy) before the optimizer is built, e.g. FSDP2
+        sharding (rlkit/fsdp_workers.py): how a distributed engine plugs in.
         """
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device)
@@ -146,6 +166,9 @@ class TorchEngine:
             ))
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
+        if wrap is not None:
+            model = wrap(model)
+            self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None
         self.model = model.eval()
         self.actor_cfg = actor_cfg
         self.optimizer = self.scheduler = None
@@ -242,7 +265,7 @@ class TorchEngine:
                 data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
                 for mini in data.split(mini_batch_size):
                     mask = mini["response_mask"]
-                    norm = {"num_tokens": max(int(mask.sum()), 1), "num_seqs": len(mini)}
+                    norm = global_counts(int(mask.sum()), len(mini))
                     self.optimizer.zero_grad(set_to_none=True)
                     total = 0.0
                     for mb in mini.split(micro_batch_size):

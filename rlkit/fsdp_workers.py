@@ -6,10 +6,10 @@ NCCL on GPU); the batch is split across processes by the group (`@dispatch("spli
 
 What changes against the single-process worker, and why:
 
-- losses are normalised by the token / sequence counts of the *global* mini-batch (all-reduced),
-  and each process's mini-batch is ppo_mini_batch_size * n / N trajectories, so the update equals
-  the one-process update (FSDP averages gradients over processes; the counts are divided by N to
-  undo that average);
+- the update gets the whole batch and each process takes its 1/N of every mini-batch; losses are
+  normalised by the token / sequence counts of the *global* mini-batch (all-reduced), so the update
+  equals the one-process update (FSDP averages gradients over processes; the counts are divided by
+  N to undo that average). With --actor.shuffle each process shuffles its own share;
 - generation runs on a full, unsharded copy of the policy (gathered before each rollout: the
   "hybrid engine"), because processes stop generating at different lengths and a sharded model
   would need every process in every forward pass;
@@ -96,9 +96,14 @@ class FSDPActorRolloutRefWorker(ActorRolloutRefWorker):
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         return super().compute_ref_log_prob(batch)
 
-    @dispatch("split")
+    @dispatch("all")
     def update(self, batch: DataProto, loss_fn) -> dict:
-        metrics = super().update(batch, loss_fn)
+        """Every process gets the whole batch and takes its 1/N of each mini-batch, so that the k-th
+        optimizer step sees the same trajectories as with one process."""
+        m = self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n
+        share = m // self.world_size
+        rows = [i for start in range(0, len(batch), m) for i in range(start + self.rank * share, start + (self.rank + 1) * share)]
+        metrics = super().update(batch.index(rows), loss_fn)
         # average the metrics over processes so the controller sees the global picture
         keys = sorted(metrics)
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)

@@ -49,15 +49,17 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
 class ActorRolloutRefWorker:
     """Actor + rollout + reference on one model (one device)."""
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None):
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None,
+                 wrap=None):
         if rollout_cfg.name not in ("hf", "vllm"):
             raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
-        self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref)
+        self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
         self.updates = 0
+        self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
 
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
         """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
@@ -81,7 +83,7 @@ class ActorRolloutRefWorker:
         """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
         a = self.actor_cfg
         metrics = self.engine.update(
-            batch, loss_fn, mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n, micro_batch_size=a.ppo_micro_batch_size,
+            batch, loss_fn, mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size, micro_batch_size=a.ppo_micro_batch_size,
             epochs=a.ppo_epochs, temperature=self.rollout_cfg.temperature, with_entropy=a.entropy_coeff != 0,
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
@@ -152,7 +154,32 @@ def build_policy(cfg, need_ref: bool | None = None) -> LocalWorkerGroup:
     need_ref: whether the recipe asks for reference log-probs (default: cfg.actor.use_kl_loss).
     """
     t = cfg.trainer
-    return LocalWorkerGroup(ActorRolloutRefWorker(cfg.model, cfg.actor, cfg.rollout, cfg.data, device=t.device, seed=t.seed, need_ref=need_ref))
+    args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
+    if t.backend == "local":
+        return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=t.device, seed=t.seed, need_ref=need_ref))
+    if t.backend != "ray":
+        raise ValueError(f"unknown --trainer.backend {t.backend!r}: use local or ray")
+    from rlkit.engine import load_tokenizer
+    from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
+    from rlkit.ray_group import RayWorkerGroup, init_ray
+
+    trajectories = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    if trajectories % t.n_workers:
+        raise ValueError(f"a mini-batch of {trajectories} trajectories (--actor.ppo-mini-batch-size x --rollout.n) "
+                         f"does not split over --trainer.n-workers {t.n_workers}; make it a multiple")
+    init_ray(t.ray_address)
+    gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
+    group = RayWorkerGroup(FSDPActorRolloutRefWorker, t.n_workers, *args, device=t.device, seed=t.seed, need_ref=need_ref,
+                           cpus_per_worker=t.cpus_per_worker, gpus_per_worker=gpus)
+    group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
+    return group
+
+
+def resolve_device_name(device: str) -> str:
+    """'auto' -> 'cuda' when this machine has a GPU, else 'cpu'; 'cuda:1' -> 'cuda'."""
+    from rlkit.engine import resolve_device
+
+    return resolve_device(device).type
 
 
 def build_critic(cfg) -> LocalWorkerGroup:

@@ -1,0 +1,339 @@
+"""What the benchmarks share: the rlkit GRPO step (the recipe's own loop body), a random-weight model,
+thread and timing helpers. Not a public API; see bench/README.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def set_threads(n: int) -> None:
+    """Pin torch (and the BLAS/OpenMP pools it starts) to n threads, before torch does any work."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(n)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)  # rlkit and these scripts run no inter-op parallel work
+    except RuntimeError:  # already set, or torch already ran parallel work
+        pass
+
+
+def load_recipe(name: str):
+    """recipes/<name>.py as a module (recipes/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_random_model(out_dir: str | Path, hidden: int = 256, layers: int = 4, seed: int = 0) -> str:
+    """A Llama-shaped causal LM with random weights and the embedded model's tokenizer, saved as a Hugging Face
+    folder (so both libraries load it with from_pretrained). Its EOS is a token added to the tokenizer past the
+    model's vocabulary, so it is never sampled: every response runs to the length cap, and any two libraries
+    generate exactly the same number of tokens."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from rlkit import embedded
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return str(out_dir)
+    base = AutoConfig.from_pretrained(embedded.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    vocab = len(tok)
+    tok.add_special_tokens({"eos_token": "<|never-sampled-eos|>"})
+    eos = tok.eos_token_id
+    assert eos >= vocab, (eos, vocab)
+    torch.manual_seed(seed)
+    heads = max(hidden // 64, 2)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
+        tie_word_embeddings=True, pad_token_id=base.pad_token_id, eos_token_id=None, bos_token_id=None,  # EOS: generation config
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=base.pad_token_id)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def resolve_model(name: str, work_dir: Path, hidden: int, layers: int) -> str:
+    """'embedded' -> the embedded tiny model; 'random' -> a random-weight Llama made here; else a path."""
+    from rlkit import embedded
+
+    if name == "embedded":
+        return str(embedded.MODEL_DIR)
+    if name == "random":
+        return make_random_model(work_dir / f"random-llama-h{hidden}-l{layers}", hidden, layers)  # fresh temp dir per run
+    return name
+
+
+@contextmanager
+def quiet():
+    """Silence transformers' progress bars and info logs while loading."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+class RlkitGRPO:
+    """rlkit's GRPO, built from the recipe's own pieces (Config, make_actor_loss, build_policy, PromptLoader,
+    RewardFn), stepped one training step at a time: `step()` runs what `recipes/grpo.py`'s loop runs inside its
+    `timing/step` timer and returns those timings.
+
+    skip_old_log_prob / logits_to_keep / prefix_sharing prototype proposed optimisations without touching rlkit/ (see
+    docs/performance.md); all off by default, i.e. this is rlkit as it is. Keep step() in line with the recipe's loop.
+    """
+
+    def __init__(self, model_path: str, prompts: int, n: int, max_new_tokens: int, lr: float, beta: float,
+                 threads: int, out_dir: Path, seed: int = 1, micro_batch: int | None = None,
+                 skip_old_log_prob: bool = False, logits_to_keep: bool = False, prefix_sharing: bool = False):
+        from rlkit import loop
+        from rlkit.data import PromptLoader, build_prompts
+        from rlkit.rewards import RewardFn
+        from rlkit.workers import build_policy
+
+        grpo = load_recipe("grpo")
+        self.grpo, self.loop = grpo, loop
+        cfg = grpo.Config()
+        cfg.model.path = model_path
+        cfg.data.train_batch_size = prompts
+        cfg.data.max_response_length = max_new_tokens
+        cfg.data.val_files = []
+        cfg.rollout.n = n
+        cfg.rollout.log_prob_micro_batch_size = micro_batch or prompts * n
+        cfg.actor.lr = lr
+        cfg.actor.ppo_mini_batch_size = prompts  # one optimizer step per training step (exactly on-policy)
+        cfg.actor.ppo_micro_batch_size = micro_batch or prompts * n
+        cfg.actor.use_kl_loss = beta > 0
+        cfg.actor.kl_loss_coef = beta
+        cfg.trainer.num_threads = threads
+        cfg.trainer.seed = seed
+        cfg.trainer.default_local_dir = str(out_dir)
+        cfg.trainer.logger = []
+        self.cfg = cfg
+        loop.setup(cfg)
+        with quiet():
+            self.policy = build_policy(cfg)
+        self.tok = self.policy.tokenizer
+        self.train = PromptLoader(build_prompts(cfg.data.train_files, self.tok, cfg.data), prompts, self.tok.pad_token_id,
+                                  cfg.data.shuffle, seed)
+        self.reward_fn = RewardFn(cfg.reward.custom_fn, cfg.reward.on_error, cfg.reward.timeout_s)
+        self.actor_loss = grpo.make_actor_loss(cfg)
+        self.skip_old_log_prob = skip_old_log_prob
+        if skip_old_log_prob:
+            base = self.actor_loss
+
+            def on_policy_loss(mb, log_prob, entropy, norm):  # exactly on-policy: pi_old = pi, detached
+                mb["old_log_probs"] = log_prob.detach()
+                return base(mb, log_prob, entropy, norm)
+
+            self.actor_loss = on_policy_loss
+        if logits_to_keep:
+            patch_logits_to_keep(self.policy.worker.engine)
+        if prefix_sharing:
+            patch_prefix_sharing(self.policy.worker.engine, self.policy.worker.rollout, n)
+        self.steps = 0
+
+    @property
+    def model(self):
+        return self.policy.worker.engine.model
+
+    def step(self) -> dict:
+        """One GRPO training step, the body of recipes/grpo.py's loop. Returns timings (seconds) and token counts."""
+        cfg, policy, loop, algos = self.cfg, self.policy, self.loop, self.grpo.algos
+        self.steps += 1
+        step, timings = self.steps, {}
+        with loop.timer("step", timings):
+            batch = self.train.next_batch()
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]
+            batch = batch.repeat(cfg.rollout.n, interleave=True)
+            with loop.timer("gen", timings):
+                batch = policy.generate(batch)
+            with loop.timer("reward", timings):
+                scores, _ = loop.score(batch, self.tok, self.reward_fn)
+            with loop.timer("ref", timings):
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))
+            with loop.timer("old_log_prob", timings):
+                if not self.skip_old_log_prob:
+                    batch = batch.union(policy.compute_log_prob(batch))
+            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            batch["token_level_rewards"] = self.grpo.token_level_rewards(scores, batch["response_mask"])
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+            with loop.timer("update", timings):
+                metrics = policy.update(batch, self.actor_loss)
+        timings["gen_tokens"] = int(batch["response_mask"].sum())
+        timings["gen_width"] = int(batch["responses"].shape[1])
+        timings["prompt_tokens"] = int(batch["attention_mask"][:, : batch["prompts"].shape[1]].sum())
+        timings["pg_loss"] = metrics.get("actor/pg_loss", float("nan"))
+        return timings
+
+
+def patch_logits_to_keep(engine) -> None:
+    """Prototype: project only the response positions through the LM head (HF `logits_to_keep`), instead of
+    computing logits for every prompt position and slicing them away. Same log-probs, less work and memory
+    (vocab x prompt length per row); matters for real vocabularies (150k), barely for the embedded one (275)."""
+    import torch
+
+    from rlkit import algos
+    from rlkit.engine import trim_padding
+
+    def forward(model, mb, temperature, with_entropy):
+        prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
+        t, first, keep = trim_padding({k: mb[k].to(engine.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
+                       use_cache=False, logits_to_keep=keep + 1).logits[:, :-1].float() / temperature
+        labels = mb["responses"][:, :keep].to(engine.device)
+        logp = torch.zeros(len(mb), resp_len, device=engine.device)
+        logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
+        ent = None
+        if with_entropy:
+            ent = torch.zeros(len(mb), resp_len, device=engine.device)
+            ent[:, :keep] = algos.entropy_from_logits(logits)
+        return logp, ent
+
+    engine.forward = forward
+
+
+def _groups_share_prompt(prompts, n: int) -> bool:
+    """Rows i*n .. i*n+n-1 hold the same prompt (batch.repeat(n, interleave=True))."""
+    import torch
+
+    return len(prompts) % n == 0 and bool(torch.equal(prompts.view(-1, n, prompts.shape[1]), prompts[::n, None].expand(-1, n, -1)))
+
+
+def prefix_shared_logits(model, input_ids, attention_mask, prompt_len: int, n: int, keep_logits: int):
+    """Logits predicting the response tokens, with each group's prompt run through the model ONCE.
+
+    GRPO's n samples of a prompt share it: run the B distinct prompts (B = rows / n) with a KV cache, repeat the
+    cache n times, then run only the response tokens of all B*n rows against it. The prompt's last position
+    predicts response token 0; response position j predicts token j+1. Works with gradients (the cache
+    repetition is differentiable), so it serves the update as well as the no-grad passes.
+    Returns (rows, keep_logits, vocab).
+    """
+    import torch
+
+    p_ids, p_mask = input_ids[::n, :prompt_len], attention_mask[::n, :prompt_len]
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, prompt_len:prompt_len + keep_logits - 1]
+    first = out.logits[:, -1:].repeat_interleave(n, 0)
+    if keep_logits == 1:
+        return first
+    rest = model(input_ids=input_ids[:, prompt_len:prompt_len + keep_logits - 1], attention_mask=attention_mask[:, :prompt_len + keep_logits - 1],
+                 position_ids=pos, past_key_values=cache, use_cache=True).logits
+    return torch.cat([first, rest], 1)
+
+
+def patch_prefix_sharing(engine, rollout, n: int) -> None:
+    """Prototype: share each GRPO group's prompt in generation (one prefill per prompt, cache repeated n times)
+    and in every log-prob pass (reference, old, update). Falls back to rlkit's own code when a (micro-)batch
+    does not hold whole groups."""
+    import torch
+
+    from rlkit import algos
+    from rlkit.engine import trim_padding
+    from rlkit.rollout import NEUTRAL_SAMPLING, assemble
+
+    plain_forward = engine.forward
+
+    def forward(model, mb, temperature, with_entropy):
+        if engine.value_head or not _groups_share_prompt(mb["prompts"], n):
+            return plain_forward(model, mb, temperature, with_entropy)
+        prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
+        t, first, keep = trim_padding({k: mb[k].to(engine.device) for k in ("input_ids", "attention_mask")}, prompt_len)
+        logits = prefix_shared_logits(model, t["input_ids"], t["attention_mask"], prompt_len - first, n, keep).float() / temperature
+        labels = mb["responses"][:, :keep].to(engine.device)
+        logp = torch.zeros(len(mb), resp_len, device=engine.device)
+        logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
+        ent = None
+        if with_entropy:
+            ent = torch.zeros(len(mb), resp_len, device=engine.device)
+            ent[:, :keep] = algos.entropy_from_logits(logits)
+        return logp, ent
+
+    plain_generate = rollout.generate
+
+    @torch.no_grad()
+    def generate(prompts, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, micro_batch_size=None):
+        if temperature <= 0 or top_p < 1.0 or top_k or not _groups_share_prompt(prompts["input_ids"], n):
+            return plain_generate(prompts, max_new_tokens, temperature, top_p, top_k, micro_batch_size)
+        model, tok = rollout.model, rollout.tokenizer
+        ids, mask = prompts["input_ids"].to(rollout.device), prompts["attention_mask"].to(rollout.device)
+        out = model(input_ids=ids[::n], attention_mask=mask[::n], position_ids=(mask[::n].cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        probs = torch.softmax(out.logits[:, -1].float() / temperature, -1).repeat_interleave(n, 0)
+        first = torch.multinomial(probs, 1)
+        if max_new_tokens > 1:
+            seq = model.generate(input_ids=torch.cat([ids, first], 1), attention_mask=torch.cat([mask, torch.ones_like(first)], 1),
+                                 past_key_values=cache, do_sample=True, max_new_tokens=max_new_tokens - 1, eos_token_id=rollout.eos,
+                                 pad_token_id=tok.pad_token_id, temperature=temperature, top_p=1.0, top_k=None, **NEUTRAL_SAMPLING)
+            resp = seq[:, ids.shape[1]:].cpu()
+        else:
+            resp = first.cpu()
+        if resp.shape[1] < max_new_tokens:
+            resp = torch.cat([resp, torch.full((len(resp), max_new_tokens - resp.shape[1]), tok.pad_token_id, dtype=resp.dtype)], 1)
+        return assemble(prompts, resp, rollout.eos, tok.pad_token_id)
+
+    engine.forward = forward
+    rollout.generate = generate
+
+
+# prototyped optimisations, by name (see docs/performance.md): RlkitGRPO keyword arguments
+VARIANTS = {
+    "skip_old_lp": dict(skip_old_log_prob=True),
+    "logits_to_keep": dict(logits_to_keep=True),
+    "prefix": dict(prefix_sharing=True),
+    "all": dict(skip_old_log_prob=True, prefix_sharing=True),
+}
+
+
+def arms(variants: str | None) -> dict[str, dict]:
+    """{'rlkit': {}} plus 'rlkit+NAME' for each comma-separated name of VARIANTS."""
+    out = {"rlkit": {}}
+    for name in filter(None, (variants or "").split(",")):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        out[f"rlkit+{name}"] = VARIANTS[name]
+    return out
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def fmt_table(rows: list[list], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
