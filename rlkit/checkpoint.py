@@ -29,7 +29,7 @@ RESUMABLE_CHANGES = {"trainer.resume", "trainer.total_epochs", "trainer.total_tr
                      "trainer.test_freq", "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.device",
                      "trainer.num_threads", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
                      "data.val_max_samples", "rollout.log_prob_micro_batch_size", "trainer.ray_address",
-                     "trainer.cpus_per_worker"}
+                     "trainer.cpus_per_worker", "trainer.n_workers"}
 
 
 def rng_state() -> dict:
