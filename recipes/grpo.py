@@ -104,7 +104,8 @@ def main(cfg: Config) -> dict:
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                batch = batch.union(policy.compute_log_prob(batch))
+                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
+                    batch = batch.union(policy.compute_log_prob(batch))
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)

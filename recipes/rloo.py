@@ -88,7 +88,8 @@ def main(cfg: Config) -> dict:
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                batch = batch.union(policy.compute_log_prob(batch))
+                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
+                    batch = batch.union(policy.compute_log_prob(batch))
 
             # ALGO LOGIC: leave-one-out advantage, the same for every token of a response
             advantages = algos.rloo_advantage(scores, batch["uid"])

@@ -208,9 +208,10 @@ class TorchEngine:
         logp = torch.zeros(len(mb), resp_len, device=self.device)
         logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
         ent = None
-        if with_entropy:
+        if with_entropy:  # "metric": computed without gradient, for logging only
             ent = torch.zeros(len(mb), resp_len, device=self.device)
-            ent[:, :keep] = algos.entropy_from_logits(logits)
+            with torch.no_grad() if with_entropy == "metric" else nullcontext():
+                ent[:, :keep] = algos.entropy_from_logits(logits)
         return logp, ent
 
     @torch.no_grad()
@@ -253,6 +254,12 @@ class TorchEngine:
         gets values where a policy's gets log-probs.
         """
         cfg, role = self.actor_cfg, self.role
+        # On-policy shortcut: a batch without old log-probs is updated in exactly one optimizer step, where
+        # pi_old = pi, so log pi_old is this step's own log-probs, detached (rho = 1, the gradient unchanged).
+        reuse_old = not self.value_head and "old_log_probs" not in batch
+        if reuse_old and (epochs != 1 or len(batch) > mini_batch_size):
+            raise ValueError("the batch has no old_log_probs, but its update takes more than one optimizer step "
+                             "(ppo_epochs > 1 or several mini-batches): compute them with policy.compute_log_prob first")
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
@@ -269,8 +276,12 @@ class TorchEngine:
                     self.optimizer.zero_grad(set_to_none=True)
                     total = 0.0
                     for mb in mini.split(micro_batch_size):
-                        logp, ent = self.forward(self.model, mb, temperature, with_entropy)
-                        loss, metrics = loss_fn(mb.to(self.device), logp, ent, norm)
+                        logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
+                        mb = mb.to(self.device)
+                        if reuse_old:  # the old log-probs and the entropy metric, from this very pass
+                            mb["old_log_probs"] = logp.detach()
+                            add(f"{role}/entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
+                        loss, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
                         if not torch.isfinite(loss):
                             if cfg.nan_policy == "skip":
                                 add(f"{role}/skipped_steps", 1)

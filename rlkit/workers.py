@@ -53,6 +53,9 @@ class ActorRolloutRefWorker:
                  wrap=None):
         if rollout_cfg.name not in ("hf", "vllm"):
             raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
+        if rollout_cfg.name == "vllm" and wrap is not None:
+            raise ValueError("--rollout.name vllm runs with the local backend only for now (its weight sync reads unsharded weights); "
+                             "use --rollout.name hf with --trainer.backend ray")
         model_cfg = resolved(model_cfg)
         self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
         self.tokenizer = self.engine.tokenizer
@@ -68,6 +71,11 @@ class ActorRolloutRefWorker:
             prompts, self.data_cfg.max_response_length,
             temperature=r.val_temperature if validate else r.temperature, top_p=r.top_p, top_k=r.top_k,
         )
+
+    def is_on_policy(self) -> bool:
+        """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old = π
+        and the old log-probs need no pass of their own (the update takes its own, detached)."""
+        return self.actor_cfg.ppo_epochs == 1 and self.actor_cfg.ppo_mini_batch_size >= self.data_cfg.train_batch_size
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         """Per-token log-probs of the responses under the current policy (π_old) and their entropy."""

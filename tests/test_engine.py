@@ -489,3 +489,29 @@ def test_hf_rollout_log_probs_match_the_trainers():
     assert mask.sum() > 12
     torch.testing.assert_close(batch["rollout_log_probs"][mask], trainer_lp[mask], atol=1e-5, rtol=0)
     assert torch.all(batch["rollout_log_probs"][~mask] == 0)
+
+
+def test_on_policy_update_without_old_log_probs_equals_the_update_with_them():
+    """One optimizer step: reusing the update's own detached log-probs as log pi_old gives the same weights
+    as computing them in a separate pass; with several optimizer steps it is refused."""
+    from rlkit.config import ActorConfig, DataConfig, ModelConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import TorchEngine
+    from rlkit.rollout import HFRollout
+
+    def loss_fn(mb, logp, ent, norm):
+        return algos.ppo_clip_loss(logp, mb["old_log_probs"], mb["advantages"], mb["response_mask"], **norm)
+
+    torch.manual_seed(0)
+    a, b = TorchEngine(ModelConfig(), ActorConfig(lr=1e-3)), TorchEngine(ModelConfig(), ActorConfig(lr=1e-3))
+    prompts = build_prompts([str(embedded.DATA_DIR / "val.parquet")], a.tokenizer, DataConfig(), max_samples=8)
+    batch = HFRollout(a.model, a.tokenizer, a.device).generate(prompts.batch(list(range(8)), a.tokenizer.pad_token_id).repeat(2), 8)
+    batch["advantages"] = torch.randn(len(batch), 1) * batch["response_mask"]
+    with_old = batch.union(DataProto.from_dict(tensors={"old_log_probs": a.compute_log_prob(batch, 1.0, 16)[0]}))
+    a.update(with_old, loss_fn, mini_batch_size=16, micro_batch_size=16)
+    metrics = b.update(batch, loss_fn, mini_batch_size=16, micro_batch_size=16)
+    assert metrics["actor/entropy"] > 0  # the entropy metric comes from the update's own pass
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-7, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="compute them with policy.compute_log_prob"):
+        b.update(batch, loss_fn, mini_batch_size=8, micro_batch_size=8)
