@@ -40,7 +40,7 @@ class DataConfig:
     """verl-format parquet file(s) for validation; empty to skip validation"""
     prompt_key: str = "prompt"
     """column that holds the chat messages"""
-    max_prompt_length: int = 64
+    max_prompt_length: int = 512
     """prompt token budget; longer prompts are handled by `truncation`"""
     max_response_length: int = 8
     """maximum number of generated tokens per response"""

@@ -174,7 +174,7 @@ def test_bad_input_ends_with_one_clear_message(tmp_path, case):
         args += ["--model.path", str(_remote_code_model(tmp_path / "remote"))]
         expect = ["ships its own modelling code", "--model.trust-remote-code"]
     elif case == "prompt_too_long":
-        rows[3] = _row(prompt="What is " + "1+" * 40 + "1?")
+        rows[3] = _row(prompt="What is " + "1+" * 300 + "1?")
         expect = ["row 3", "--data.max-prompt-length", "--data.truncation"]
     elif case == "unknown_model":
         args += ["--model.path", str(tmp_path / "no-such-model")]
