@@ -140,7 +140,7 @@ class RlkitGRPO:
         self.tok = self.policy.tokenizer
         self.train = PromptLoader(build_prompts(cfg.data.train_files, self.tok, cfg.data), prompts, self.tok.pad_token_id,
                                   cfg.data.shuffle, seed)
-        self.reward_fn = RewardFn(cfg.reward.custom_fn, cfg.reward.on_error, cfg.reward.timeout_s)
+        self.reward_fn = RewardFn.from_config(cfg.reward, cfg.trainer.device)
         self.actor_loss = grpo.make_actor_loss(cfg)
         self.skip_old_log_prob = skip_old_log_prob
         if skip_old_log_prob:

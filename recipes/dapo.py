@@ -89,7 +89,7 @@ def main(cfg: Config) -> dict:
     tok = policy.tokenizer
     train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.gen_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = RewardFn(cfg.reward.custom_fn, cfg.reward.on_error, cfg.reward.timeout_s)
+    reward_fn = RewardFn.from_config(cfg.reward, cfg.trainer.device)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
 

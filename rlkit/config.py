@@ -172,6 +172,12 @@ class RewardConfig:
     """when a scoring function raises, hangs or returns a non-number: stop (raise) or score 0 and count it (zero)"""
     timeout_s: float = 30.0
     """time limit per call of --reward.custom-fn (0 = none); a call that takes longer counts as failing"""
+    model_path: str | None = None
+    """a reward model (AutoModelForSequenceClassification, 1 output) scoring prompt + response with its own tokenizer and chat template"""
+    combine: Literal["replace", "add"] = "replace"
+    """with --reward.model-path: the model's score is the reward (replace) or is added to the function's (add)"""
+    model_micro_batch_size: int = 32
+    """sequences per forward pass of the reward model"""
 
 
 @dataclass

@@ -36,7 +36,8 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
     """One scalar per trajectory from the reward function, plus its metrics."""
-    return reward_fn(batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"])
+    return reward_fn(batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"],
+                     prompts=batch["raw_prompt"])
 
 
 def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:

@@ -238,6 +238,18 @@ class RewardFn:
             self.custom_fn = load_function(custom_fn)
         self.on_error = on_error
         self.timeout_s = timeout_s
+        self.model, self.use_function = None, True  # a RewardModel, set by from_config
+
+    @classmethod
+    def from_config(cls, cfg, device: str = "auto") -> "RewardFn":
+        """The reward of a RewardConfig: the scoring function and, with cfg.model_path, a reward model."""
+        fn = cls(cfg.custom_fn, cfg.on_error, cfg.timeout_s or None)
+        if cfg.model_path:
+            from rlkit.reward_model import RewardModel
+
+            fn.model = RewardModel(cfg.model_path, device, cfg.model_micro_batch_size)
+            fn.use_function = cfg.combine == "add"
+        return fn
 
     def scorer_for(self, data_source: str) -> ScoreFn:
         """The function that scores `data_source`: the custom one if given, else the registered one."""
@@ -251,7 +263,7 @@ class RewardFn:
             )
         return SCORERS[data_source]
 
-    def __call__(self, data_sources, responses: list[str], ground_truths, extra_infos=None):
+    def __call__(self, data_sources, responses: list[str], ground_truths, extra_infos=None, prompts=None):
         """Score B responses; returns (float32 tensor of shape (B,), metrics dict of floats).
 
         `data_sources` may be one string for the whole batch. Scorers are called with keyword arguments,
@@ -269,6 +281,13 @@ class RewardFn:
                 f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos"
             )
 
+        model_scores = None
+        if self.model is not None:  # model-based reward: its score, alone or added to the function's
+            if prompts is None:
+                raise ValueError("a reward model needs the prompts: call reward_fn(..., prompts=batch['raw_prompt'])")
+            model_scores = self.model(prompts, responses)
+            if not self.use_function:
+                return model_scores, {"reward/model_score": model_scores.mean().item()}
         scores, extras, errors = [], {}, []
         for i in range(n):
             fn = self.scorer_for(data_sources[i])
@@ -295,7 +314,11 @@ class RewardFn:
             metrics["reward/errors"] = float(len(errors))
             if errors:
                 logger.warning("%d/%d reward calls failed and scored 0.0; first: %s", len(errors), n, errors[0])
-        return torch.tensor(scores, dtype=torch.float32), metrics
+        scores = torch.tensor(scores, dtype=torch.float32)
+        if model_scores is not None:
+            metrics["reward/model_score"] = model_scores.mean().item()
+            scores = scores + model_scores
+        return scores, metrics
 
 
 def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""Model-based reward: a sequence-classification model scores (prompt, response) pairs.
+
+Any `AutoModelForSequenceClassification` with one output works (e.g. a Bradley-Terry reward model
+trained with TRL, or Skywork/ArmoRM-style checkpoints). It keeps its own tokenizer and chat template,
+which may differ from the policy's: the prompt's chat messages plus the response as the assistant
+turn are rendered with the *reward model's* template, so nothing depends on the policy's token ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkit.engine import resolve_device
+
+
+class RewardModel:
+    """score(prompts, responses) -> (B,) float tensor, in micro-batches, without gradients."""
+
+    def __init__(self, path: str, device: str = "auto", micro_batch_size: int = 32, max_length: int = 2048,
+                 trust_remote_code: bool = False):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.device = resolve_device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.tokenizer.padding_side = "right"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code).to(self.device).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"reward model {path} has {self.model.config.num_labels} outputs; a reward model has exactly 1 (num_labels=1)")
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.micro_batch_size, self.max_length = micro_batch_size, max_length
+
+    def render(self, prompt, response: str) -> str:
+        """The text the reward model reads: chat messages + the response as the assistant turn, in its own template."""
+        if isinstance(prompt, str) or not getattr(self.tokenizer, "chat_template", None):
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            return text + response
+        return self.tokenizer.apply_chat_template(list(prompt) + [{"role": "assistant", "content": response}], tokenize=False)
+
+    @torch.no_grad()
+    def __call__(self, prompts, responses: list[str]) -> torch.Tensor:
+        texts = [self.render(p, r) for p, r in zip(prompts, responses)]
+        scores = []
+        for start in range(0, len(texts), self.micro_batch_size):
+            enc = self.tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt", padding=True,
+                                 truncation=True, max_length=self.max_length, add_special_tokens=False).to(self.device)
+            scores.append(self.model(**enc).logits[:, 0].float().cpu())
+        return torch.cat(scores)

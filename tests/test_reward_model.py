@@ -1,0 +1,67 @@
+"""Model-based reward: a tiny sequence-classification model built here scores (prompt, response) pairs."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+from rlkit import embedded
+from rlkit.config import RewardConfig
+from rlkit.reward_model import RewardModel
+from rlkit.rewards import RewardFn
+from test_grpo_recipe import load_recipe, read_jsonl, small_config
+
+OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def rm_path(tmp_path_factory):
+    """A 1-output classifier with random weights and a chat template unlike the policy's."""
+    path = tmp_path_factory.mktemp("rm")
+    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    tok.chat_template = OTHER_TEMPLATE
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+PROMPTS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "What is 10+31?"}], "plain text prompt "]
+RESPONSES = ["5", "41 is the answer", "x"]
+
+
+def test_scores_equal_a_plain_forward_on_text_in_the_reward_models_own_template(rm_path):
+    rm = RewardModel(str(rm_path), micro_batch_size=2)
+    assert rm.render(PROMPTS[0], "5") == "[user] What is 2+3?\n[assistant] 5\n"  # its template, not the policy's ChatML
+    scores = rm(PROMPTS, RESPONSES)
+    model = LlamaForSequenceClassification.from_pretrained(rm_path).eval()
+    tok = AutoTokenizer.from_pretrained(rm_path)
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):  # one at a time: no padding at all
+        ids = tok(rm.render(p, r), return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            expected = model(**ids).logits[0, 0]
+        torch.testing.assert_close(scores[i], expected, atol=1e-5, rtol=0)
+    assert scores.std() > 0
+
+
+def test_reward_fn_replaces_or_adds_the_model_score(rm_path):
+    rm_scores = RewardModel(str(rm_path))(PROMPTS[:2], ["5", "41"])
+    replace = RewardFn.from_config(RewardConfig(model_path=str(rm_path)), "cpu")
+    scores, metrics = replace(["rlkit/arith"] * 2, ["5", "41"], ["5", "40"], prompts=PROMPTS[:2])
+    torch.testing.assert_close(scores, rm_scores)
+    add = RewardFn.from_config(RewardConfig(model_path=str(rm_path), combine="add"), "cpu")
+    scores, metrics = add(["rlkit/arith"] * 2, ["5", "41"], ["5", "40"], prompts=PROMPTS[:2])
+    torch.testing.assert_close(scores, rm_scores + torch.tensor([1.0, 0.0]))  # arith: "5" right, "41" wrong
+    assert metrics["reward/acc"] == 0.5 and "reward/model_score" in metrics
+    with pytest.raises(ValueError, match="needs the prompts"):
+        add(["rlkit/arith"], ["5"], ["5"])
+
+
+def test_grpo_runs_with_a_reward_model(tmp_path, rm_path):
+    grpo = load_recipe("grpo")
+    cfg = small_config(grpo, tmp_path, steps=1)
+    cfg.reward.model_path = str(rm_path)
+    grpo.main(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert "reward/model_score" in rows[1] and rows[1]["critic/score/std"] > 0
