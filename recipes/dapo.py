@@ -37,7 +37,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        lr=1e-4, ppo_mini_batch_size=32, ppo_micro_batch_size=256, clip_ratio_low=0.2, clip_ratio_high=0.28,
+        lr=1e-4, ppo_mini_batch_size=32, clip_ratio_low=0.2, clip_ratio_high=0.28,
         loss_agg_mode="token-mean", use_kl_loss=False))
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

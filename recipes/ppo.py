@@ -53,8 +53,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4))
-    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, ppo_micro_batch_size=256, use_kl_loss=False))
-    critic: CriticConfig = field(default_factory=lambda: CriticConfig(lr=1e-4, ppo_micro_batch_size=256))
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, use_kl_loss=False))
+    critic: CriticConfig = field(default_factory=lambda: CriticConfig(lr=1e-4))
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(experiment_name="ppo-embedded"))
     gamma: float = 1.0

@@ -84,8 +84,8 @@ class RolloutConfig:
     """top-k sampling (0 = off)"""
     val_temperature: float = 0.0
     """temperature for validation; 0 = greedy"""
-    log_prob_micro_batch_size: int = 256
-    """sequences per forward pass when computing log-probs without gradients"""
+    log_prob_micro_batch_size: int = 0
+    """sequences per forward pass when computing log-probs without gradients (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 16)"""
     gpu_memory_utilization: float = 0.5
     """vllm on a GPU: share of GPU memory the engine may take (weights + KV cache); the trainer needs the rest"""
     kv_cache_gb: int = 1
@@ -108,8 +108,8 @@ class ActorConfig:
     """clip the global gradient norm to this value"""
     ppo_mini_batch_size: int = 32
     """prompts per optimizer step; × rollout.n trajectories (as in verl). train_batch_size / this = optimizer steps per epoch"""
-    ppo_micro_batch_size: int = 64
-    """trajectories per forward/backward pass; gradients are accumulated over a mini-batch"""
+    ppo_micro_batch_size: int = 0
+    """trajectories per forward/backward pass; gradients are accumulated over a mini-batch (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 8)"""
     ppo_epochs: int = 1
     """passes over the rollout batch per training step"""
     shuffle: bool = False
@@ -152,8 +152,8 @@ class CriticConfig:
     """clip the value model's global gradient norm to this value"""
     ppo_mini_batch_size: int | None = None
     """prompts per critic optimizer step, × rollout.n trajectories (default: actor.ppo_mini_batch_size)"""
-    ppo_micro_batch_size: int = 64
-    """trajectories per forward/backward pass of the value model"""
+    ppo_micro_batch_size: int = 0
+    """trajectories per forward/backward pass of the value model (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 8)"""
     ppo_epochs: int = 1
     """passes over the rollout batch per training step"""
     cliprange_value: float | None = 0.5

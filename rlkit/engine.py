@@ -337,6 +337,11 @@ class TorchEngine:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def auto_micro_batch(requested: int, model, small: int, large: int) -> int:
+    """`requested`, or when it is 0: `small` rows for a tiny model (< 10M parameters), else `large`."""
+    return requested or (small if num_params(model)[1] < 10_000_000 else large)
+
+
 def num_params(model) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     total = sum(p.numel() for p in model.parameters())

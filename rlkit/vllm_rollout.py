@@ -107,6 +107,9 @@ class VLLMRollout:
             from vllm import LLM
         except Exception as e:  # an installed but broken vllm (e.g. the CUDA build on a CPU machine)
             raise ImportError(f"`import vllm` failed ({type(e).__name__}: {e}). {VLLM_MISSING}") from e
+        # no longer than the model can attend (the prompt budget may be set generously above it)
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_model_len = min(max_model_len, limit) if limit else max_model_len
         start = time.perf_counter()
         kwargs = dict(
             model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,

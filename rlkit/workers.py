@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rlkit.engine import TorchEngine, num_params
+from rlkit.engine import TorchEngine, auto_micro_batch, num_params
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
 from rlkit.rollout import HFRollout
@@ -63,6 +63,8 @@ class ActorRolloutRefWorker:
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
         self.updates = 0
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
+        self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
+        self.log_prob_micro_batch = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
 
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
         """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
@@ -79,19 +81,19 @@ class ActorRolloutRefWorker:
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         """Per-token log-probs of the responses under the current policy (π_old) and their entropy."""
-        lp, ent = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.rollout_cfg.log_prob_micro_batch_size, with_entropy=True)
+        lp, ent = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, with_entropy=True)
         return DataProto.from_dict(tensors={"old_log_probs": lp, "entropys": ent})
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy)."""
-        lp, _ = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.rollout_cfg.log_prob_micro_batch_size, ref=True)
+        lp, _ = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, ref=True)
         return DataProto.from_dict(tensors={"ref_log_prob": lp})
 
     def update(self, batch: DataProto, loss_fn) -> dict:
         """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
         a = self.actor_cfg
         metrics = self.engine.update(
-            batch, loss_fn, mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size, micro_batch_size=a.ppo_micro_batch_size,
+            batch, loss_fn, mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size, micro_batch_size=self.micro_batch,
             epochs=a.ppo_epochs, temperature=self.rollout_cfg.temperature, with_entropy=a.entropy_coeff != 0,
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
@@ -127,14 +129,14 @@ class CriticWorker:
 
     def compute_values(self, batch: DataProto) -> DataProto:
         """V(s_t) for every response token t (the state before it): 'values', shaped like the responses."""
-        values = self.engine.compute_values(batch, self.rollout_cfg.log_prob_micro_batch_size)
+        values = self.engine.compute_values(batch, auto_micro_batch(self.rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16))
         return DataProto.from_dict(tensors={"values": values})
 
     def update(self, batch: DataProto, loss_fn) -> dict:
         """The critic update: ppo_mini_batch_size prompts × n trajectories per optimizer step; loss_fn gets values."""
         c = self.critic_cfg
         return self.engine.update(batch, loss_fn, mini_batch_size=self.mini_batch_size * self.rollout_cfg.n,
-                                  micro_batch_size=c.ppo_micro_batch_size, epochs=c.ppo_epochs)
+                                  micro_batch_size=auto_micro_batch(c.ppo_micro_batch_size, self.engine.model, 256, 8), epochs=c.ppo_epochs)
 
     def num_params(self) -> tuple[int, int]:
         return num_params(self.engine.model)
