@@ -126,17 +126,19 @@ class CriticWorker:
         self.engine = TorchEngine(resolved(model_cfg), critic_cfg, device, value_head=True)
         self.critic_cfg, self.rollout_cfg = critic_cfg, rollout_cfg
         self.mini_batch_size = critic_cfg.ppo_mini_batch_size or actor_mini_batch_size  # prompts
+        self.micro_batch = auto_micro_batch(critic_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
+        self.values_micro_batch = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
 
     def compute_values(self, batch: DataProto) -> DataProto:
         """V(s_t) for every response token t (the state before it): 'values', shaped like the responses."""
-        values = self.engine.compute_values(batch, auto_micro_batch(self.rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16))
+        values = self.engine.compute_values(batch, self.values_micro_batch)
         return DataProto.from_dict(tensors={"values": values})
 
     def update(self, batch: DataProto, loss_fn) -> dict:
         """The critic update: ppo_mini_batch_size prompts × n trajectories per optimizer step; loss_fn gets values."""
         c = self.critic_cfg
         return self.engine.update(batch, loss_fn, mini_batch_size=self.mini_batch_size * self.rollout_cfg.n,
-                                  micro_batch_size=auto_micro_batch(c.ppo_micro_batch_size, self.engine.model, 256, 8), epochs=c.ppo_epochs)
+                                  micro_batch_size=self.micro_batch, epochs=c.ppo_epochs)
 
     def num_params(self) -> tuple[int, int]:
         return num_params(self.engine.model)
