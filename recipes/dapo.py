@@ -71,8 +71,9 @@ def make_actor_loss(cfg: Config):
             loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
         if a.use_kl_loss:
             kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, mode, **norm)
-            metrics["kl_loss"] = algos.masked_mean(kl, mask).item()
+            kl_loss = algos.agg_loss(kl, mask, mode, **norm)
+            loss = loss + a.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.item()
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
         return loss, metrics
@@ -85,7 +86,7 @@ def main(cfg: Config) -> dict:
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ValueError("DAPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    policy = build_policy(cfg)  # actor + rollout + reference, in this process
+    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
     tok = policy.tokenizer
     train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.gen_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None

@@ -66,8 +66,9 @@ def make_actor_loss(cfg: Config):
             loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
         if a.use_kl_loss:
             kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, mode, **norm)
-            metrics["kl_loss"] = algos.masked_mean(kl, mask).item()
+            kl_loss = algos.agg_loss(kl, mask, mode, **norm)
+            loss = loss + a.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.item()
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
         return loss, metrics

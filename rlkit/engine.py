@@ -249,9 +249,12 @@ class TorchEngine:
                epochs: int = 1, temperature: float = 1.0, with_entropy: bool = False, shuffle_seed: int | None = None) -> dict:
         """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
 
-        One optimizer step per mini-batch. Returns averaged metrics: actor/loss, actor/grad_norm,
-        actor/lr (critic/... for a value model) and whatever loss_fn reports. A value model's loss_fn
-        gets values where a policy's gets log-probs.
+        One optimizer step per mini-batch. Returns metrics averaged over optimizer steps: actor/loss,
+        actor/grad_norm, actor/lr (critic/... for a value model) and whatever loss_fn reports. A metric
+        whose name ends in "loss" is a part of the loss (normalised by the mini-batch totals, like the
+        loss): it is summed over the micro-batches of a mini-batch, so it does not depend on the
+        micro-batch size. Other metrics are averaged. A value model's loss_fn gets values where a
+        policy's gets log-probs.
         """
         cfg, role = self.actor_cfg, self.role
         # On-policy shortcut: a batch without old log-probs is updated in exactly one optimizer step, where
@@ -274,7 +277,7 @@ class TorchEngine:
                     mask = mini["response_mask"]
                     norm = global_counts(int(mask.sum()), len(mini))
                     self.optimizer.zero_grad(set_to_none=True)
-                    total = 0.0
+                    total, parts = 0.0, {}  # parts: the mini-batch's "...loss" metrics, summed over micro-batches
                     for mb in mini.split(micro_batch_size):
                         logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
                         mb = mb.to(self.device)
@@ -293,7 +296,10 @@ class TorchEngine:
                         loss.backward()
                         total += loss.item()
                         for k, v in metrics.items():
-                            add(k, v)
+                            if k.endswith("loss"):
+                                parts[k] = parts.get(k, 0.0) + float(v)
+                            else:
+                                add(k, v)
                     else:
                         params = [p for p in self.model.parameters() if p.requires_grad]
                         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -310,6 +316,8 @@ class TorchEngine:
                         self.optimizer.step()
                         self.scheduler.step()
                         add(f"{role}/loss", total)
+                        for k, v in parts.items():
+                            add(k, v)
                         add(f"{role}/grad_norm", grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         return {k: sums[k] / counts[k] if k != f"{role}/skipped_steps" else sums[k] for k in sums}
@@ -323,10 +331,14 @@ class TorchEngine:
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
+    def in_checkpoint(self, key: str) -> bool:
+        """Whether a weight is saved for resumption: all of them, or with LoRA the adapter plus a value model's
+        head (peft keeps it in "modules_to_save"); the frozen base comes from --model.path."""
+        return not self.lora or "lora_" in key or "modules_to_save" in key
+
     def state_dict(self) -> dict:
         """Trainable weights (+ optimizer and scheduler) for exact resumption."""
-        # with LoRA: the adapter, plus a value model's head (peft keeps it in "modules_to_save")
-        weights = {k: v for k, v in self.model.state_dict().items() if not self.lora or "lora_" in k or "modules_to_save" in k}
+        weights = {k: v for k, v in self.model.state_dict().items() if self.in_checkpoint(k)}
         return {"model": weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

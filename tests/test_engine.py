@@ -285,6 +285,26 @@ def test_update_is_micro_batch_invariant(prompt_set, mode):
     assert max_diff(whole, quarters) < 1e-6
 
 
+def test_loss_metrics_add_up_over_micro_batches(prompt_set):
+    """A "...loss" metric is a part of the loss: summed over micro-batches, it does not depend on their size
+    (averaging them would report a quarter of the loss with four micro-batches)."""
+    batch = ppo_batch(make_engine(), prompt_set)
+
+    def loss_fn(mb, log_prob, entropy, norm):
+        loss, metrics = ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+        return loss, {**metrics, "actor/pg_loss": loss.item()}
+
+    def metrics(micro):
+        torch.manual_seed(0)
+        return make_engine().update(batch, loss_fn, mini_batch_size=B, micro_batch_size=micro, temperature=T)
+
+    whole, quarters = metrics(B), metrics(B // 4)
+    assert abs(whole["actor/pg_loss"]) > 1e-4
+    assert whole["actor/pg_loss"] == pytest.approx(whole["actor/loss"], rel=1e-6)
+    assert quarters["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], rel=1e-5)
+    assert quarters["actor/loss"] == pytest.approx(whole["actor/loss"], rel=1e-5)
+
+
 def test_micro_batch_invariance_check_detects_wrong_normalisation(prompt_set):
     """Control: normalising each micro-batch by its own token count is not invariant, and the check sees it.
 
