@@ -93,8 +93,9 @@ def make_actor_loss(cfg: Config):
             loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
         if a.use_kl_loss:
             kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, mode, **norm)
-            metrics["kl_loss"] = algos.masked_mean(kl, mask).item()
+            kl_loss = algos.agg_loss(kl, mask, mode, **norm)
+            loss = loss + a.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.item()
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.item()
         return loss, metrics
@@ -130,8 +131,8 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, models, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     need_ref = cfg.actor.use_kl_loss or cfg.use_kl_in_reward
-    policy = build_policy(cfg, need_ref=need_ref)  # actor + rollout + reference, in this process
-    critic = build_critic(cfg)  # value model: the policy's checkpoint (or --critic.path) + a fresh value head
+    policy = build_policy(cfg, need_ref=need_ref)  # actor + rollout + reference: here, or Ray workers (--trainer.backend ray)
+    critic = build_critic(cfg, policy)  # value model: the policy's checkpoint (or --critic.path) + a fresh value head
     tok = policy.tokenizer
     train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None

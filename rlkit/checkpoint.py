@@ -4,7 +4,10 @@ Layout of `default_local_dir`::
 
     checkpoints/global_step_20/
         hf/              the policy as a Hugging Face folder (LoRA merged): from_pretrained loads it
-        state.pt         trainable weights, optimizer, scheduler, RNG states, data-loader position
+        policy/          the policy's trainable weights, optimizer and scheduler, written by its workers:
+                         state.pt (one process) or one shard per process (FSDP2, torch.distributed.checkpoint)
+        critic/          the same for PPO's value model
+        state.pt         the rest: RNG states, data-loader position, validation history, KL controller, ...
         config.json      the run's config, checked when resuming
     checkpoints/latest   the newest step, a text file
 
@@ -24,12 +27,15 @@ import numpy as np
 import torch
 
 PREFIX = "global_step_"
-# Config fields that may differ between the run that saved and the run that resumes.
+# Config fields that may differ between the run that saved and the run that resumes. The output folder and the
+# names may: `--trainer.resume PATH` into another folder starts a branch of the run from that checkpoint.
 RESUMABLE_CHANGES = {"trainer.resume", "trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq",
                      "trainer.test_freq", "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.device",
                      "trainer.num_threads", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
                      "data.val_max_samples", "rollout.log_prob_micro_batch_size", "trainer.ray_address",
-                     "trainer.cpus_per_worker", "trainer.n_workers"}
+                     "trainer.cpus_per_worker", "trainer.n_workers",
+                     "trainer.critic_workers", "trainer.fsdp_offload", "trainer.default_local_dir",
+                     "trainer.experiment_name", "trainer.project_name"}
 
 
 def rng_state() -> dict:
@@ -59,8 +65,10 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=None, keep: int = 2) -> Path:
-    """Atomically write checkpoint `step` (state -> state.pt, save_hf(folder) -> hf/), then prune to `keep`."""
+def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=None, keep: int = 2, parts: dict | None = None) -> Path:
+    """Atomically write checkpoint `step` (state -> state.pt, save_hf(folder) -> hf/, parts[name](folder) -> name/),
+    then prune to `keep`. The folders go to the workers that write them: with Ray on several nodes the
+    checkpoint directory must be on a filesystem they all see."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
@@ -70,6 +78,8 @@ def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=No
     tmp.mkdir()
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    for name, write in (parts or {}).items():
+        write(tmp / name)
     if save_hf is not None:
         save_hf(tmp / "hf")
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)

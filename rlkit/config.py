@@ -213,7 +213,13 @@ class TrainerConfig:
     n_workers: int = 1
     """worker processes with --trainer.backend ray (one per GPU; on CPU, gloo)"""
     cpus_per_worker: float = 1
-    """CPU cores reserved per Ray worker"""
+    """CPU cores reserved per Ray worker bundle (colocated roles split a bundle)"""
+    critic_workers: int = 0
+    """PPO's critic with --trainer.backend ray: 0 = colocated with the actor (same bundles, half of each); N = a pool of N bundles of its own"""
+    fsdp_param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """FSDP2 compute dtype: weights are gathered in it for forward/backward while the sharded master weights and the gradient reduction stay in --model.dtype (auto: bfloat16 on GPU, float32 on CPU)"""
+    fsdp_offload: bool = False
+    """FSDP2: keep the sharded weights, gradients and optimizer state in CPU memory, moved to the GPU only when used (larger models, slower steps)"""
     ray_address: str | None = None
     """a running Ray cluster to join (e.g. 127.0.0.1:6379, or set RAY_ADDRESS); default: start a local one"""
     num_threads: int = 0

@@ -1,25 +1,33 @@
-"""The actor/rollout/reference worker for a group of processes: the model sharded with FSDP2.
+"""Workers for a group of processes: the model sharded with FSDP2 (actor/rollout/reference, and critic).
 
 One instance runs in each process of a `RayWorkerGroup`. Every process holds 1/N of the
 parameters, gradients and optimizer state (`torch.distributed.fsdp.fully_shard`, gloo on CPU,
 NCCL on GPU); the batch is split across processes by the group (`@dispatch("split")`).
 
-What changes against the single-process worker, and why:
+What changes against the single-process workers, and why:
 
 - the update gets the whole batch and each process takes its 1/N of every mini-batch; losses are
   normalised by the token / sequence counts of the *global* mini-batch (all-reduced), so the update
   equals the one-process update (FSDP averages gradients over processes; the counts are divided by
   N to undo that average). With --actor.shuffle each process shuffles its own share;
+- mixed precision (FSDP's MixedPrecisionPolicy): float32 master weights, sharded; each layer's
+  weights are gathered in --trainer.fsdp-param-dtype (bfloat16 on GPU by default) for the forward
+  and backward passes; gradients are reduced in float32. --trainer.fsdp-offload keeps the shards
+  in CPU memory (CPUOffloadPolicy);
 - generation runs on a full, unsharded copy of the policy (gathered before each rollout: the
   "hybrid engine"), because processes stop generating at different lengths and a sharded model
   would need every process in every forward pass;
-- state for checkpoints is gathered to full tensors; `save_pretrained` writes from rank 0.
+- training checkpoints are sharded: each process writes its own shard of the weights and optimizer
+  state (torch.distributed.checkpoint, DCP); DCP reshards on load, so a run may resume on another
+  number of processes. The Hugging Face export (hf/) gathers the full weights and rank 0 writes it.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,7 +35,7 @@ import torch.distributed as dist
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
 from rlkit.rollout import HFRollout
-from rlkit.workers import ActorRolloutRefWorker
+from rlkit.workers import ActorRolloutRefWorker, CriticWorker
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> None:
@@ -38,36 +46,131 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
 
 
-def shard(model, mesh=None):
-    """FSDP2: shard every decoder layer, then the whole model (embeddings, head, norms)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model, param_dtype: torch.dtype | None = None, offload: bool = False):
+    """FSDP2: shard every decoder layer, then the whole model (embeddings, head, norms).
 
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    param_dtype: gather the weights in this dtype for compute (None: as stored); gradients are
+    reduced in float32. offload: keep the shards in CPU memory between uses.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kw = {}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for layer in [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     return model
 
 
-class FSDPActorRolloutRefWorker(ActorRolloutRefWorker):
-    """ActorRolloutRefWorker whose model is sharded across the processes of its group."""
+class FSDPMixin:
+    """What both FSDP workers add to their single-process class: joining the process group, sharding,
+    each process's share of a mini-batch, and sharded checkpoints."""
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0,
-                 need_ref: bool | None = None, *, rank: int, world_size: int, master_addr: str, master_port: int):
-        from rlkit.engine import resolve_device, set_threads
+    def _join(self, model_cfg, device: str, rank: int, world_size: int, master_addr: str, master_port: int, fsdp: dict | None):
+        """Join the process group; returns (device, model_cfg) with the master-weight dtype resolved."""
+        from rlkit.engine import resolve_device, resolve_dtype, set_threads
 
         set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         dev = resolve_device(device)
-        if dev.type == "cuda":
-            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0)
+        if dev.type == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
+            dev = torch.device("cuda", 0)
         init_process_group(rank, world_size, master_addr, master_port, dev)
         self.rank, self.world_size = rank, world_size
-        torch.manual_seed(seed)  # the same initial weights (e.g. LoRA's) in every process
+        fsdp = fsdp or {}
+        compute = resolve_dtype(fsdp.get("param_dtype", "auto"), dev)
+        if model_cfg.dtype == "auto":  # FSDP keeps float32 master weights; compute runs in `compute`
+            model_cfg = dataclasses.replace(model_cfg, dtype="float32")
+        self.compute_dtype = compute
+        stored = getattr(torch, model_cfg.dtype)
+        self._shard_kw = {"param_dtype": compute if compute != stored else None, "offload": fsdp.get("offload", False)}
+        return dev, model_cfg
+
+    def _shard(self, model):
+        return shard(model, **self._shard_kw)
+
+    def _my_rows(self, batch: DataProto, mini_batch_size: int) -> DataProto:
+        """This process's 1/N of every mini-batch of `mini_batch_size` rows (the k-th optimizer step sees the same
+        trajectories as with one process)."""
+        share = mini_batch_size // self.world_size
+        rows = [i for start in range(0, len(batch), mini_batch_size)
+                for i in range(start + self.rank * share, start + (self.rank + 1) * share)]
+        return batch.index(rows)
+
+    def _mean_over_ranks(self, metrics: dict) -> dict:
+        """Average the metrics over processes so the controller sees the global picture."""
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return {k: v / self.world_size for k, v in zip(keys, t.tolist())}
+
+    def _sharded_state(self):
+        """{'model', 'optimizer'} as sharded (DTensor) state dicts; frozen weights (LoRA's base) are left out."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        return {"model": {k: v for k, v in model_sd.items() if self.engine.in_checkpoint(k)}, "optimizer": optim_sd}
+
+    def _full_state_dict(self) -> dict:
+        """The whole trainable state gathered to full tensors in every process (tests compare it across group sizes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer, options=opts)
+        model_sd = {k: v for k, v in model_sd.items() if self.engine.in_checkpoint(k)}
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.engine.scheduler.state_dict()}
+
+    def _load_full_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.engine.model, self.engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True, strict=False))
+        self.engine.scheduler.load_state_dict(state["scheduler"])
+
+    def _save_sharded(self, folder, extra: dict) -> None:
+        """Each process writes its shard into `folder` (DCP); rank 0 adds the small unsharded rest (scheduler, counters)."""
+        import torch.distributed.checkpoint as dcp
+
+        folder = Path(folder)
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dcp.save(self._sharded_state(), checkpoint_id=str(folder))
+        if self.rank == 0:
+            torch.save({"scheduler": self.engine.scheduler.state_dict(), **extra}, folder / "extra_state.pt")
+        dist.barrier()
+
+    def _load_sharded(self, folder) -> dict:
+        """Read a DCP checkpoint into this process's shards (any number of processes may have written it)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        folder = Path(folder)
+        if not (folder / ".metadata").is_file():
+            raise FileNotFoundError(f"{folder} holds no sharded checkpoint (.metadata): was it saved with --trainer.backend local? "
+                                    "Resume with the same --trainer.backend")
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(self.engine.model, self.engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=False))
+        extra = torch.load(folder / "extra_state.pt", map_location="cpu", weights_only=False)
+        self.engine.scheduler.load_state_dict(extra.pop("scheduler"))
+        return extra
+
+
+class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
+    """ActorRolloutRefWorker whose model is sharded across the processes of its group."""
+
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0,
+                 need_ref: bool | None = None, fsdp: dict | None = None, *, rank: int, world_size: int, master_addr: str, master_port: int):
+        dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
         super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref,
                          wrap=self._wrap)
         self.dp_size = world_size  # each process updates on its 1/N of every mini-batch
-        # the rollout copy: the same structure, never sharded; weights copied in before each rollout
-        self.rollout_model = copy.deepcopy(self._unsharded_template).eval()
+        # the rollout copy: the same structure, never sharded, in the compute dtype; weights copied in before each rollout
+        self.rollout_model = copy.deepcopy(self._unsharded_template).to(self.compute_dtype).eval()
         self.rollout = HFRollout(self.rollout_model, self.tokenizer, self.engine.device)
 
     def _wrap(self, model):
@@ -75,16 +178,17 @@ class FSDPActorRolloutRefWorker(ActorRolloutRefWorker):
         unsharded twin of the policy to generate with."""
         if not hasattr(self, "_unsharded_template"):
             self._unsharded_template = copy.deepcopy(model)
-        return shard(model)
+        return self._shard(model)
 
-    def _full_state(self) -> dict:
+    def _gather_weights(self) -> None:
+        """Copy the full current weights into the rollout model (a collective: every process takes part)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        self.rollout_model.load_state_dict(get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True)))
 
     @dispatch("split")
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
-        self.rollout_model.load_state_dict(self._full_state())
+        self._gather_weights()
         torch.manual_seed(self.seed * 7919 + self.rank * 104729 + self.updates)  # different samples per process
         return super().generate(prompts, validate)
 
@@ -98,17 +202,9 @@ class FSDPActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @dispatch("all")
     def update(self, batch: DataProto, loss_fn) -> dict:
-        """Every process gets the whole batch and takes its 1/N of each mini-batch, so that the k-th
-        optimizer step sees the same trajectories as with one process."""
-        m = self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n
-        share = m // self.world_size
-        rows = [i for start in range(0, len(batch), m) for i in range(start + self.rank * share, start + (self.rank + 1) * share)]
-        metrics = super().update(batch.index(rows), loss_fn)
-        # average the metrics over processes so the controller sees the global picture
-        keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
-        return {k: v / self.world_size for k, v in zip(keys, t.tolist())}
+        """Every process gets the whole batch and takes its 1/N of each mini-batch."""
+        mine = self._my_rows(batch, self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n)
+        return self._mean_over_ranks(super().update(mine, loss_fn))
 
     @dispatch("all")
     def num_params(self) -> tuple[int, int]:
@@ -116,32 +212,67 @@ class FSDPActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @dispatch("all")
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer, options=opts)
-        if self.engine.lora:
-            model_sd = {k: v for k, v in model_sd.items() if "lora_" in k}
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.engine.scheduler.state_dict(), "updates": self.updates}
+        return {**self._full_state_dict(), "updates": self.updates}
 
     @dispatch("all")
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, strict=not self.engine.lora)
-        set_state_dict(self.engine.model, self.engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=opts)
-        self.engine.scheduler.load_state_dict(state["scheduler"])
+        self._load_full_state_dict(state)
         self.updates = state["updates"]
 
     @dispatch("all")
+    def save_checkpoint(self, folder) -> None:
+        self._save_sharded(folder, {"updates": self.updates})
+
+    @dispatch("all")
+    def load_checkpoint(self, folder) -> None:
+        self.updates = self._load_sharded(folder)["updates"]
+
+    @dispatch("all")
     def save_pretrained(self, path) -> None:
-        self.rollout_model.load_state_dict(self._full_state())  # a collective: every rank takes part
+        self._gather_weights()
         if self.rank == 0:
-            model = self.rollout_model.merge_and_unload() if self.engine.lora else self.rollout_model
-            model.save_pretrained(path)
+            model = copy.deepcopy(self.rollout_model).merge_and_unload() if self.engine.lora else self.rollout_model
+            model.to(self.engine.dtype).save_pretrained(path)  # in --model.dtype, like the single-process export
             self.tokenizer.save_pretrained(path)
-            if self.engine.lora:  # merge_and_unload changed the copy: rebuild it
-                self.rollout_model = copy.deepcopy(self._unsharded_template).eval()
-                self.rollout.model = self.rollout_model
+            self.rollout_model.to(self.compute_dtype)
         dist.barrier()
+
+
+class FSDPCriticWorker(FSDPMixin, CriticWorker):
+    """CriticWorker whose value model is sharded across the processes of its group."""
+
+    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", fsdp: dict | None = None,
+                 *, rank: int, world_size: int, master_addr: str, master_port: int):
+        dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
+        torch.manual_seed(0)  # the fresh value head starts the same in every process
+        super().__init__(model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size, device=str(dev), wrap=self._shard)
+        self.dp_size = world_size
+
+    @dispatch("split")
+    def compute_values(self, batch: DataProto) -> DataProto:
+        return super().compute_values(batch)
+
+    @dispatch("all")
+    def update(self, batch: DataProto, loss_fn) -> dict:
+        mine = self._my_rows(batch, self.mini_batch_size * self.rollout_cfg.n)
+        return self._mean_over_ranks(super().update(mine, loss_fn))
+
+    @dispatch("all")
+    def num_params(self) -> tuple[int, int]:
+        return super().num_params()
+
+    @dispatch("all")
+    def state_dict(self) -> dict:
+        return self._full_state_dict()
+
+    @dispatch("all")
+    def load_state_dict(self, state: dict) -> None:
+        self._load_full_state_dict(state)
+
+    @dispatch("all")
+    def save_checkpoint(self, folder) -> None:
+        self._save_sharded(folder, {})
+
+    @dispatch("all")
+    def load_checkpoint(self, folder) -> None:
+        self._load_sharded(folder)

@@ -128,12 +128,16 @@ class Run:
         if path is not None:
             state, saved = checkpoint.load(path)
             checkpoint.check_config(saved, self.config)
-            policy.load_state_dict(state["policy"])
-            train_loader.load_state_dict(state["loader"])
-            for name, obj in self.stateful.items():
-                if name not in state:
+            for name, obj in {"policy": policy, **self.stateful}.items():
+                if hasattr(obj, "load_checkpoint"):  # a worker group: it reads its own folder (its shards)
+                    if not (path / name).is_dir():
+                        raise ValueError(f"cannot resume from {path}: it holds no {name}/ folder (saved by another recipe?)")
+                    obj.load_checkpoint(path / name)
+                elif name not in state:
                     raise ValueError(f"cannot resume from {path}: it holds no {name!r} state (saved by another recipe?)")
-                load_state_into(obj, state[name])
+                else:
+                    load_state_into(obj, state[name])
+            train_loader.load_state_dict(state["loader"])
             self.start_step = state["step"]
             self.val_history = state.get("val_history", [])
         elif t.resume == "disable" and checkpoint.list_checkpoints(self.ckpt_dir):
@@ -181,13 +185,21 @@ class Run:
             self.save(step)
 
     def save(self, step: int) -> Path:
-        state = {"policy": self.policy.state_dict(), "loader": self.loader.state_dict(), "val_history": self.val_history}
-        state.update({name: state_of(obj) for name, obj in self.stateful.items()})
-        return checkpoint.save(self.ckpt_dir, step, state, self.config, save_hf=self.policy.save_pretrained, keep=self.cfg.trainer.max_ckpt_to_keep)
+        """Checkpoint `step`: worker groups (the policy, a critic) write their own folders, the rest goes in state.pt."""
+        groups = {name: obj for name, obj in {"policy": self.policy, **self.stateful}.items() if hasattr(obj, "save_checkpoint")}
+        state = {"loader": self.loader.state_dict(), "val_history": self.val_history}
+        state.update({name: state_of(obj) for name, obj in self.stateful.items() if name not in groups})
+        return checkpoint.save(self.ckpt_dir, step, state, self.config, save_hf=self.policy.save_pretrained,
+                               keep=self.cfg.trainer.max_ckpt_to_keep, parts={name: g.save_checkpoint for name, g in groups.items()})
 
     def finish(self) -> dict:
         """Close the logs, draw the learning curve and print the before/after summary."""
+        from rlkit.ray_group import RayWorkerGroup
+
         png = self.tracker.finish()
+        for group in [*self.stateful.values(), self.policy]:  # Ray worker groups: stop their processes, free their pools
+            if isinstance(group, RayWorkerGroup):
+                group.shutdown()
         summary = {"out_dir": str(self.out_dir), "learning_curve": str(png)}
         if len(self.val_history) >= 2:
             (s0, a0), (s1, a1) = self.val_history[0], self.val_history[-1]

@@ -58,38 +58,85 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
-class RayWorkerGroup:
-    """N Ray actors of `worker_cls`, placed on one placement group, called through `dispatch` modes.
+def _address_and_port() -> tuple[str, int]:
+    import ray
 
-    Each worker is constructed as worker_cls(*args, rank=i, world_size=N, master_addr=..., master_port=..., **kwargs),
-    so it can join a torch.distributed process group (gloo on CPU, NCCL on GPU).
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def rendezvous(pool: "ResourcePool") -> tuple[str, int]:
+    """An address and free port on the node of the pool's first bundle, where rank 0 will run (torch.distributed's MASTER_ADDR/PORT)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    task = ray.remote(_address_and_port).options(
+        num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=0))
+    return ray.get(task.remote(), timeout=120)
+
+
+class ResourcePool:
+    """A Ray placement group of `n` bundles of {CPU: cpus, GPU: gpus}: the machines a role runs on.
+
+    As verl's ResourcePoolManager does, a recipe's roles map to pools: several worker groups on one
+    pool are *colocated* (worker i of each group runs on bundle i: the same node, the same GPU),
+    each group taking a share of every bundle; a role on a pool of its own gets its own devices.
     """
 
-    def __init__(self, worker_cls, n_workers: int, *args, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
-                 env: dict | None = None, timeout_s: float | None = None, **kwargs):
+    def __init__(self, n: int, cpus: float = 1, gpus: float = 0, name: str = "global"):
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.worker_cls, self.n, self.timeout_s = worker_cls, n_workers, timeout_s
-        bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
-        self.pg = placement_group([bundle] * n_workers, strategy="PACK")
+        if n < 1:
+            raise ValueError(f"resource pool {name!r}: needs at least one bundle, got {n}")
+        self.n, self.cpus, self.gpus, self.name = n, cpus, gpus, name
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        self.pg = placement_group([bundle] * n, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=60)
         except Exception as e:
+            self.remove()
             raise RuntimeError(
-                f"Ray could not place {n_workers} workers of {bundle}: the cluster has {ray.cluster_resources()}. "
-                "Lower --trainer.n-workers or add nodes (ray start --address ...)"
+                f"Ray could not place resource pool {name!r} ({n} x {bundle}): the cluster has {ray.cluster_resources()} "
+                f"and {ray.available_resources()} free. Use fewer workers (--trainer.n-workers, --trainer.critic-workers), "
+                "fewer --trainer.cpus-per-worker, or add nodes (ray start --address ...)"
             ) from e
-        master_addr, master_port = "127.0.0.1", free_port()
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+
+class RayWorkerGroup:
+    """N Ray actors of `worker_cls`, one per bundle of a resource pool, called through `dispatch` modes.
+
+    pool: a ResourcePool (shared with other groups: this group takes `share` of each bundle), or a
+    number of workers (a pool of its own with cpus_per_worker / gpus_per_worker per bundle, removed
+    with the group). Each worker is constructed as
+    worker_cls(*args, rank=i, world_size=N, master_addr=..., master_port=..., **kwargs),
+    so it can join a torch.distributed process group (gloo on CPU, NCCL on GPU).
+    """
+
+    def __init__(self, worker_cls, pool: "ResourcePool | int", *args, share: float = 1.0, cpus_per_worker: float = 1,
+                 gpus_per_worker: float = 0, env: dict | None = None, timeout_s: float | None = None, **kwargs):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        own_pool = not isinstance(pool, ResourcePool)
+        if own_pool:
+            pool = ResourcePool(pool, cpus_per_worker, gpus_per_worker, name=worker_cls.__name__)
+        self.pool, self.worker_cls, self.n, self.timeout_s = pool, worker_cls, pool.n, timeout_s
+        self.owned_pools = [pool] if own_pool else []  # removed by shutdown()
+        cpus, gpus = pool.cpus * share, pool.gpus * share
+        master_addr, master_port = rendezvous(pool)
         remote = ray.remote(worker_cls)
         self.workers = [
             remote.options(
-                num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(cpus_per_worker), 1)), **(env or {})}},
-            ).remote(*args, rank=i, world_size=n_workers, master_addr=master_addr, master_port=master_port, **kwargs)
-            for i in range(n_workers)
+                num_cpus=cpus, num_gpus=gpus, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(cpus), 1)), **(env or {})}},
+            ).remote(*args, rank=i, world_size=self.n, master_addr=master_addr, master_port=master_port, **kwargs)
+            for i in range(self.n)
         ]
         self._get([w.__ray_ready__.remote() for w in self.workers])
 
@@ -130,10 +177,11 @@ class RayWorkerGroup:
         return call
 
     def shutdown(self) -> None:
-        """Kill the workers and free their placement group."""
+        """Kill the workers (and free their pool if it is their own)."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.pg)
+        for pool in self.owned_pools:
+            pool.remove()
+        self.owned_pools = []

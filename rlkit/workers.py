@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from rlkit.engine import TorchEngine, auto_micro_batch, num_params
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
@@ -46,7 +48,25 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
 
 
-class ActorRolloutRefWorker:
+class CheckpointFiles:
+    """A worker's part of a training checkpoint, written into (and read from) a folder of its own.
+
+    One process writes its state_dict() to folder/state.pt; the FSDP workers override both methods
+    to write sharded files, each process its own shard (torch.distributed.checkpoint).
+    """
+
+    def save_checkpoint(self, folder: str | Path) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(folder) / "state.pt")
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        file = Path(folder) / "state.pt"
+        if not file.is_file():
+            raise FileNotFoundError(f"{folder} holds no state.pt: was it saved with another --trainer.backend? Resume with the same backend")
+        self.load_state_dict(torch.load(file, map_location="cpu", weights_only=False))
+
+
+class ActorRolloutRefWorker(CheckpointFiles):
     """Actor + rollout + reference on one model (one device)."""
 
     def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None,
@@ -57,6 +77,7 @@ class ActorRolloutRefWorker:
             raise ValueError("--rollout.name vllm runs with the local backend only for now (its weight sync reads unsharded weights); "
                              "use --rollout.name hf with --trainer.backend ray")
         model_cfg = resolved(model_cfg)
+        torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
         self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
@@ -118,13 +139,14 @@ class ActorRolloutRefWorker:
         self.engine.save_pretrained(path)
 
 
-class CriticWorker:
+class CriticWorker(CheckpointFiles):
     """A value model V(s_t) on one device: the policy's checkpoint (or critic.path) with a fresh 1-output head."""
 
-    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto"):
+    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", wrap=None):
         model_cfg = dataclasses.replace(model_cfg, path=critic_cfg.path or model_cfg.path, lora_rank=critic_cfg.lora_rank)
-        self.engine = TorchEngine(resolved(model_cfg), critic_cfg, device, value_head=True)
+        self.engine = TorchEngine(resolved(model_cfg), critic_cfg, device, value_head=True, wrap=wrap)
         self.critic_cfg, self.rollout_cfg = critic_cfg, rollout_cfg
+        self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
         self.mini_batch_size = critic_cfg.ppo_mini_batch_size or actor_mini_batch_size  # prompts
         self.micro_batch = auto_micro_batch(critic_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
         self.values_micro_batch = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
@@ -137,7 +159,7 @@ class CriticWorker:
     def update(self, batch: DataProto, loss_fn) -> dict:
         """The critic update: ppo_mini_batch_size prompts × n trajectories per optimizer step; loss_fn gets values."""
         c = self.critic_cfg
-        return self.engine.update(batch, loss_fn, mini_batch_size=self.mini_batch_size * self.rollout_cfg.n,
+        return self.engine.update(batch, loss_fn, mini_batch_size=self.mini_batch_size * self.rollout_cfg.n // self.dp_size,
                                   micro_batch_size=self.micro_batch, epochs=c.ppo_epochs)
 
     def num_params(self) -> tuple[int, int]:
@@ -160,10 +182,39 @@ class LocalWorkerGroup:
         return getattr(self.worker, name)
 
 
-def build_policy(cfg, need_ref: bool | None = None) -> LocalWorkerGroup:
+def resource_pools(cfg) -> dict:
+    """Roles -> Ray resource pools, as verl's ResourcePoolManager maps them.
+
+    actor/rollout/reference always share the "global" pool (--trainer.n-workers bundles). PPO's critic
+    is colocated on it (--trainer.critic-workers 0: each bundle holds an actor and a critic process,
+    each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N).
+    """
+    from rlkit.ray_group import ResourcePool, init_ray
+
+    t = cfg.trainer
+    init_ray(t.ray_address)
+    gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
+    pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
+    roles = {"actor_rollout_ref": "global"}
+    if hasattr(cfg, "critic"):
+        if t.critic_workers:
+            pools["critic"] = ResourcePool(t.critic_workers, t.cpus_per_worker, gpus, name="critic")
+        roles["critic"] = "critic" if t.critic_workers else "global"
+    return {role: pools[name] for role, name in roles.items()}
+
+
+def _check_split(what: str, trajectories: int, n_workers: int, flag: str) -> None:
+    if trajectories % n_workers:
+        raise ValueError(f"a {what} mini-batch of {trajectories} trajectories (mini-batch size x --rollout.n) does not split "
+                         f"over {flag} {n_workers}; make it a multiple")
+
+
+def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
     """The actor/rollout/reference worker group for a recipe config (fields model, actor, rollout, data, trainer).
 
     need_ref: whether the recipe asks for reference log-probs (default: cfg.actor.use_kl_loss).
+    pools: with --trainer.backend ray, the roles' resource pools (default: resource_pools(cfg)); the
+    group gets them as `.pools`, so that build_critic can place the critic beside it.
     """
     t = cfg.trainer
     args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
@@ -173,18 +224,27 @@ def build_policy(cfg, need_ref: bool | None = None) -> LocalWorkerGroup:
         raise ValueError(f"unknown --trainer.backend {t.backend!r}: use local or ray")
     from rlkit.engine import load_tokenizer
     from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
-    from rlkit.ray_group import RayWorkerGroup, init_ray
+    from rlkit.ray_group import RayWorkerGroup
 
-    trajectories = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-    if trajectories % t.n_workers:
-        raise ValueError(f"a mini-batch of {trajectories} trajectories (--actor.ppo-mini-batch-size x --rollout.n) "
-                         f"does not split over --trainer.n-workers {t.n_workers}; make it a multiple")
-    init_ray(t.ray_address)
-    gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
-    group = RayWorkerGroup(FSDPActorRolloutRefWorker, t.n_workers, *args, device=t.device, seed=t.seed, need_ref=need_ref,
-                           cpus_per_worker=t.cpus_per_worker, gpus_per_worker=gpus)
+    _check_split("policy", cfg.actor.ppo_mini_batch_size * cfg.rollout.n, t.n_workers, "--trainer.n-workers")
+    if hasattr(cfg, "critic"):
+        _check_split("critic", (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
+                     t.critic_workers or t.n_workers, "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers")
+    created = pools is None
+    pools = pools or resource_pools(cfg)
+    colocated = sum(p is pools["actor_rollout_ref"] for p in pools.values())  # groups sharing each bundle
+    group = RayWorkerGroup(FSDPActorRolloutRefWorker, pools["actor_rollout_ref"], *args, share=1 / colocated, device=t.device,
+                           seed=t.seed, need_ref=need_ref, fsdp=fsdp_options(t))
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
+    group.pools = pools
+    if created:  # the group's shutdown frees the pools made for it
+        group.owned_pools += [p for i, p in enumerate(pools.values()) if p not in list(pools.values())[:i]]
     return group
+
+
+def fsdp_options(t) -> dict:
+    """The FSDP2 settings of --trainer: compute dtype and CPU offload."""
+    return {"param_dtype": t.fsdp_param_dtype, "offload": t.fsdp_offload}
 
 
 def resolve_device_name(device: str) -> str:
@@ -194,6 +254,19 @@ def resolve_device_name(device: str) -> str:
     return resolve_device(device).type
 
 
-def build_critic(cfg) -> LocalWorkerGroup:
-    """The critic worker group for a recipe config (fields model, critic, actor, rollout, trainer)."""
-    return LocalWorkerGroup(CriticWorker(cfg.model, cfg.critic, cfg.rollout, cfg.actor.ppo_mini_batch_size, device=cfg.trainer.device))
+def build_critic(cfg, policy=None):
+    """The critic worker group for a recipe config (fields model, critic, actor, rollout, trainer).
+
+    With --trainer.backend ray, pass the policy group: the critic goes on its pool (colocated) or on its own.
+    """
+    t = cfg.trainer
+    args = (cfg.model, cfg.critic, cfg.rollout, cfg.actor.ppo_mini_batch_size)
+    if t.backend == "local":
+        return LocalWorkerGroup(CriticWorker(*args, device=t.device))
+    from rlkit.fsdp_workers import FSDPCriticWorker
+    from rlkit.ray_group import RayWorkerGroup
+
+    pools = getattr(policy, "pools", None) or resource_pools(cfg)
+    pool = pools["critic"]
+    colocated = sum(p is pool for p in pools.values())
+    return RayWorkerGroup(FSDPCriticWorker, pool, *args, share=1 / colocated, device=t.device, fsdp=fsdp_options(t))

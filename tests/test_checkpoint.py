@@ -36,6 +36,28 @@ def test_save_layout_and_latest(tmp_path):
     assert not list(tmp_path.glob(".tmp-*")) and not (tmp_path / "latest.tmp").exists()
 
 
+def test_parts_are_written_by_their_owners_into_the_checkpoint_and_a_failing_part_leaves_none(tmp_path):
+    def policy_part(folder):  # what a worker group does: write its own folder (one file per shard with FSDP2)
+        folder.mkdir()
+        for rank in range(2):
+            torch.save({"shard": rank}, folder / f"shard{rank}.pt")
+
+    path = ckpt.save(tmp_path, 3, {"loader": {}}, CONFIG, parts={"policy": policy_part})
+    assert sorted(p.name for p in (path / "policy").iterdir()) == ["shard0.pt", "shard1.pt"]
+
+    def crashing_part(folder):
+        folder.mkdir()
+        (folder / "half").write_text("x")
+        raise RuntimeError("a worker died mid-save")
+
+    with pytest.raises(RuntimeError, match="mid-save"):
+        ckpt.save(tmp_path, 4, {"loader": {}}, CONFIG, parts={"policy": crashing_part})
+    assert ckpt.list_checkpoints(tmp_path) == [3] and (tmp_path / "latest").read_text() == "3"
+    assert ckpt.find_resume_path("auto", tmp_path) == path  # resume takes the last good one
+    ckpt.save(tmp_path, 5, {"loader": {}}, CONFIG, parts={"policy": policy_part}, keep=0)
+    assert not list(tmp_path.glob(".tmp-*"))  # the next save cleans up the half-written folder
+
+
 def test_keep_last_k(tmp_path):
     for step in (1, 2, 3):
         save(tmp_path, step, keep=2)

@@ -100,8 +100,8 @@ def test_lora_run_trains_only_the_adapter(tmp_path):
     cfg.model.lora_rank = 4
     cfg.actor.lr = 1e-2
     grpo.main(cfg)
-    state = torch.load(tmp_path / "checkpoints/global_step_2/state.pt", weights_only=False)
-    assert state["policy"]["model"] and all("lora_" in k for k in state["policy"]["model"])
+    state = torch.load(tmp_path / "checkpoints/global_step_2/policy/state.pt", weights_only=False)
+    assert state["model"] and all("lora_" in k for k in state["model"])
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints/global_step_2/hf")

@@ -65,7 +65,7 @@ def test_ppo_trains_actor_and_critic_with_n_1_and_checkpoints_both(tmp_path):
     after = load_file(tmp_path / "checkpoints/global_step_3/hf/model.safetensors")
     assert all(not torch.equal(before[k], after[k]) for k in before)
     # the critic: in the checkpoint, its body moved away from the policy checkpoint it started from, and it has a value head
-    critic = torch.load(tmp_path / "checkpoints/global_step_3/state.pt", weights_only=False)["critic"]
+    critic = torch.load(tmp_path / "checkpoints/global_step_3/critic/state.pt", weights_only=False)
     assert {"model", "optimizer", "scheduler"} <= set(critic)
     weights = critic["model"]
     assert weights["score.weight"].shape == (1, before["model.embed_tokens.weight"].shape[1])
@@ -99,7 +99,8 @@ def test_resume_with_critic_warmup_and_adaptive_kl_matches_an_uninterrupted_run(
     sa = torch.load(full / "checkpoints/global_step_4/state.pt", weights_only=False)
     sb = torch.load(part / "checkpoints/global_step_4/state.pt", weights_only=False)
     assert sa["kl_ctrl"]["value"] == sb["kl_ctrl"]["value"] == pytest.approx(0.0384 * 1.2)
-    assert all(torch.equal(sa["critic"]["model"][k], sb["critic"]["model"][k]) for k in sa["critic"]["model"])
+    ca, cb = (torch.load(d / "checkpoints/global_step_4/critic/state.pt", weights_only=False)["model"] for d in (full, part))
+    assert all(torch.equal(ca[k], cb[k]) for k in ca)
     wa = load_file(full / "checkpoints/global_step_4/hf/model.safetensors")
     wb = load_file(part / "checkpoints/global_step_4/hf/model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
