@@ -102,6 +102,19 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
     return model.to(device)
 
 
+def add_lora(model, model_cfg, value_head: bool = False):
+    """peft's LoRA adapter on `model` (rank, alpha and target modules from model_cfg); a value model's head trains in full."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = model_cfg.target_modules
+    return get_peft_model(model, LoraConfig(
+        r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
+        task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",  # TOKEN_CLS trains the value head in full
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        exclude_modules=["score", "classifier"] if value_head else None,  # the head gets no adapter
+    ))
+
+
 def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dict[str, torch.Tensor], int, int]:
     """Drop prompt columns that are padding in every row and response columns past the longest response.
 
@@ -152,18 +165,11 @@ class TorchEngine:
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        self.model_cfg = model_cfg
         self.lora = model_cfg.lora_rank > 0
         self.ref_model = None
         if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            targets = model_cfg.target_modules
-            model = get_peft_model(model, LoraConfig(
-                r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
-                task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",  # TOKEN_CLS trains the value head in full
-                target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-                exclude_modules=["score", "classifier"] if value_head else None,  # the head gets no adapter
-            ))
+            model = add_lora(model, model_cfg, value_head)
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
         if wrap is not None:

@@ -14,9 +14,9 @@ What changes against the single-process workers, and why:
   weights are gathered in --trainer.fsdp-param-dtype (bfloat16 on GPU by default) for the forward
   and backward passes; gradients are reduced in float32. --trainer.fsdp-offload keeps the shards
   in CPU memory (CPUOffloadPolicy);
-- generation runs on a full, unsharded copy of the policy (gathered before each rollout: the
-  "hybrid engine"), because processes stop generating at different lengths and a sharded model
-  would need every process in every forward pass;
+- generation (the "hybrid engine"): before each rollout every process gathers the full weights and
+  keeps them for the whole of `generate` (processes stop at different lengths, and a sharded model
+  would need every process in every forward pass); after it they are freed, back to 1/N;
 - training checkpoints are sharded: each process writes its own shard of the weights and optimizer
   state (torch.distributed.checkpoint, DCP); DCP reshards on load, so a run may resume on another
   number of processes. The Hugging Face export (hf/) gathers the full weights and rank 0 writes it.
@@ -24,9 +24,9 @@ What changes against the single-process workers, and why:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
-from rlkit.rollout import HFRollout
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker
 
 
@@ -167,30 +166,31 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
                  need_ref: bool | None = None, fsdp: dict | None = None, *, rank: int, world_size: int, master_addr: str, master_port: int):
         dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
         super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref,
-                         wrap=self._wrap)
+                         wrap=self._shard)
         self.dp_size = world_size  # each process updates on its 1/N of every mini-batch
-        # the rollout copy: the same structure, never sharded, in the compute dtype; weights copied in before each rollout
-        self.rollout_model = copy.deepcopy(self._unsharded_template).to(self.compute_dtype).eval()
-        self.rollout = HFRollout(self.rollout_model, self.tokenizer, self.engine.device)
 
-    def _wrap(self, model):
-        """Called by the engine on the policy, then on the reference copy: shard it, keeping an
-        unsharded twin of the policy to generate with."""
-        if not hasattr(self, "_unsharded_template"):
-            self._unsharded_template = copy.deepcopy(model)
-        return self._shard(model)
+    @contextmanager
+    def _full_weights(self):
+        """The hybrid engine's switch: every process gathers the full weights (in the compute dtype) and keeps
+        them across forward passes, so it can generate alone, at its own lengths; on exit they are freed."""
+        from torch.distributed.fsdp import FSDPModule
 
-    def _gather_weights(self) -> None:
-        """Copy the full current weights into the rollout model (a collective: every process takes part)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        self.rollout_model.load_state_dict(get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True)))
+        modules = [m for m in self.engine.model.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+                m.set_reshard_after_forward(True, recurse=False)
 
     @dispatch("split")
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
-        self._gather_weights()
         torch.manual_seed(self.seed * 7919 + self.rank * 104729 + self.updates)  # different samples per process
-        return super().generate(prompts, validate)
+        with self._full_weights():
+            return super().generate(prompts, validate)
 
     @dispatch("split")
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -229,12 +229,21 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
 
     @dispatch("all")
     def save_pretrained(self, path) -> None:
-        self._gather_weights()
+        """A plain Hugging Face folder: the full weights are gathered to rank 0 (CPU), put into a fresh copy
+        of --model.path (LoRA merged) and saved in the compute dtype."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from rlkit.engine import add_lora, load_model
+
+        full = get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            model = copy.deepcopy(self.rollout_model).merge_and_unload() if self.engine.lora else self.rollout_model
-            model.to(self.engine.dtype).save_pretrained(path)  # in --model.dtype, like the single-process export
+            cfg = self.engine.model_cfg
+            model = load_model(cfg.path, self.compute_dtype, torch.device("cpu"), cfg.trust_remote_code)
+            if self.engine.lora:
+                model = add_lora(model, cfg)
+            model.load_state_dict(full)
+            (model.merge_and_unload() if self.engine.lora else model).save_pretrained(path)
             self.tokenizer.save_pretrained(path)
-            self.rollout_model.to(self.compute_dtype)
         dist.barrier()
 
 
