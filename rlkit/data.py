@@ -38,7 +38,7 @@ def load_parquet(files: list[str], prompt_key: str = "prompt"):
             raise ValueError(
                 f"{files}: missing column {col!r}; found {ds.column_names}. rlkit reads verl-format parquet: "
                 "data_source (str), prompt (list of {role, content}), ability, reward_model ({style, ground_truth}), extra_info (dict)"
-                + (f". If your prompts are in another column, pass --data.prompt-key NAME" if col == prompt_key else "")
+                + (". If your prompts are in another column, pass --data.prompt-key NAME" if col == prompt_key else "")
             )
     rm = ds.features["reward_model"]
     if not isinstance(rm, dict) or "ground_truth" not in rm:

@@ -1,7 +1,6 @@
 """End-to-end: every GRPO-family recipe runs a few steps on the embedded model, and DAPO's extras behave."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
