@@ -112,8 +112,7 @@ class RlkitGRPO:
                  skip_old_log_prob: bool = False, logits_to_keep: bool = False, prefix_sharing: bool = False):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
-        from rlkit.rewards import RewardFn
-        from rlkit.workers import build_policy
+        from rlkit.workers import build_policy, build_reward
 
         grpo = load_recipe("grpo")
         self.grpo, self.loop = grpo, loop
@@ -140,7 +139,7 @@ class RlkitGRPO:
         self.tok = self.policy.tokenizer
         self.train = PromptLoader(build_prompts(cfg.data.train_files, self.tok, cfg.data), prompts, self.tok.pad_token_id,
                                   cfg.data.shuffle, seed)
-        self.reward_fn = RewardFn.from_config(cfg.reward, cfg.trainer.device)
+        self.reward_fn = build_reward(cfg, self.policy)
         self.actor_loss = grpo.make_actor_loss(cfg)
         self.skip_old_log_prob = skip_old_log_prob
         if skip_old_log_prob:

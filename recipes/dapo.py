@@ -27,8 +27,8 @@ from rlkit import algos, loop
 from rlkit.protocol import DataProto
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
-from rlkit.rewards import RewardFn, token_level_rewards
-from rlkit.workers import build_policy
+from rlkit.rewards import token_level_rewards
+from rlkit.workers import build_policy, build_reward
 
 
 @dataclass
@@ -90,7 +90,7 @@ def main(cfg: Config) -> dict:
     tok = policy.tokenizer
     train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.gen_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = RewardFn.from_config(cfg.reward, cfg.trainer.device)
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
 

@@ -44,8 +44,8 @@ from typing import Literal
 from rlkit import algos, loop
 from rlkit.config import ActorConfig, CriticConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
-from rlkit.rewards import RewardFn, token_level_rewards
-from rlkit.workers import build_critic, build_policy
+from rlkit.rewards import token_level_rewards
+from rlkit.workers import build_critic, build_policy, build_reward
 
 
 @dataclass
@@ -136,7 +136,7 @@ def main(cfg: Config) -> dict:
     tok = policy.tokenizer
     train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = RewardFn.from_config(cfg.reward, cfg.trainer.device)
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
     kl_ctrl = (algos.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon) if cfg.kl_ctrl == "adaptive"
                else algos.FixedKLController(cfg.kl_coef))
     run = loop.Run(cfg, policy, train, val, reward_fn, stateful={"critic": critic, "kl_ctrl": kl_ctrl})

@@ -34,7 +34,7 @@ RESUMABLE_CHANGES = {"trainer.resume", "trainer.total_epochs", "trainer.total_tr
                      "trainer.num_threads", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
                      "data.val_max_samples", "rollout.log_prob_micro_batch_size", "trainer.ray_address",
                      "trainer.cpus_per_worker", "trainer.n_workers",
-                     "trainer.critic_workers", "trainer.fsdp_offload", "trainer.default_local_dir",
+                     "trainer.critic_workers", "trainer.reward_workers", "trainer.fsdp_offload", "trainer.default_local_dir",
                      "trainer.experiment_name", "trainer.project_name"}
 
 

@@ -216,6 +216,8 @@ class TrainerConfig:
     """CPU cores reserved per Ray worker bundle (colocated roles split a bundle)"""
     critic_workers: int = 0
     """PPO's critic with --trainer.backend ray: 0 = colocated with the actor (same bundles, half of each); N = a pool of N bundles of its own"""
+    reward_workers: int = 0
+    """a reward model (--reward.model-path) with --trainer.backend ray: 0 = replicas colocated with the actor (one per bundle); N = a pool of N bundles of its own"""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """FSDP2 compute dtype: weights are gathered in it for forward/backward while the sharded master weights and the gradient reduction stay in --model.dtype (auto: bfloat16 on GPU, float32 on CPU)"""
     fsdp_offload: bool = False

@@ -197,7 +197,8 @@ class Run:
         from rlkit.ray_group import RayWorkerGroup
 
         png = self.tracker.finish()
-        for group in [*self.stateful.values(), self.policy]:  # Ray worker groups: stop their processes, free their pools
+        reward_model = getattr(getattr(self.reward_fn, "model", None), "group", None)
+        for group in [*self.stateful.values(), reward_model, self.policy]:  # Ray worker groups: stop them, free their pools
             if isinstance(group, RayWorkerGroup):
                 group.shutdown()
         summary = {"out_dir": str(self.out_dir), "learning_curve": str(png)}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from rlkit.engine import resolve_device
+from rlkit.protocol import DataProto
+from rlkit.ray_group import dispatch
 
 
 class RewardModel:
@@ -47,3 +49,36 @@ class RewardModel:
                                  truncation=True, max_length=self.max_length, add_special_tokens=False).to(self.device)
             scores.append(self.model(**enc).logits[:, 0].float().cpu())
         return torch.cat(scores)
+
+
+class RewardModelWorker:
+    """One replica of the reward model in a Ray worker (`--trainer.backend ray`): scores its share of a batch.
+
+    It does not train, so the replicas need no process group: each holds the whole model and the
+    group splits every batch across them (data parallel).
+    """
+
+    def __init__(self, path: str, device: str = "auto", micro_batch_size: int = 32, trust_remote_code: bool = False, *,
+                 rank: int, world_size: int, master_addr: str, master_port: int):
+        import os
+
+        from rlkit.engine import set_threads
+
+        set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        self.model = RewardModel(path, "cuda:0" if resolve_device(device).type == "cuda" else "cpu", micro_batch_size,
+                                 trust_remote_code=trust_remote_code)
+
+    @dispatch("split")
+    def score(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict(tensors={"scores": self.model(list(data["raw_prompt"]), list(data["response"]))})
+
+
+class RayRewardModel:
+    """RewardModel's interface, answered by a RayWorkerGroup of RewardModelWorker replicas."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, prompts, responses: list[str]) -> torch.Tensor:
+        data = DataProto.from_dict(non_tensors={"raw_prompt": list(prompts), "response": list(responses)})
+        return self.group.score(data)["scores"]

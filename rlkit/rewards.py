@@ -241,13 +241,14 @@ class RewardFn:
         self.model, self.use_function = None, True  # a RewardModel, set by from_config
 
     @classmethod
-    def from_config(cls, cfg, device: str = "auto") -> "RewardFn":
-        """The reward of a RewardConfig: the scoring function and, with cfg.model_path, a reward model."""
+    def from_config(cls, cfg, device: str = "auto", model=None) -> "RewardFn":
+        """The reward of a RewardConfig: the scoring function and, with cfg.model_path, a reward model
+        (loaded here on `device`, unless `model` gives one: anything called as model(prompts, responses))."""
         fn = cls(cfg.custom_fn, cfg.on_error, cfg.timeout_s or None)
         if cfg.model_path:
             from rlkit.reward_model import RewardModel
 
-            fn.model = RewardModel(cfg.model_path, device, cfg.model_micro_batch_size)
+            fn.model = model or RewardModel(cfg.model_path, device, cfg.model_micro_batch_size)
             fn.use_function = cfg.combine == "add"
         return fn
 

@@ -187,7 +187,8 @@ def resource_pools(cfg) -> dict:
 
     actor/rollout/reference always share the "global" pool (--trainer.n-workers bundles). PPO's critic
     is colocated on it (--trainer.critic-workers 0: each bundle holds an actor and a critic process,
-    each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N).
+    each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N); the same
+    for a reward model (--reward.model-path) with --trainer.reward-workers.
     """
     from rlkit.ray_group import ResourcePool, init_ray
 
@@ -196,11 +197,18 @@ def resource_pools(cfg) -> dict:
     gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
     pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
     roles = {"actor_rollout_ref": "global"}
-    if hasattr(cfg, "critic"):
-        if t.critic_workers:
-            pools["critic"] = ResourcePool(t.critic_workers, t.cpus_per_worker, gpus, name="critic")
-        roles["critic"] = "critic" if t.critic_workers else "global"
+    for role, n in (("critic", t.critic_workers), ("reward_model", t.reward_workers)):
+        if role == "critic" and not hasattr(cfg, "critic") or role == "reward_model" and not cfg.reward.model_path:
+            continue  # the recipe has no such role
+        if n:
+            pools[role] = ResourcePool(n, t.cpus_per_worker, gpus, name=role)
+        roles[role] = role if n else "global"
     return {role: pools[name] for role, name in roles.items()}
+
+
+def _share(pools: dict, role: str) -> float:
+    """The share of each bundle a role's workers take: bundles are split evenly among the roles placed on them."""
+    return 1 / sum(p is pools[role] for p in pools.values())
 
 
 def _check_split(what: str, trajectories: int, n_workers: int, flag: str) -> None:
@@ -232,8 +240,7 @@ def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
                      t.critic_workers or t.n_workers, "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers")
     created = pools is None
     pools = pools or resource_pools(cfg)
-    colocated = sum(p is pools["actor_rollout_ref"] for p in pools.values())  # groups sharing each bundle
-    group = RayWorkerGroup(FSDPActorRolloutRefWorker, pools["actor_rollout_ref"], *args, share=1 / colocated, device=t.device,
+    group = RayWorkerGroup(FSDPActorRolloutRefWorker, pools["actor_rollout_ref"], *args, share=_share(pools, "actor_rollout_ref"), device=t.device,
                            seed=t.seed, need_ref=need_ref, fsdp=fsdp_options(t))
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
     group.pools = pools
@@ -267,6 +274,22 @@ def build_critic(cfg, policy=None):
     from rlkit.ray_group import RayWorkerGroup
 
     pools = getattr(policy, "pools", None) or resource_pools(cfg)
-    pool = pools["critic"]
-    colocated = sum(p is pool for p in pools.values())
-    return RayWorkerGroup(FSDPCriticWorker, pool, *args, share=1 / colocated, device=t.device, fsdp=fsdp_options(t))
+    return RayWorkerGroup(FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, fsdp=fsdp_options(t))
+
+
+def build_reward(cfg, policy=None):
+    """The reward of a recipe config: the scoring function, plus with --reward.model-path a reward model,
+    loaded in this process or, with --trainer.backend ray, as replicas on Ray workers (pass the policy
+    group: they go on its pool, or on their own with --trainer.reward-workers N)."""
+    from rlkit.rewards import RewardFn
+
+    t, r = cfg.trainer, cfg.reward
+    if t.backend == "local" or not r.model_path:
+        return RewardFn.from_config(r, t.device)
+    from rlkit.ray_group import RayWorkerGroup
+    from rlkit.reward_model import RayRewardModel, RewardModelWorker
+
+    pools = getattr(policy, "pools", None) or resource_pools(cfg)
+    group = RayWorkerGroup(RewardModelWorker, pools["reward_model"], r.model_path, t.device, r.model_micro_batch_size,
+                           cfg.model.trust_remote_code, share=_share(pools, "reward_model"))
+    return RewardFn.from_config(r, t.device, model=RayRewardModel(group))

@@ -65,3 +65,30 @@ def test_grpo_runs_with_a_reward_model(tmp_path, rm_path):
     grpo.main(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert "reward/model_score" in rows[1] and rows[1]["critic/score/std"] > 0
+
+
+def test_reward_model_replicas_on_ray_score_like_the_local_model_and_a_ray_run_uses_them(tmp_path, rm_path):
+    ray = pytest.importorskip("ray")
+    from rlkit.ray_group import RayWorkerGroup, init_ray
+    from rlkit.reward_model import RayRewardModel, RewardModelWorker
+
+    init_ray(num_cpus=2)
+    try:
+        group = RayWorkerGroup(RewardModelWorker, 2, str(rm_path), "cpu", 2, cpus_per_worker=0.5)
+        try:
+            got = RayRewardModel(group)(PROMPTS, RESPONSES)  # 3 rows over 2 replicas: padded to 4, split, unpadded
+        finally:
+            group.shutdown()
+        torch.testing.assert_close(got, RewardModel(str(rm_path))(PROMPTS, RESPONSES), atol=1e-5, rtol=0)
+
+        grpo = load_recipe("grpo")  # policy on 2 workers, the reward model on a pool of its own (1 replica)
+        cfg = small_config(grpo, tmp_path, steps=1, backend="ray", n_workers=2, cpus_per_worker=0.5, reward_workers=1,
+                           val_before_train=False)
+        cfg.data.val_max_samples = 8
+        cfg.reward.model_path = str(rm_path)
+        grpo.main(cfg)
+        row = read_jsonl(tmp_path / "metrics.jsonl")[-1]
+        assert "reward/model_score" in row and row["critic/score/std"] > 0
+        assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # all pools freed
+    finally:
+        ray.shutdown()
