@@ -1,0 +1,103 @@
+"""Ray runs in their own processes: a run joins a Ray cluster started separately with `ray start --head`, and a
+killed worker ends a run cleanly.
+
+Kept apart from the in-process Ray tests: `ray stop` stops every Ray on the machine, and a driver whose
+cluster stops exits."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+from rlkit.ray_group import free_port  # noqa: E402
+from test_grpo_recipe import ROOT, read_jsonl  # noqa: E402
+
+
+@pytest.mark.skipif(shutil.which("ray") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ray")),
+                    reason="the ray command-line tool is not installed")
+def test_a_run_joins_a_ray_cluster_started_separately(tmp_path):
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    start = subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
+                            "--include-dashboard", "false", "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "recipes/grpo.py"), "--trainer.backend", "ray", "--trainer.n-workers", "2",
+             "--trainer.ray-address", f"127.0.0.1:{port}", "--trainer.total-training-steps", "2", "--data.train-batch-size", "8",
+             "--actor.ppo-mini-batch-size", "8", "--rollout.n", "4", "--data.val-max-samples", "16",
+             "--trainer.default-local-dir", str(tmp_path)],
+            capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "Connecting to existing Ray cluster" in out.stderr + out.stdout
+        assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+        assert (tmp_path / "checkpoints/global_step_2/hf/model.safetensors").is_file()
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+
+KILLER = '''
+import os, signal
+from pathlib import Path
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Scores 0; once checkpoint 1 exists, SIGKILLs one policy worker of this run (found by its environment)."""
+    if Path(os.environ["RLKIT_TEST_CKPT"]).is_file() and not os.environ.get("RLKIT_TEST_KILLED"):
+        os.environ["RLKIT_TEST_KILLED"] = "1"
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd, env = (open(f"/proc/{pid}/{f}", "rb").read() for f in ("cmdline", "environ"))
+            except OSError:
+                continue
+            if cmd.startswith(b"ray::FSDPActorRolloutRefWorker") and os.environ["RLKIT_TEST_TOKEN"].encode() in env:
+                os.kill(int(pid), signal.SIGKILL)
+                break
+    return 0.0
+'''
+
+
+def _processes_with(token: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if token.encode() in open(f"/proc/{pid}/environ", "rb").read():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_killed_worker_ends_the_run_with_a_clear_error_keeps_the_last_checkpoint_and_stops_ray(tmp_path):
+    (tmp_path / "killer.py").write_text(KILLER)
+    token = f"rlkit-test-{os.getpid()}-{free_port()}"
+    ckpt = tmp_path / "out/checkpoints"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "RLKIT_TEST_TOKEN": token,
+           "RLKIT_TEST_CKPT": str(ckpt / "global_step_1/state.pt")}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "recipes/grpo.py"), "--trainer.backend", "ray", "--trainer.n-workers", "2",
+         "--trainer.total-training-steps", "3", "--trainer.save-freq", "1", "--trainer.no-val-before-train",
+         "--trainer.test-freq", "0", "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8", "--rollout.n", "4",
+         "--reward.custom-fn", f"{tmp_path / 'killer.py'}:compute_score", "--trainer.default-local-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "rlkit: error: a FSDPActorRolloutRefWorker worker died" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr.split("rlkit: error:")[-1]  # one clear line, not a stack dump
+    from rlkit import checkpoint
+
+    assert checkpoint.list_checkpoints(ckpt) == [1] and (ckpt / "latest").read_text() == "1"
+    assert checkpoint.find_resume_path("auto", ckpt) == ckpt / "global_step_1"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (ckpt / "global_step_1/policy").iterdir()}
+    for _ in range(40):  # Ray (and the surviving worker) went down with the run
+        if not _processes_with(token):
+            break
+        time.sleep(0.5)
+    assert not _processes_with(token)
