@@ -105,6 +105,10 @@ class FSDPMixin:
         dist.all_reduce(t)
         return {k: v / self.world_size for k, v in zip(keys, t.tolist())}
 
+    @dispatch("all")
+    def num_params(self) -> tuple[int, int]:
+        return super().num_params()
+
     def _sharded_state(self):
         """{'model', 'optimizer'} as sharded (DTensor) state dicts; frozen weights (LoRA's base) are left out."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -207,10 +211,6 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
         return self._mean_over_ranks(super().update(mine, loss_fn))
 
     @dispatch("all")
-    def num_params(self) -> tuple[int, int]:
-        return super().num_params()
-
-    @dispatch("all")
     def state_dict(self) -> dict:
         return {**self._full_state_dict(), "updates": self.updates}
 
@@ -265,10 +265,6 @@ class FSDPCriticWorker(FSDPMixin, CriticWorker):
     def update(self, batch: DataProto, loss_fn) -> dict:
         mine = self._my_rows(batch, self.mini_batch_size * self.rollout_cfg.n)
         return self._mean_over_ranks(super().update(mine, loss_fn))
-
-    @dispatch("all")
-    def num_params(self) -> tuple[int, int]:
-        return super().num_params()
 
     @dispatch("all")
     def state_dict(self) -> dict:
