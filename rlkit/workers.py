@@ -198,7 +198,7 @@ def resource_pools(cfg) -> dict:
     pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
     roles = {"actor_rollout_ref": "global"}
     for role, n in (("critic", t.critic_workers), ("reward_model", t.reward_workers)):
-        if role == "critic" and not hasattr(cfg, "critic") or role == "reward_model" and not cfg.reward.model_path:
+        if role == "critic" and not hasattr(cfg, "critic") or role == "reward_model" and not getattr(getattr(cfg, "reward", None), "model_path", None):
             continue  # the recipe has no such role
         if n:
             pools[role] = ResourcePool(n, t.cpus_per_worker, gpus, name=role)
@@ -234,6 +234,9 @@ def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
     from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
     from rlkit.ray_group import RayWorkerGroup
 
+    if cfg.rollout.name == "vllm":
+        raise ValueError("--rollout.name vllm runs with --trainer.backend local only for now (its weight sync reads unsharded "
+                         "weights); use --rollout.name hf with --trainer.backend ray")
     _check_split("policy", cfg.actor.ppo_mini_batch_size * cfg.rollout.n, t.n_workers, "--trainer.n-workers")
     if hasattr(cfg, "critic"):
         _check_split("critic", (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,

@@ -210,3 +210,19 @@ def test_hybrid_engine_generates_on_gathered_weights_like_one_process_then_frees
         group.shutdown()
     assert torch.equal(got["responses"], want["responses"]) and torch.equal(got["response_mask"], want["response_mask"])
     assert sampled["response_mask"].sum() > 0 and not torch.equal(sampled["responses"][:32], sampled["responses"][32:])
+
+
+def test_bad_scale_out_settings_fail_before_ray_starts_and_name_the_flag(tmp_path):
+    grpo, ppo = load_recipe("grpo"), load_recipe("ppo")
+    cfg = small_config(grpo, tmp_path, backend="ray", n_workers=3)  # mini-batch: 4 prompts x 4 samples = 16 trajectories
+    with pytest.raises(ValueError, match="16 trajectories .* --trainer.n-workers 3"):
+        build_policy(cfg)
+    cfg = small_config(grpo, tmp_path, backend="ray", n_workers=2)
+    cfg.rollout.name = "vllm"
+    with pytest.raises(ValueError, match="--rollout.name hf with --trainer.backend ray"):
+        build_policy(cfg)
+    cfg = _ppo_config(ppo, tmp_path, 1, critic_workers=3)  # critic mini-batch: 4 prompts x 2 samples = 8
+    with pytest.raises(ValueError, match="critic mini-batch of 8 trajectories .* --trainer.critic-workers 3"):
+        build_policy(cfg)
+    assert not ray.is_initialized() or not ray.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing was placed
