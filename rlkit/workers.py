@@ -73,9 +73,6 @@ class ActorRolloutRefWorker(CheckpointFiles):
                  wrap=None):
         if rollout_cfg.name not in ("hf", "vllm"):
             raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
-        if rollout_cfg.name == "vllm" and wrap is not None:
-            raise ValueError("--rollout.name vllm runs with the local backend only for now (its weight sync reads unsharded weights); "
-                             "use --rollout.name hf with --trainer.backend ray")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
         self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
@@ -119,9 +116,14 @@ class ActorRolloutRefWorker(CheckpointFiles):
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
         self.updates += 1
-        if hasattr(self.rollout, "sync_weights"):  # a separate inference engine (vllm): give it the new weights
-            metrics["timing/weight_sync"] = self.rollout.sync_weights()
+        synced = self.sync_rollout()
+        if synced is not None:
+            metrics["timing/weight_sync"] = synced
         return metrics
+
+    def sync_rollout(self) -> float | None:
+        """Give a separate inference engine (vllm) the current weights; seconds taken, None without one."""
+        return self.rollout.sync_weights() if hasattr(self.rollout, "sync_weights") else None
 
     def num_params(self) -> tuple[int, int]:
         return num_params(self.engine.model)
@@ -132,8 +134,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state)
         self.updates = state["updates"]
-        if hasattr(self.rollout, "sync_weights"):  # resumed weights differ from the folder vLLM loaded
-            self.rollout.sync_weights()
+        self.sync_rollout()  # resumed weights differ from the folder vLLM loaded
 
     def save_pretrained(self, path: str | Path) -> None:
         self.engine.save_pretrained(path)
@@ -234,9 +235,6 @@ def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
     from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
     from rlkit.ray_group import RayWorkerGroup
 
-    if cfg.rollout.name == "vllm":
-        raise ValueError("--rollout.name vllm runs with --trainer.backend local only for now (its weight sync reads unsharded "
-                         "weights); use --rollout.name hf with --trainer.backend ray")
     _check_split("policy", cfg.actor.ppo_mini_batch_size * cfg.rollout.n, t.n_workers, "--trainer.n-workers")
     if hasattr(cfg, "critic"):
         _check_split("critic", (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,

@@ -217,10 +217,6 @@ def test_bad_scale_out_settings_fail_before_ray_starts_and_name_the_flag(tmp_pat
     cfg = small_config(grpo, tmp_path, backend="ray", n_workers=3)  # mini-batch: 4 prompts x 4 samples = 16 trajectories
     with pytest.raises(ValueError, match="16 trajectories .* --trainer.n-workers 3"):
         build_policy(cfg)
-    cfg = small_config(grpo, tmp_path, backend="ray", n_workers=2)
-    cfg.rollout.name = "vllm"
-    with pytest.raises(ValueError, match="--rollout.name hf with --trainer.backend ray"):
-        build_policy(cfg)
     cfg = _ppo_config(ppo, tmp_path, 1, critic_workers=3)  # critic mini-batch: 4 prompts x 2 samples = 8
     with pytest.raises(ValueError, match="critic mini-batch of 8 trajectories .* --trainer.critic-workers 3"):
         build_policy(cfg)

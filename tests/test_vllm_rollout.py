@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,37 @@ def test_grpo_recipe_runs_with_vllm_rollout(tmp_path):
     assert all("timing/weight_sync" in r for r in rows[1:])
     assert {"val_acc_before", "val_acc_after"} <= set(summary)
     assert torch.set_num_threads is SET_NUM_THREADS, "vLLM's no-op torch.set_num_threads was left in place"
+
+
+@needs_vllm
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, data_cfg, prompts, lora_rank):
+    """--trainer.backend ray --rollout.name vllm: each FSDP worker runs its own vLLM engine (in a child process)
+    and, after every update, gathers the full weights (LoRA merged) and streams them into it."""
+    ray = pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from rlkit.config import TrainerConfig
+    from rlkit.ray_group import init_ray
+    from rlkit.workers import build_policy
+
+    actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
+    cfg = SimpleNamespace(model=ModelConfig(path=long_model, lora_rank=lora_rank), actor=actor, rollout=RolloutConfig(name="vllm", n=2), data=data_cfg,
+                          trainer=TrainerConfig(backend="ray", n_workers=2, device="cpu", seed=1))
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers get push_up_sampled by value
+    init_ray(num_cpus=2)
+    try:
+        group = build_policy(cfg)
+        try:
+            before = group.generate(prompts)  # 16 rows: 8 per worker, each on its own engine
+            assert max_gap(group, before) < LOGPROB_ATOL
+            group.update(before, push_up_sampled)  # one big step on the 2 shards
+            moved = group.compute_log_prob(before)["old_log_probs"]
+            mask = before["response_mask"].bool()
+            assert (moved - before["rollout_log_probs"])[mask].abs().max() > 0.05  # the policy changed a lot ...
+            after = group.generate(prompts)
+            assert max_gap(group, after) < LOGPROB_ATOL  # ... and both engines sample from the new one
+        finally:
+            group.shutdown()
+    finally:
+        ray.shutdown()
