@@ -246,7 +246,7 @@ def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
     group.pools = pools
     if created:  # the group's shutdown frees the pools made for it
-        group.owned_pools += [p for i, p in enumerate(pools.values()) if p not in list(pools.values())[:i]]
+        group.owned_pools += list(dict.fromkeys(pools.values()))  # each pool once
     return group
 
 
