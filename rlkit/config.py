@@ -21,7 +21,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """parameter dtype: auto = float32 on CPU, bfloat16 on GPU"""
+    """parameter dtype: auto = float32 on CPU, bfloat16 on GPU (--trainer.backend ray: float32 master weights, compute in --trainer.fsdp-param-dtype)"""
     lora_rank: int = 0
     """LoRA rank; 0 trains all parameters (and keeps a frozen copy as the reference policy)"""
     lora_alpha: int = 16
@@ -215,11 +215,11 @@ class TrainerConfig:
     cpus_per_worker: float = 1
     """CPU cores reserved per Ray worker bundle (colocated roles split a bundle)"""
     critic_workers: int = 0
-    """PPO's critic with --trainer.backend ray: 0 = colocated with the actor (same bundles, half of each); N = a pool of N bundles of its own"""
+    """PPO's critic with --trainer.backend ray: 0 = colocated with the actor (sharing its bundles); N = a pool of N bundles of its own"""
     reward_workers: int = 0
     """a reward model (--reward.model-path) with --trainer.backend ray: 0 = replicas colocated with the actor (one per bundle); N = a pool of N bundles of its own"""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """FSDP2 compute dtype: weights are gathered in it for forward/backward while the sharded master weights and the gradient reduction stay in --model.dtype (auto: bfloat16 on GPU, float32 on CPU)"""
+    """FSDP2 compute dtype: weights are gathered in it for forward/backward and generation; the sharded master weights stay in --model.dtype (auto: float32 under FSDP2) and gradients are reduced in float32 (auto: bfloat16 on GPU, float32 on CPU)"""
     fsdp_offload: bool = False
     """FSDP2: keep the sharded weights, gradients and optimizer state in CPU memory, moved to the GPU only when used (larger models, slower steps)"""
     ray_address: str | None = None
