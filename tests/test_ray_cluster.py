@@ -20,15 +20,24 @@ from test_grpo_recipe import ROOT, read_jsonl  # noqa: E402
 
 @pytest.mark.skipif(shutil.which("ray") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ray")),
                     reason="the ray command-line tool is not installed")
-def test_a_run_joins_a_ray_cluster_started_separately(tmp_path):
+def test_a_run_joins_a_two_node_ray_cluster_started_separately(tmp_path):
+    """`ray start --head` plus a second node with `ray start --address`, one CPU each, on this machine: the run's
+    two 1-CPU workers cannot share a node, so its FSDP group spans both (rank 0's node hosts the rendezvous)."""
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
-    start = subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
-                            "--include-dashboard", "false", "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)
-    assert start.returncode == 0, start.stderr[-2000:]
+    head = subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "1",
+                           "--include-dashboard", "false", "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)
     try:
+        assert head.returncode == 0, head.stderr[-2000:]
+        node = subprocess.run([ray_cli, "start", "--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+                               "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)
+        assert node.returncode == 0, node.stderr[-2000:]
+        status = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='127.0.0.1:%d'); "
+                                 "print(sorted(n['Resources'].get('CPU', 0) for n in ray.nodes() if n['Alive']))" % port],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert status.stdout.strip().splitlines()[-1] == "[1.0, 1.0]", status.stdout + status.stderr[-2000:]  # two nodes, 1 CPU each
         out = subprocess.run(
             [sys.executable, str(ROOT / "recipes/grpo.py"), "--trainer.backend", "ray", "--trainer.n-workers", "2",
              "--trainer.ray-address", f"127.0.0.1:{port}", "--trainer.total-training-steps", "2", "--data.train-batch-size", "8",
