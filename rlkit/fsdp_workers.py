@@ -276,11 +276,10 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
 class FSDPCriticWorker(FSDPMixin, CriticWorker):
     """CriticWorker whose value model is sharded across the processes of its group."""
 
-    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", fsdp: dict | None = None,
-                 *, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", seed: int = 0,
+                 fsdp: dict | None = None, *, rank: int, world_size: int, master_addr: str, master_port: int):
         dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
-        torch.manual_seed(0)  # the fresh value head starts the same in every process
-        super().__init__(model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size, device=str(dev), wrap=self._shard)
+        super().__init__(model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size, device=str(dev), seed=seed, wrap=self._shard)
         self.dp_size = world_size
 
     @dispatch("split")

@@ -143,8 +143,9 @@ class ActorRolloutRefWorker(CheckpointFiles):
 class CriticWorker(CheckpointFiles):
     """A value model V(s_t) on one device: the policy's checkpoint (or critic.path) with a fresh 1-output head."""
 
-    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", wrap=None):
+    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", seed: int = 0, wrap=None):
         model_cfg = dataclasses.replace(model_cfg, path=critic_cfg.path or model_cfg.path, lora_rank=critic_cfg.lora_rank)
+        torch.manual_seed(seed)  # the fresh value head starts the same in every process and on every backend
         self.engine = TorchEngine(resolved(model_cfg), critic_cfg, device, value_head=True, wrap=wrap)
         self.critic_cfg, self.rollout_cfg = critic_cfg, rollout_cfg
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
@@ -239,14 +240,24 @@ def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
     if hasattr(cfg, "critic"):
         _check_split("critic", (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
                      t.critic_workers or t.n_workers, "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers")
-    created = pools is None
-    pools = pools or resource_pools(cfg)
+    pools, made = (pools, False) if pools else (resource_pools(cfg), True)
     group = RayWorkerGroup(FSDPActorRolloutRefWorker, pools["actor_rollout_ref"], *args, share=_share(pools, "actor_rollout_ref"), device=t.device,
                            seed=t.seed, need_ref=need_ref, fsdp=fsdp_options(t))
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
     group.pools = pools
-    if created:  # the group's shutdown frees the pools made for it
-        group.owned_pools += list(dict.fromkeys(pools.values()))  # each pool once
+    return _owning(group, pools, made)
+
+
+def _pools_of(cfg, policy) -> tuple[dict, bool]:
+    """The roles' pools: the policy group's (False), or new ones made for a group built on its own (True)."""
+    pools = getattr(policy, "pools", None)
+    return (pools, False) if pools else (resource_pools(cfg), True)
+
+
+def _owning(group, pools: dict, made: bool):
+    """A group built on pools made for it frees them (each once) at shutdown."""
+    if made:
+        group.owned_pools += list(dict.fromkeys(pools.values()))
     return group
 
 
@@ -270,12 +281,14 @@ def build_critic(cfg, policy=None):
     t = cfg.trainer
     args = (cfg.model, cfg.critic, cfg.rollout, cfg.actor.ppo_mini_batch_size)
     if t.backend == "local":
-        return LocalWorkerGroup(CriticWorker(*args, device=t.device))
+        return LocalWorkerGroup(CriticWorker(*args, device=t.device, seed=t.seed))
     from rlkit.fsdp_workers import FSDPCriticWorker
     from rlkit.ray_group import RayWorkerGroup
 
-    pools = getattr(policy, "pools", None) or resource_pools(cfg)
-    return RayWorkerGroup(FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, fsdp=fsdp_options(t))
+    pools, made = _pools_of(cfg, policy)
+    group = RayWorkerGroup(FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, seed=t.seed,
+                           fsdp=fsdp_options(t))
+    return _owning(group, pools, made)
 
 
 def build_reward(cfg, policy=None):
@@ -290,7 +303,7 @@ def build_reward(cfg, policy=None):
     from rlkit.ray_group import RayWorkerGroup
     from rlkit.reward_model import RayRewardModel, RewardModelWorker
 
-    pools = getattr(policy, "pools", None) or resource_pools(cfg)
+    pools, made = _pools_of(cfg, policy)
     group = RayWorkerGroup(RewardModelWorker, pools["reward_model"], r.model_path, t.device, r.model_micro_batch_size,
                            cfg.model.trust_remote_code, share=_share(pools, "reward_model"))
-    return RewardFn.from_config(r, t.device, model=RayRewardModel(group))
+    return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))

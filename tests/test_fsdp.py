@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from rlkit import algos, embedded  # noqa: E402
 from rlkit.data import PromptLoader, build_prompts  # noqa: E402
-from rlkit.workers import build_policy  # noqa: E402
+from rlkit.workers import build_critic, build_policy  # noqa: E402
 from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
 
@@ -180,6 +180,20 @@ def test_ppo_on_ray_critic_colocated_resumes_from_sharded_checkpoints_like_an_un
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not ray.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # the runs freed their pools
+
+
+def test_the_critic_starts_from_the_same_value_head_on_both_backends(tmp_path, local_ray):
+    ppo = load_recipe("ppo")
+    cfg = _ppo_config(ppo, tmp_path, 1, critic_workers=1)
+    on_ray = build_critic(cfg)  # built alone: on pools made for it, freed by its shutdown
+    try:
+        ray_head = on_ray.state_dict()["model"]["score.weight"]
+    finally:
+        on_ray.shutdown()
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    cfg.trainer.backend = "local"
+    local_head = build_critic(cfg).state_dict()["model"]["score.weight"]
+    assert torch.equal(ray_head, local_head) and local_head.abs().max() > 0
 
 
 def test_ppo_critic_on_a_pool_of_its_own(tmp_path, local_ray):
