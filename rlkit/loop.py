@@ -131,7 +131,8 @@ class Run:
             for name, obj in {"policy": policy, **self.stateful}.items():
                 if hasattr(obj, "load_checkpoint"):  # a worker group: it reads its own folder (its shards)
                     if not (path / name).is_dir():
-                        raise ValueError(f"cannot resume from {path}: it holds no {name}/ folder (saved by another recipe?)")
+                        raise ValueError(f"cannot resume from {path}: it holds no {name}/ folder (saved by another recipe, or by an rlkit "
+                                         "older than per-worker checkpoint folders?)")
                     obj.load_checkpoint(path / name)
                 elif name not in state:
                     raise ValueError(f"cannot resume from {path}: it holds no {name!r} state (saved by another recipe?)")

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,10 @@ def test_existing_checkpoints_are_not_overwritten_without_resume(tmp_path):
     with pytest.raises(FileExistsError, match="--trainer.resume auto"):
         grpo.main(small_config(grpo, tmp_path, steps=2))
     assert (tmp_path / "checkpoints/global_step_2/state.pt").is_file()
+    # a checkpoint without the policy's folder (an older layout, or a folder removed by hand) is refused by name
+    shutil.rmtree(tmp_path / "checkpoints/global_step_2/policy")
+    with pytest.raises(ValueError, match="holds no policy/ folder"):
+        grpo.main(small_config(grpo, tmp_path, steps=3, resume="auto"))
 
 
 def test_lora_run_trains_only_the_adapter(tmp_path):
