@@ -109,21 +109,18 @@ class FSDPMixin:
     def num_params(self) -> tuple[int, int]:
         return super().num_params()
 
-    def _sharded_state(self):
-        """{'model', 'optimizer'} as sharded (DTensor) state dicts; frozen weights (LoRA's base) are left out."""
+    def _sharded_state(self, **options) -> dict:
+        """{'model', 'optimizer'}: the trainable weights (what engine.in_checkpoint keeps; LoRA's frozen base is left
+        out) and the optimizer state, as sharded DTensors, or with full_state_dict=True gathered to full tensors."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer,
+                                            options=StateDictOptions(ignore_frozen_params=True, **options))
         return {"model": {k: v for k, v in model_sd.items() if self.engine.in_checkpoint(k)}, "optimizer": optim_sd}
 
     def _full_state_dict(self) -> dict:
         """The whole trainable state gathered to full tensors in every process (tests compare it across group sizes)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer, options=opts)
-        model_sd = {k: v for k, v in model_sd.items() if self.engine.in_checkpoint(k)}
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.engine.scheduler.state_dict()}
+        return {**self._sharded_state(full_state_dict=True, cpu_offload=True), "scheduler": self.engine.scheduler.state_dict()}
 
     def _load_full_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

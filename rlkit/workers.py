@@ -219,12 +219,12 @@ def _check_split(what: str, trajectories: int, n_workers: int, flag: str) -> Non
                          f"over {flag} {n_workers}; make it a multiple")
 
 
-def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
+def build_policy(cfg, need_ref: bool | None = None):
     """The actor/rollout/reference worker group for a recipe config (fields model, actor, rollout, data, trainer).
 
     need_ref: whether the recipe asks for reference log-probs (default: cfg.actor.use_kl_loss).
-    pools: with --trainer.backend ray, the roles' resource pools (default: resource_pools(cfg)); the
-    group gets them as `.pools`, so that build_critic can place the critic beside it.
+    With --trainer.backend ray the group gets every role's resource pool as `.pools`, so that
+    build_critic and build_reward can place their workers beside it.
     """
     t = cfg.trainer
     args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
@@ -240,7 +240,7 @@ def build_policy(cfg, need_ref: bool | None = None, pools: dict | None = None):
     if hasattr(cfg, "critic"):
         _check_split("critic", (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
                      t.critic_workers or t.n_workers, "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers")
-    pools, made = (pools, False) if pools else (resource_pools(cfg), True)
+    pools, made = _pools_of(cfg, None)
     group = RayWorkerGroup(FSDPActorRolloutRefWorker, pools["actor_rollout_ref"], *args, share=_share(pools, "actor_rollout_ref"), device=t.device,
                            seed=t.seed, need_ref=need_ref, fsdp=fsdp_options(t))
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
