@@ -62,9 +62,17 @@ def make_random_model(out_dir: str | Path, hidden: int = 256, layers: int = 4, s
     torch.manual_seed(seed)
     heads = max(hidden // 64, 2)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
-        tie_word_embeddings=True, pad_token_id=base.pad_token_id, eos_token_id=None, bos_token_id=None,  # EOS: generation config
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=base.pad_token_id,
+        eos_token_id=None,
+        bos_token_id=None,  # EOS: generation config
     )
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=base.pad_token_id)
@@ -107,9 +115,22 @@ class RlkitGRPO:
     docs/performance.md); all off by default, i.e. this is rlkit as it is. Keep step() in line with the recipe's loop.
     """
 
-    def __init__(self, model_path: str, prompts: int, n: int, max_new_tokens: int, lr: float, beta: float,
-                 threads: int, out_dir: Path, seed: int = 1, micro_batch: int | None = None,
-                 skip_old_log_prob: bool = False, logits_to_keep: bool = False, prefix_sharing: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        prompts: int,
+        n: int,
+        max_new_tokens: int,
+        lr: float,
+        beta: float,
+        threads: int,
+        out_dir: Path,
+        seed: int = 1,
+        micro_batch: int | None = None,
+        skip_old_log_prob: bool = False,
+        logits_to_keep: bool = False,
+        prefix_sharing: bool = False,
+    ):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
         from rlkit.workers import build_policy, build_reward
@@ -137,8 +158,9 @@ class RlkitGRPO:
         with quiet():
             self.policy = build_policy(cfg)
         self.tok = self.policy.tokenizer
-        self.train = PromptLoader(build_prompts(cfg.data.train_files, self.tok, cfg.data), prompts, self.tok.pad_token_id,
-                                  cfg.data.shuffle, seed)
+        self.train = PromptLoader(
+            build_prompts(cfg.data.train_files, self.tok, cfg.data), prompts, self.tok.pad_token_id, cfg.data.shuffle, seed
+        )
         self.reward_fn = build_reward(cfg, self.policy)
         self.actor_loss = grpo.make_actor_loss(cfg)
         self.skip_old_log_prob = skip_old_log_prob
@@ -203,8 +225,18 @@ def patch_logits_to_keep(engine) -> None:
     def forward(model, mb, temperature, with_entropy):
         prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
         t, first, keep = trim_padding({k: mb[k].to(engine.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
-        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
-                       use_cache=False, logits_to_keep=keep + 1).logits[:, :-1].float() / temperature
+        logits = (
+            model(
+                input_ids=t["input_ids"],
+                attention_mask=t["attention_mask"],
+                position_ids=t["position_ids"],
+                use_cache=False,
+                logits_to_keep=keep + 1,
+            )
+            .logits[:, :-1]
+            .float()
+            / temperature
+        )
         labels = mb["responses"][:, :keep].to(engine.device)
         logp = torch.zeros(len(mb), resp_len, device=engine.device)
         logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
@@ -236,16 +268,20 @@ def prefix_shared_logits(model, input_ids, attention_mask, prompt_len: int, n: i
     import torch
 
     p_ids, p_mask = input_ids[::n, :prompt_len], attention_mask[::n, :prompt_len]
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_repeat_interleave(n)
-    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, prompt_len:prompt_len + keep_logits - 1]
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, prompt_len : prompt_len + keep_logits - 1]
     first = out.logits[:, -1:].repeat_interleave(n, 0)
     if keep_logits == 1:
         return first
-    rest = model(input_ids=input_ids[:, prompt_len:prompt_len + keep_logits - 1], attention_mask=attention_mask[:, :prompt_len + keep_logits - 1],
-                 position_ids=pos, past_key_values=cache, use_cache=True).logits
+    rest = model(
+        input_ids=input_ids[:, prompt_len : prompt_len + keep_logits - 1],
+        attention_mask=attention_mask[:, : prompt_len + keep_logits - 1],
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
     return torch.cat([first, rest], 1)
 
 
@@ -284,17 +320,32 @@ def patch_prefix_sharing(engine, rollout, n: int) -> None:
             return plain_generate(prompts, max_new_tokens, temperature, top_p, top_k, micro_batch_size)
         model, tok = rollout.model, rollout.tokenizer
         ids, mask = prompts["input_ids"].to(rollout.device), prompts["attention_mask"].to(rollout.device)
-        out = model(input_ids=ids[::n], attention_mask=mask[::n], position_ids=(mask[::n].cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids[::n],
+            attention_mask=mask[::n],
+            position_ids=(mask[::n].cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = out.past_key_values
         cache.batch_repeat_interleave(n)
         probs = torch.softmax(out.logits[:, -1].float() / temperature, -1).repeat_interleave(n, 0)
         first = torch.multinomial(probs, 1)
         if max_new_tokens > 1:
-            seq = model.generate(input_ids=torch.cat([ids, first], 1), attention_mask=torch.cat([mask, torch.ones_like(first)], 1),
-                                 past_key_values=cache, do_sample=True, max_new_tokens=max_new_tokens - 1, eos_token_id=rollout.eos,
-                                 pad_token_id=tok.pad_token_id, temperature=temperature, top_p=1.0, top_k=None, **NEUTRAL_SAMPLING)
-            resp = seq[:, ids.shape[1]:].cpu()
+            seq = model.generate(
+                input_ids=torch.cat([ids, first], 1),
+                attention_mask=torch.cat([mask, torch.ones_like(first)], 1),
+                past_key_values=cache,
+                do_sample=True,
+                max_new_tokens=max_new_tokens - 1,
+                eos_token_id=rollout.eos,
+                pad_token_id=tok.pad_token_id,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=None,
+                **NEUTRAL_SAMPLING,
+            )
+            resp = seq[:, ids.shape[1] :].cpu()
         else:
             resp = first.cpu()
         if resp.shape[1] < max_new_tokens:
@@ -334,5 +385,8 @@ def now() -> float:
 
 def fmt_table(rows: list[list], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    def line(r):
+        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])

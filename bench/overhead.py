@@ -43,7 +43,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--variants", default="", metavar="A,B", help="also time rlkit with prototyped optimisations: comma-separated from skip_old_lp, logits_to_keep, prefix, all (= skip_old_lp+prefix); see docs/performance.md")
+    p.add_argument(
+        "--variants",
+        default="",
+        metavar="A,B",
+        help="also time rlkit with prototyped optimisations: comma-separated from skip_old_lp, logits_to_keep, prefix, all (= skip_old_lp+prefix); see docs/performance.md",
+    )
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 
@@ -74,9 +79,21 @@ class BareGRPO:
 
         s = common.now()
         with torch.no_grad():
-            seq = self.model.generate(input_ids=ids, attention_mask=pmask, do_sample=True, max_new_tokens=self.max_new_tokens,
-                                      eos_token_id=self.eos, pad_token_id=self.tok.pad_token_id, temperature=1.0, top_p=1.0,
-                                      top_k=None, repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0)
+            seq = self.model.generate(
+                input_ids=ids,
+                attention_mask=pmask,
+                do_sample=True,
+                max_new_tokens=self.max_new_tokens,
+                eos_token_id=self.eos,
+                pad_token_id=self.tok.pad_token_id,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=None,
+                repetition_penalty=1.0,
+                min_p=None,
+                typical_p=1.0,
+                no_repeat_ngram_size=0,
+            )
         P = ids.shape[1]
         resp = seq[:, P:]
         is_eos = torch.isin(resp, torch.tensor(self.eos))
@@ -95,7 +112,7 @@ class BareGRPO:
         m = rmask.float()
 
         def logprobs(model):
-            logits = model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1:-1].float()
+            logits = model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1].float()
             return torch.gather(F.log_softmax(logits, -1), -1, resp.unsqueeze(-1)).squeeze(-1)
 
         s = common.now()
@@ -133,16 +150,23 @@ def main(argv=None):
 
     work = Path(tempfile.mkdtemp(prefix="rlkit-bench-"))
     model_path = common.resolve_model(args.model, work, args.hidden, args.layers)
-    rl = {name: common.RlkitGRPO(model_path, args.prompts, args.n, args.max_new_tokens, args.lr, args.beta, args.threads,
-                                 work / name, seed=args.seed, **kw) for name, kw in common.arms(args.variants).items()}
+    rl = {
+        name: common.RlkitGRPO(
+            model_path, args.prompts, args.n, args.max_new_tokens, args.lr, args.beta, args.threads, work / name, seed=args.seed, **kw
+        )
+        for name, kw in common.arms(args.variants).items()
+    }
     first = rl["rlkit"]
     loader = PromptLoader(first.train.prompts, args.prompts, first.tok.pad_token_id, True, args.seed)  # same prompt order
     bare_model = copy.deepcopy(first.model)
-    bare = BareGRPO(bare_model, first.tok, eos_ids(first.model, first.tok), first.reward_fn, loader, args.n,
-                    args.max_new_tokens, args.lr, args.beta)
-    print(f"rlkit step vs bare torch loop, {torch.get_num_threads()} thread(s), model {model_path}\n"
-          f"{args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, lr {args.lr}, beta {args.beta}, "
-          f"{args.warmup} warm-up + {args.steps} timed steps per side, alternated")
+    bare = BareGRPO(
+        bare_model, first.tok, eos_ids(first.model, first.tok), first.reward_fn, loader, args.n, args.max_new_tokens, args.lr, args.beta
+    )
+    print(
+        f"rlkit step vs bare torch loop, {torch.get_num_threads()} thread(s), model {model_path}\n"
+        f"{args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, lr {args.lr}, beta {args.beta}, "
+        f"{args.warmup} warm-up + {args.steps} timed steps per side, alternated"
+    )
 
     sides = {"bare": bare, **rl}
     res = {k: [] for k in sides}
@@ -151,23 +175,36 @@ def main(argv=None):
             torch.set_num_threads(args.threads)
             torch.manual_seed(args.seed * 1000 + i)  # same samples on both sides while their weights agree
             res[name].append(side.step())
-        print(f"step {i + 1}{' (warm-up)' if i < args.warmup else ''}: " +
-              " | ".join(f"{k} {v[-1]['step']:.3f}s {v[-1]['gen_tokens']} tok" for k, v in res.items()), flush=True)
+        print(
+            f"step {i + 1}{' (warm-up)' if i < args.warmup else ''}: "
+            + " | ".join(f"{k} {v[-1]['step']:.3f}s {v[-1]['gen_tokens']} tok" for k, v in res.items()),
+            flush=True,
+        )
 
     w = args.warmup
     med = {k: common.median([r["step"] for r in v[w:]]) for k, v in res.items()}
     paired = {k: common.median([a["step"] / b["step"] for a, b in zip(v[w:], res["bare"][w:])]) for k, v in res.items()}
     rows = []
     for k, v in res.items():
-        rows.append([k, f"{med[k]:.3f}", f"{med[k] / med['bare']:.2f}", f"{paired[k]:.2f}", f"{common.median([r['gen_tokens'] for r in v[w:]]):.0f}",
-                     *[f"{common.median([r[p] for r in v[w:]]):.3f}" for p in PHASES]])
+        rows.append(
+            [
+                k,
+                f"{med[k]:.3f}",
+                f"{med[k] / med['bare']:.2f}",
+                f"{paired[k]:.2f}",
+                f"{common.median([r['gen_tokens'] for r in v[w:]]):.0f}",
+                *[f"{common.median([r[p] for r in v[w:]]):.3f}" for p in PHASES],
+            ]
+        )
     print()
     print(common.fmt_table(rows, ["side", "median s/step", "x bare", "paired", "gen tokens", *[f"{p} s" for p in PHASES]]))
     same = all(a["gen_tokens"] == b["gen_tokens"] for a, b in zip(res["bare"][w:], res["rlkit"][w:]))
     print(f"generated tokens {'identical on every timed step' if same else 'differ on some steps (weights drifted apart; see gen tokens)'}")
     fastest = {k: min(r["step"] for r in v[w:]) for k, v in res.items()}
-    print(f"\nrlkit / bare = {med['rlkit'] / med['bare']:.2f}x (ratio of medians; median of per-step ratios {paired['rlkit']:.2f}x; "
-          f"ratio of fastest steps {fastest['rlkit'] / fastest['bare']:.2f}x; target <= 1.15x)")
+    print(
+        f"\nrlkit / bare = {med['rlkit'] / med['bare']:.2f}x (ratio of medians; median of per-step ratios {paired['rlkit']:.2f}x; "
+        f"ratio of fastest steps {fastest['rlkit'] / fastest['bare']:.2f}x; target <= 1.15x)"
+    )
     shutil.rmtree(work, ignore_errors=True)
     return {"median": med, "results": res}
 

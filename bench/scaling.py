@@ -30,9 +30,21 @@ PHASES = ["gen", "reward", "ref", "update"]
 
 def run_arm(workers: int, args, out: Path) -> list[dict]:
     """One run of the recipe; its metric rows after warm-up. workers 0 = local backend."""
-    cmd = [sys.executable, str(ROOT / "recipes/grpo.py"), "--trainer.total-training-steps", str(args.warmup + args.steps),
-           "--trainer.no-val-before-train", "--trainer.test-freq", "0", "--data.val-files", "--trainer.device", args.device,
-           "--trainer.default-local-dir", str(out), *shlex.split(args.extra)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes/grpo.py"),
+        "--trainer.total-training-steps",
+        str(args.warmup + args.steps),
+        "--trainer.no-val-before-train",
+        "--trainer.test-freq",
+        "0",
+        "--data.val-files",
+        "--trainer.device",
+        args.device,
+        "--trainer.default-local-dir",
+        str(out),
+        *shlex.split(args.extra),
+    ]
     if workers:
         cmd += ["--trainer.backend", "ray", "--trainer.n-workers", str(workers), "--trainer.cpus-per-worker", str(args.cpus_per_worker)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -51,7 +63,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="runs per arm, round-robin")
     p.add_argument("--device", default="auto")
     p.add_argument("--cpus-per-worker", type=float, default=1)
-    p.add_argument("--extra", default="", help="more recipe flags, e.g. \"--model PATH --data.train-batch-size 64\"")
+    p.add_argument("--extra", default="", help='more recipe flags, e.g. "--model PATH --data.train-batch-size 64"')
     args = p.parse_args(argv)
     arms = [0] + [int(w) for w in args.workers.split(",")]
     rows: dict[int, list[dict]] = {a: [] for a in arms}

@@ -85,8 +85,10 @@ def main(argv=None):
     readings.append(("end", rss_mib()))
     elapsed = common.now() - start
 
-    print(f"\nsoak: {args.steps} steps of recipes/grpo.py (embedded default), {torch.get_num_threads()} thread(s), "
-          f"{elapsed:.0f} s in all" + (f", output {args.out}" if args.out else ""))
+    print(
+        f"\nsoak: {args.steps} steps of recipes/grpo.py (embedded default), {torch.get_num_threads()} thread(s), "
+        f"{elapsed:.0f} s in all" + (f", output {args.out}" if args.out else "")
+    )
     base = readings[0][1]
     for name, mib in readings:
         print(f"  {name:>10}: RSS {mib:8.1f} MiB  ({mib - base:+7.1f} vs start)")
@@ -95,8 +97,10 @@ def main(argv=None):
     growth = (marks[-1][1] - half[0]) if len(half) >= 2 else (readings[-1][1] - readings[0][1])
     peak = loop.max_rss_gb() * 1024
     bounded = growth <= args.tolerance_mib
-    print(f"growth over the second half: {growth:+.1f} MiB; peak RSS {peak:.1f} MiB -> "
-          f"{'BOUNDED' if bounded else 'GROWING'} (tolerance {args.tolerance_mib:.0f} MiB)")
+    print(
+        f"growth over the second half: {growth:+.1f} MiB; peak RSS {peak:.1f} MiB -> "
+        f"{'BOUNDED' if bounded else 'GROWING'} (tolerance {args.tolerance_mib:.0f} MiB)"
+    )
     if not args.out:
         shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
     return {"readings": readings, "growth_second_half_mib": growth, "bounded": bounded}

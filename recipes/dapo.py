@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from rlkit import algos, loop
-from rlkit.protocol import DataProto
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
+from rlkit.errors import ConfigError, RunFailed
+from rlkit.protocol import DataProto
 from rlkit.rewards import token_level_rewards
 from rlkit.workers import build_policy, build_reward
 
@@ -36,9 +37,11 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    actor: ActorConfig = field(default_factory=lambda: ActorConfig(
-        lr=1e-4, ppo_mini_batch_size=32, clip_ratio_low=0.2, clip_ratio_high=0.28,
-        loss_agg_mode="token-mean", use_kl_loss=False))
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(
+            lr=1e-4, ppo_mini_batch_size=32, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean", use_kl_loss=False
+        )
+    )
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     norm_adv_by_std_in_grpo: bool = True
@@ -62,9 +65,15 @@ def make_actor_loss(cfg: Config):
     def actor_loss(mb, log_prob, entropy, norm):
         mask, mode = mb["response_mask"], a.loss_agg_mode
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mask,
-            clip_ratio_low=a.clip_ratio_low or a.clip_ratio, clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
-            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=mode, **norm,
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio,
+            clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=mode,
+            **norm,
         )
         loss = pg_loss
         if a.entropy_coeff:
@@ -85,10 +94,12 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
-        raise ValueError("DAPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
+        raise ConfigError("DAPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
     policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
     tok = policy.tokenizer
-    train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.gen_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.gen_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
     run = loop.Run(cfg, policy, train, val, reward_fn)
@@ -101,10 +112,11 @@ def main(cfg: Config) -> dict:
             while sum(len(b) for b in kept) < cfg.data.train_batch_size * cfg.rollout.n:
                 num_gen_batches += 1
                 if 0 < cfg.max_num_gen_batches < num_gen_batches:
-                    raise RuntimeError(
+                    raise RunFailed(
                         f"dynamic sampling: {cfg.max_num_gen_batches} generation batches gave fewer than {cfg.data.train_batch_size} "
                         "prompts whose responses differ in reward. The task is too easy or too hard for the model: "
-                        "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --no-filter-groups")
+                        "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --no-filter-groups"
+                    )
                 batch = train.next_batch()
                 batch["uid"] = [f"{step}-{num_gen_batches}-{i}" for i in range(len(batch))]  # one group id per prompt
                 batch = batch.repeat(cfg.rollout.n, interleave=True)  # a group's rows adjacent
@@ -117,7 +129,8 @@ def main(cfg: Config) -> dict:
                 # ALGO LOGIC: overlong reward shaping, then keep only groups whose rewards differ
                 if cfg.overlong_buffer_len > 0:
                     scores = scores + algos.overlong_reward_penalty(
-                        batch["response_mask"].sum(-1), cfg.data.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+                        batch["response_mask"].sum(-1), cfg.data.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+                    )
                 batch["scores"] = scores
                 keep = algos.informative_groups(batch["uid"], scores) if cfg.filter_groups else torch.ones(len(batch), dtype=torch.bool)
                 kept.append(batch.index(keep))

@@ -84,9 +84,15 @@ def make_actor_loss(cfg: Config):
     def actor_loss(mb, log_prob, entropy, norm):
         mask, mode = mb["response_mask"], a.loss_agg_mode
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mask,
-            clip_ratio_low=a.clip_ratio_low or a.clip_ratio, clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
-            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=mode, **norm,
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio,
+            clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=mode,
+            **norm,
         )
         loss = pg_loss
         if a.entropy_coeff:
@@ -110,8 +116,11 @@ def make_critic_loss(cfg: Config):
     def critic_loss(mb, vpreds, _entropy, norm):
         mask = mb["response_mask"]
         vf_loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode, **norm)
-        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": clipfrac,
-                         "critic/vpred_mean": algos.masked_mean(vpreds, mask).item()}
+        return vf_loss, {
+            "critic/vf_loss": vf_loss.item(),
+            "critic/vf_clipfrac": clipfrac,
+            "critic/vpred_mean": algos.masked_mean(vpreds, mask).item(),
+        }
 
     return critic_loss
 
@@ -134,11 +143,16 @@ def main(cfg: Config) -> dict:
     policy = build_policy(cfg, need_ref=need_ref)  # actor + rollout + reference: here, or Ray workers (--trainer.backend ray)
     critic = build_critic(cfg, policy)  # value model: the policy's checkpoint (or --critic.path) + a fresh value head
     tok = policy.tokenizer
-    train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
-    kl_ctrl = (algos.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon) if cfg.kl_ctrl == "adaptive"
-               else algos.FixedKLController(cfg.kl_coef))
+    kl_ctrl = (
+        algos.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
+        if cfg.kl_ctrl == "adaptive"
+        else algos.FixedKLController(cfg.kl_coef)
+    )
     run = loop.Run(cfg, policy, train, val, reward_fn, stateful={"critic": critic, "kl_ctrl": kl_ctrl})
     actor_loss, critic_loss = make_actor_loss(cfg), make_critic_loss(cfg)
 
@@ -168,7 +182,8 @@ def main(cfg: Config) -> dict:
             else:
                 batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
             batch["advantages"], batch["returns"] = algos.gae_advantage(
-                batch["token_level_rewards"], batch["values"], batch["response_mask"], cfg.gamma, cfg.lam)
+                batch["token_level_rewards"], batch["values"], batch["response_mask"], cfg.gamma, cfg.lam
+            )
 
             with loop.timer("update_critic", timings):  # ALGO LOGIC: clipped value regression, see make_critic_loss
                 critic_metrics = critic.update(batch, critic_loss)
@@ -178,8 +193,13 @@ def main(cfg: Config) -> dict:
                     actor_metrics = policy.update(batch, actor_loss)
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
-        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **kl_metrics,
-                   **critic_metrics, **actor_metrics}
+        metrics = {
+            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **reward_metrics,
+            **kl_metrics,
+            **critic_metrics,
+            **actor_metrics,
+        }
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from rlkit import algos, loop
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
+from rlkit.errors import ConfigError
 from rlkit.rewards import token_level_rewards
 from rlkit.workers import build_policy, build_reward
 
@@ -42,9 +43,15 @@ def make_actor_loss(cfg: Config):
     def actor_loss(mb, log_prob, entropy, norm):
         mask, mode = mb["response_mask"], a.loss_agg_mode
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mask,
-            clip_ratio_low=a.clip_ratio_low or a.clip_ratio, clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
-            clip_ratio_c=a.clip_ratio_c, loss_agg_mode=mode, **norm,
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio,
+            clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=mode,
+            **norm,
         )
         loss = pg_loss
         if a.entropy_coeff:
@@ -65,10 +72,12 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
-        raise ValueError("RLOO needs --rollout.n >= 2: each response's baseline is the mean of the others of its prompt")
+        raise ConfigError("RLOO needs --rollout.n >= 2: each response's baseline is the mean of the others of its prompt")
     policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
     tok = policy.tokenizer
-    train = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed)
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
     run = loop.Run(cfg, policy, train, val, reward_fn)

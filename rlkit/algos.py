@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlkit.errors import ConfigError
+
 __all__ = [
     "masked_sum",
     "masked_mean",
@@ -374,7 +376,7 @@ def ppo_clip_loss(
         "ppo_kl"             mean of log pi_old - log pi (approx. KL(pi_old || pi))
     """
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO (or None to disable), got {clip_ratio_c}")
+        raise ConfigError(f"clip_ratio_c must be > 1 for dual-clip PPO (or None to disable), got {clip_ratio_c}")
     log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
 
@@ -435,7 +437,7 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str = "low_var_kl")
         value = torch.clamp(torch.exp(k) - k - 1, -10.0, 10.0)
     else:
         valid = ", ".join(KL_KINDS)
-        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {valid} (each also with a '+' suffix)")
+        raise ConfigError(f"unknown KL kind {kind!r}; valid kinds: {valid} (each also with a '+' suffix)")
     if straight_through:
         k2 = 0.5 * d**2
         value = k2 - k2.detach() + value.detach()
@@ -471,9 +473,7 @@ def value_loss(
         vpreds_clipped = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)
     loss1 = (vpreds - returns) ** 2
     loss2 = (vpreds_clipped - returns) ** 2
-    loss = 0.5 * agg_loss(
-        torch.maximum(loss1, loss2), mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len
-    )
+    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     clipfrac = masked_mean((loss2 > loss1).to(loss1.dtype), mask).item()
     return loss, clipfrac
 
@@ -542,7 +542,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
         if target_kl <= 0 or horizon <= 0:
-            raise ValueError(f"target_kl and horizon must be > 0, got {target_kl} and {horizon}")
+            raise ConfigError(f"target_kl and horizon must be > 0, got {target_kl} and {horizon}")
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
         self.horizon = float(horizon)
@@ -557,9 +557,7 @@ class AdaptiveKLController:
 # ---------------------------------------------------------------------------
 
 
-def overlong_reward_penalty(
-    response_length, max_response_length: int, buffer_len: int, penalty_factor: float = 1.0
-) -> Tensor:
+def overlong_reward_penalty(response_length, max_response_length: int, buffer_len: int, penalty_factor: float = 1.0) -> Tensor:
     """DAPO soft overlong punishment, added to the outcome reward.
 
         L_expected = L_max - L_buffer
@@ -570,9 +568,8 @@ def overlong_reward_penalty(
     ValueError if buffer_len <= 0 or buffer_len > max_response_length.
     """
     if buffer_len <= 0 or buffer_len > max_response_length:
-        raise ValueError(
-            f"need 0 < buffer_len <= max_response_length, got buffer_len={buffer_len}, "
-            f"max_response_length={max_response_length}"
+        raise ConfigError(
+            f"need 0 < buffer_len <= max_response_length, got buffer_len={buffer_len}, max_response_length={max_response_length}"
         )
     length = torch.as_tensor(response_length)
     if not length.is_floating_point():

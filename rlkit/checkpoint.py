@@ -26,16 +26,36 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlkit.errors import ConfigError, MissingFile
+
 PREFIX = "global_step_"
 # Config fields that may differ between the run that saved and the run that resumes. The output folder and the
 # names may: `--trainer.resume PATH` into another folder starts a branch of the run from that checkpoint.
-RESUMABLE_CHANGES = {"trainer.resume", "trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq",
-                     "trainer.test_freq", "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.device",
-                     "trainer.num_threads", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
-                     "data.val_max_samples", "rollout.log_prob_micro_batch_size", "trainer.ray_address",
-                     "trainer.cpus_per_worker", "trainer.n_workers",
-                     "trainer.critic_workers", "trainer.reward_workers", "trainer.fsdp_offload", "trainer.default_local_dir",
-                     "trainer.experiment_name", "trainer.project_name"}
+RESUMABLE_CHANGES = {
+    "trainer.resume",
+    "trainer.total_epochs",
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.test_freq",
+    "trainer.logger",
+    "trainer.max_ckpt_to_keep",
+    "trainer.device",
+    "trainer.num_threads",
+    "trainer.val_before_train",
+    "data.val_files",
+    "data.val_batch_size",
+    "data.val_max_samples",
+    "rollout.log_prob_micro_batch_size",
+    "trainer.ray_address",
+    "trainer.cpus_per_worker",
+    "trainer.n_workers",
+    "trainer.critic_workers",
+    "trainer.reward_workers",
+    "trainer.fsdp_offload",
+    "trainer.default_local_dir",
+    "trainer.experiment_name",
+    "trainer.project_name",
+}
 
 
 def rng_state() -> dict:
@@ -89,7 +109,7 @@ def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=No
     (root / "latest.tmp").replace(root / "latest")
     if keep > 0:  # the oldest go; never the one just written (it may be older than others after a resume)
         others = [s for s in list_checkpoints(root) if s != step]
-        for old in others[:max(len(others) - keep + 1, 0)]:
+        for old in others[: max(len(others) - keep + 1, 0)]:
             shutil.rmtree(root / f"{PREFIX}{old}", ignore_errors=True)
     return final
 
@@ -99,8 +119,8 @@ def list_checkpoints(ckpt_root: str | Path) -> list[int]:
     root = Path(ckpt_root)
     steps = []
     for p in root.glob(f"{PREFIX}*") if root.is_dir() else []:
-        if (p / "state.pt").is_file() and p.name[len(PREFIX):].isdigit():
-            steps.append(int(p.name[len(PREFIX):]))
+        if (p / "state.pt").is_file() and p.name[len(PREFIX) :].isdigit():
+            steps.append(int(p.name[len(PREFIX) :]))
     return sorted(steps)
 
 
@@ -113,7 +133,9 @@ def find_resume_path(resume: str, ckpt_root: str | Path) -> Path | None:
         return Path(ckpt_root) / f"{PREFIX}{steps[-1]}" if steps else None
     path = Path(resume)
     if not (path / "state.pt").is_file():
-        raise FileNotFoundError(f"--trainer.resume {resume}: not a checkpoint folder (expected {path / 'state.pt'}); use 'auto' or a {PREFIX}N folder")
+        raise MissingFile(
+            f"--trainer.resume {resume}: not a checkpoint folder (expected {path / 'state.pt'}); use 'auto' or a {PREFIX}N folder"
+        )
     return path
 
 
@@ -123,7 +145,7 @@ def check_config(saved: dict, current: dict) -> None:
     diff = [k for k in sorted(set(a) | set(b)) if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)]
     if diff:
         lines = "\n".join(f"  {k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in diff)
-        raise ValueError(
+        raise ConfigError(
             f"cannot resume: the config differs from the checkpoint's in\n{lines}\n"
             "Resume with the same settings, or start a new run with another --trainer.experiment-name / --trainer.default-local-dir"
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlkit.errors import ConfigError, MissingFile
 from rlkit.protocol import DataProto
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
@@ -27,22 +28,22 @@ def load_parquet(files: list[str], prompt_key: str = "prompt"):
 
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
-        raise FileNotFoundError(f"data file not found: {', '.join(missing)} (pass existing parquet files to --data.train-files/--data.val-files)")
+        raise MissingFile(f"data file not found: {', '.join(missing)} (pass existing parquet files to --data.train-files/--data.val-files)")
     if sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0:  # `datasets` fails obscurely on these
-        raise ValueError(f"{files}: the dataset is empty")
+        raise ConfigError(f"{files}: the dataset is empty")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     datasets.disable_progress_bars()
     ds = datasets.load_dataset("parquet", data_files=list(files), split="train")
     for col in (prompt_key, *REQUIRED_COLUMNS):
         if col not in ds.column_names:
-            raise ValueError(
+            raise ConfigError(
                 f"{files}: missing column {col!r}; found {ds.column_names}. rlkit reads verl-format parquet: "
                 "data_source (str), prompt (list of {role, content}), ability, reward_model ({style, ground_truth}), extra_info (dict)"
                 + (". If your prompts are in another column, pass --data.prompt-key NAME" if col == prompt_key else "")
             )
     rm = ds.features["reward_model"]
     if not isinstance(rm, dict) or "ground_truth" not in rm:
-        raise ValueError(f"{files}: column 'reward_model' must be a struct with a 'ground_truth' field, got {rm}")
+        raise ConfigError(f"{files}: column 'reward_model' must be a struct with a 'ground_truth' field, got {rm}")
     return ds
 
 
@@ -51,7 +52,7 @@ def render_prompts(tokenizer, prompts: list) -> list[str]:
     if all(isinstance(p, str) for p in prompts):
         return list(prompts)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise ConfigError(
             f"the tokenizer ({tokenizer.name_or_path}) has no chat template, but the prompts are chat messages. "
             "Use an instruct/chat model, set tokenizer.chat_template in its tokenizer_config.json, or store plain-string prompts"
         )
@@ -68,8 +69,8 @@ def truncate(ids: list[int], max_len: int, mode: str, row: int) -> list[int]:
         return ids[:max_len]
     if mode == "middle":
         head = max_len // 2
-        return ids[:head] + ids[len(ids) - (max_len - head):]
-    raise ValueError(
+        return ids[:head] + ids[len(ids) - (max_len - head) :]
+    raise ConfigError(
         f"prompt in row {row} has {len(ids)} tokens, over --data.max-prompt-length {max_len}. Fix: raise "
         f"--data.max-prompt-length to at least {len(ids)}, drop such rows with --data.filter-overlong-prompts, "
         "or cut them with --data.truncation left|right|middle"
@@ -96,8 +97,8 @@ class PromptSet:
         input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(ids), width), dtype=torch.long)
         for j, x in enumerate(ids):
-            input_ids[j, width - len(x):] = torch.tensor(x)
-            mask[j, width - len(x):] = 1
+            input_ids[j, width - len(x) :] = torch.tensor(x)
+            mask[j, width - len(x) :] = 1
         rows = np.asarray(rows)
         return DataProto.from_dict(
             tensors={"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
@@ -121,11 +122,14 @@ def task_columns(cfg, split: str) -> dict[str, list]:
     """The columns of a generated task (cfg.task, e.g. reasoning_gym:chain_sum) for split 'train' or 'val'."""
     from rlkit import tasks
 
-    train, val = tasks.train_val_rows(cfg.task, cfg.task_train_size, cfg.task_val_size if split == "val" else 0,
-                                      cfg.task_seed, cfg.task_options, cfg.task_format)
+    train, val = tasks.train_val_rows(
+        cfg.task, cfg.task_train_size, cfg.task_val_size if split == "val" else 0, cfg.task_seed, cfg.task_options, cfg.task_format
+    )
     rows = val if split == "val" else train
     if not rows:
-        raise ValueError(f"--data.task {cfg.task}: no {split} items (raise --data.task-{split}-size, or use a task with more distinct problems)")
+        raise ConfigError(
+            f"--data.task {cfg.task}: no {split} items (raise --data.task-{split}-size, or use a task with more distinct problems)"
+        )
     return tasks.columns(rows)
 
 
@@ -150,7 +154,7 @@ def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1, split
         if str(source).startswith("reasoning_gym/"):
             from rlkit import tasks
 
-            tasks.register(str(source)[len("reasoning_gym/"):])
+            tasks.register(str(source)[len("reasoning_gym/") :])
     prompts = cols[cfg.prompt_key]
     texts = render_prompts(tokenizer, prompts)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -158,7 +162,7 @@ def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1, split
     if cfg.filter_overlong_prompts:
         keep = [i for i in keep if len(ids[i]) <= cfg.max_prompt_length]
         if not keep:
-            raise ValueError(f"{files}: every prompt is over --data.max-prompt-length {cfg.max_prompt_length}; raise it")
+            raise ConfigError(f"{files}: every prompt is over --data.max-prompt-length {cfg.max_prompt_length}; raise it")
     else:
         ids = [truncate(x, cfg.max_prompt_length, cfg.truncation, i) for i, x in enumerate(ids)]
     extra = cols.get("extra_info", [None] * len(prompts))
@@ -181,7 +185,7 @@ class PromptLoader:
 
     def __init__(self, prompts: PromptSet, batch_size: int, pad_id: int, shuffle: bool = True, seed: int = 0):
         if len(prompts) < batch_size:
-            raise ValueError(f"--data.train-batch-size {batch_size} is larger than the dataset ({len(prompts)} prompts); lower it")
+            raise ConfigError(f"--data.train-batch-size {batch_size} is larger than the dataset ({len(prompts)} prompts); lower it")
         self.prompts, self.batch_size, self.pad_id, self.shuffle, self.seed = prompts, batch_size, pad_id, shuffle, seed
         self.epoch, self.position = 0, 0
 
@@ -199,7 +203,7 @@ class PromptLoader:
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
         start = self.position * self.batch_size
-        rows = self._order(self.epoch)[start:start + self.batch_size]
+        rows = self._order(self.epoch)[start : start + self.batch_size]
         self.position += 1
         batch = self.prompts.batch(rows, self.pad_id)
         batch.meta["epoch"] = self.epoch

@@ -88,9 +88,7 @@ def build_tokenizer(corpus: list[str]):
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -162,11 +160,15 @@ def greedy_accuracy(model, tokenizer, pairs) -> float:
     """Fraction of `pairs` whose greedy answer is exactly a+b (the held-out metric of the default run)."""
     import torch
 
-    prompts = [tokenizer.apply_chat_template(arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False) for a, b in pairs]
+    prompts = [
+        tokenizer.apply_chat_template(arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False) for a, b in pairs
+    ]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+        )
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return sum(t.strip() == str(a + b) for t, (a, b) in zip(texts, pairs)) / len(pairs)
 
 

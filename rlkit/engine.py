@@ -23,13 +23,14 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from rlkit import algos
+from rlkit.errors import ConfigError, MissingFile, NonFinite, RunFailed
 from rlkit.protocol import DataProto
 
 # loss_fn(micro_batch, log_prob, entropy_or_None, norm) -> (loss, metrics). `norm` holds the
@@ -73,7 +74,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
     local = Path(path).expanduser()
     looks_local = path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1]
     if looks_local and not local.exists():
-        raise FileNotFoundError(f"--model.path {path}: no such folder. Pass a local Hugging Face model folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+        raise MissingFile(
+            f"--model.path {path}: no such folder. Pass a local Hugging Face model folder or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+        )
     try:
         if value_head:  # the new head is missing from a policy checkpoint, as expected: report only other gaps
             from transformers.utils import logging as hf_logging
@@ -82,20 +85,24 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             hf_logging.set_verbosity_error()
             try:
                 model, info = AutoModelForTokenClassification.from_pretrained(
-                    path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
+                    path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+                )
             finally:
                 hf_logging.set_verbosity(level)
             body = sorted(k for k in info["missing_keys"] if k.split(".")[0] not in ("score", "classifier"))
             if body:
-                warnings.warn(f"value model from {path}: {len(body)} weights missing from the checkpoint, freshly initialised: {body[:5]}")
+                warnings.warn(
+                    f"value model from {path}: {len(body)} weights missing from the checkpoint, freshly initialised: {body[:5]}",
+                    stacklevel=2,
+                )
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
-            raise ValueError(f"{path} ships its own modelling code; if you trust it, pass --model.trust-remote-code") from e
+            raise ConfigError(f"{path} ships its own modelling code; if you trust it, pass --model.trust-remote-code") from e
         raise
     except OSError as e:
-        raise OSError(
+        raise RunFailed(
             f"could not load a model from {path!r}: {e}\nPass a local folder with config.json and weights, or a hub id "
             "(downloads need network; set HF_HUB_OFFLINE=1 to use only the local cache)"
         ) from e
@@ -107,12 +114,17 @@ def add_lora(model, model_cfg, value_head: bool = False):
     from peft import LoraConfig, get_peft_model
 
     targets = model_cfg.target_modules
-    return get_peft_model(model, LoraConfig(
-        r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
-        task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",  # TOKEN_CLS trains the value head in full
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-        exclude_modules=["score", "classifier"] if value_head else None,  # the head gets no adapter
-    ))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=model_cfg.lora_rank,
+            lora_alpha=model_cfg.lora_alpha,
+            lora_dropout=0.0,
+            task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",  # TOKEN_CLS trains the value head in full
+            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+            exclude_modules=["score", "classifier"] if value_head else None,  # the head gets no adapter
+        ),
+    )
 
 
 def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dict[str, torch.Tensor], int, int]:
@@ -148,8 +160,15 @@ def global_counts(num_tokens: int, num_seqs: int) -> dict:
 class TorchEngine:
     """A causal LM (or, value_head=True, a value model) on one device with its optimizer; see the module docstring."""
 
-    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None, value_head: bool = False,
-                 wrap: Callable | None = None):
+    def __init__(
+        self,
+        model_cfg,
+        actor_cfg=None,
+        device: str = "auto",
+        need_ref: bool | None = None,
+        value_head: bool = False,
+        wrap: Callable | None = None,
+    ):
         """need_ref: keep a reference policy (default: when actor_cfg.use_kl_loss); free with LoRA.
 
         actor_cfg: the optimizer settings (lr, weight_decay, warmup_steps, grad_clip, nan_policy); None = no training.
@@ -161,7 +180,9 @@ class TorchEngine:
         self.dtype = resolve_dtype(model_cfg.dtype, self.device)
         self.value_head = value_head
         self.role = "critic" if value_head else "actor"  # metric prefix and flag names in messages
-        model = load_model(model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code, value_head)  # first: its errors say what to do
+        model = load_model(
+            model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code, value_head
+        )  # first: its errors say what to do
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -190,7 +211,7 @@ class TorchEngine:
         if self.lora:
             return self.model.disable_adapter(), self.model
         if self.ref_model is None and self.optimizer is not None:  # the policy trains: it is no reference
-            raise ValueError("no reference policy: full-parameter training keeps a frozen copy only with --actor.use-kl-loss")
+            raise ConfigError("no reference policy: full-parameter training keeps a frozen copy only with --actor.use-kl-loss")
         return nullcontext(), (self.ref_model if self.ref_model is not None else self.model)
 
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
@@ -200,11 +221,9 @@ class TorchEngine:
         """
         prompt_len = mb["prompts"].shape[1]
         resp_len = mb["responses"].shape[1]
-        t, first, keep = trim_padding(
-            {k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len
-        )
+        t, first, keep = trim_padding({k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
         logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False).logits
-        logits = logits[:, prompt_len - first - 1: -1].float()  # position t-1 predicts y_t (or values state y_<t)
+        logits = logits[:, prompt_len - first - 1 : -1].float()  # position t-1 predicts y_t (or values state y_<t)
         if self.value_head:
             values = torch.zeros(len(mb), resp_len, device=self.device)
             values[:, :keep] = logits[..., 0]
@@ -251,8 +270,17 @@ class TorchEngine:
             for m in flagged:
                 m.training = False
 
-    def update(self, batch: DataProto, loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
-               epochs: int = 1, temperature: float = 1.0, with_entropy: bool = False, shuffle_seed: int | None = None) -> dict:
+    def update(
+        self,
+        batch: DataProto,
+        loss_fn: LossFn,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        epochs: int = 1,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        shuffle_seed: int | None = None,
+    ) -> dict:
         """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
 
         One optimizer step per mini-batch. Returns metrics averaged over optimizer steps: actor/loss,
@@ -267,8 +295,10 @@ class TorchEngine:
         # pi_old = pi, so log pi_old is this step's own log-probs, detached (rho = 1, the gradient unchanged).
         reuse_old = not self.value_head and "old_log_probs" not in batch
         if reuse_old and (epochs != 1 or len(batch) > mini_batch_size):
-            raise ValueError("the batch has no old_log_probs, but its update takes more than one optimizer step "
-                             "(ppo_epochs > 1 or several mini-batches): compute them with policy.compute_log_prob first")
+            raise ValueError(
+                "the batch has no old_log_probs, but its update takes more than one optimizer step "
+                "(ppo_epochs > 1 or several mini-batches): compute them with policy.compute_log_prob first"
+            )
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
@@ -295,7 +325,7 @@ class TorchEngine:
                             if cfg.nan_policy == "skip":
                                 add(f"{role}/skipped_steps", 1)
                                 break
-                            raise FloatingPointError(
+                            raise NonFinite(
                                 f"non-finite loss ({loss.item()}) in the {role} update; no step was taken and no checkpoint written. "
                                 f"Lower --{role}.lr, check rewards for NaN/inf, or pass --{role}.nan-policy skip"
                             )
@@ -314,7 +344,7 @@ class TorchEngine:
                                 add(f"{role}/skipped_steps", 1)
                                 self.optimizer.zero_grad(set_to_none=True)
                                 continue
-                            raise FloatingPointError(
+                            raise NonFinite(
                                 f"non-finite gradient norm in the {role} update; no step was taken and no checkpoint written. "
                                 f"Lower --{role}.lr or pass --{role}.nan-policy skip"
                             )
@@ -350,7 +380,7 @@ class TorchEngine:
     def load_state_dict(self, state: dict) -> None:
         missing = self.model.load_state_dict(state["model"], strict=False)
         if self.lora and missing.unexpected_keys:
-            raise ValueError(f"checkpoint does not match this model: unexpected keys {missing.unexpected_keys[:5]}")
+            raise ConfigError(f"checkpoint does not match this model: unexpected keys {missing.unexpected_keys[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -372,5 +402,3 @@ def set_threads(num_threads: int = 0) -> int:
         num_threads = 1 if (os.cpu_count() or 1) <= 4 else torch.get_num_threads()
     torch.set_num_threads(num_threads)
     return num_threads
-
-

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlkit.errors import MissingFile
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker
@@ -94,8 +95,9 @@ class FSDPMixin:
         """This process's 1/N of every mini-batch of `mini_batch_size` rows (the k-th optimizer step sees the same
         trajectories as with one process)."""
         share = mini_batch_size // self.world_size
-        rows = [i for start in range(0, len(batch), mini_batch_size)
-                for i in range(start + self.rank * share, start + (self.rank + 1) * share)]
+        rows = [
+            i for start in range(0, len(batch), mini_batch_size) for i in range(start + self.rank * share, start + (self.rank + 1) * share)
+        ]
         return batch.index(rows)
 
     def _mean_over_ranks(self, metrics: dict) -> dict:
@@ -114,8 +116,9 @@ class FSDPMixin:
         out) and the optimizer state, as sharded DTensors, or with full_state_dict=True gathered to full tensors."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer,
-                                            options=StateDictOptions(ignore_frozen_params=True, **options))
+        model_sd, optim_sd = get_state_dict(
+            self.engine.model, self.engine.optimizer, options=StateDictOptions(ignore_frozen_params=True, **options)
+        )
         return {"model": {k: v for k, v in model_sd.items() if self.engine.in_checkpoint(k)}, "optimizer": optim_sd}
 
     def _full_state_dict(self) -> dict:
@@ -125,8 +128,13 @@ class FSDPMixin:
     def _load_full_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        set_state_dict(self.engine.model, self.engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True, strict=False))
+        set_state_dict(
+            self.engine.model,
+            self.engine.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )
         self.engine.scheduler.load_state_dict(state["scheduler"])
 
     def _save_sharded(self, folder, extra: dict) -> None:
@@ -149,12 +157,19 @@ class FSDPMixin:
 
         folder = Path(folder)
         if not (folder / ".metadata").is_file():
-            raise FileNotFoundError(f"{folder} holds no sharded checkpoint (.metadata): was it saved with --trainer.backend local? "
-                                    "Resume with the same --trainer.backend")
+            raise MissingFile(
+                f"{folder} holds no sharded checkpoint (.metadata): was it saved with --trainer.backend local? "
+                "Resume with the same --trainer.backend"
+            )
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=str(folder))
-        set_state_dict(self.engine.model, self.engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(strict=False))
+        set_state_dict(
+            self.engine.model,
+            self.engine.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(strict=False),
+        )
         extra = torch.load(folder / "extra_state.pt", map_location="cpu", weights_only=False)
         self.engine.scheduler.load_state_dict(extra.pop("scheduler"))
         return extra
@@ -163,8 +178,22 @@ class FSDPMixin:
 class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     """ActorRolloutRefWorker whose model is sharded across the processes of its group."""
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0,
-                 need_ref: bool | None = None, fsdp: dict | None = None, *, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(
+        self,
+        model_cfg,
+        actor_cfg,
+        rollout_cfg,
+        data_cfg,
+        device: str = "auto",
+        seed: int = 0,
+        need_ref: bool | None = None,
+        fsdp: dict | None = None,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+    ):
         dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
         hf = dataclasses.replace(rollout_cfg, name="hf")  # a vLLM engine is made below, once the model is sharded
         super().__init__(model_cfg, actor_cfg, hf, data_cfg, device=str(dev), seed=seed, need_ref=need_ref, wrap=self._shard)
@@ -181,8 +210,16 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         max_len = self.data_cfg.max_prompt_length + self.data_cfg.max_response_length
-        self.rollout = VLLMRollout(self.engine.model, self.tokenizer, model_path, self.compute_dtype, self.engine.device,
-                                   self.rollout_cfg, max_model_len=max_len, seed=seed + self.rank)
+        self.rollout = VLLMRollout(
+            self.engine.model,
+            self.tokenizer,
+            model_path,
+            self.compute_dtype,
+            self.engine.device,
+            self.rollout_cfg,
+            max_model_len=max_len,
+            seed=seed + self.rank,
+        )
         self.sync_rollout()  # LoRA's adapter, or weights loaded from a checkpoint, are not in the folder vLLM read
 
     @contextmanager
@@ -273,8 +310,21 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
 class FSDPCriticWorker(FSDPMixin, CriticWorker):
     """CriticWorker whose value model is sharded across the processes of its group."""
 
-    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", seed: int = 0,
-                 fsdp: dict | None = None, *, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(
+        self,
+        model_cfg,
+        critic_cfg,
+        rollout_cfg,
+        actor_mini_batch_size: int,
+        device: str = "auto",
+        seed: int = 0,
+        fsdp: dict | None = None,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+    ):
         dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
         super().__init__(model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size, device=str(dev), seed=seed, wrap=self._shard)
         self.dp_size = world_size

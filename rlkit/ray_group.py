@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 
+from rlkit.errors import ConfigError, RunFailed, UserError
 from rlkit.protocol import DataProto
 
 DISPATCH_ATTR = "_rlkit_dispatch"
@@ -64,13 +65,14 @@ def _address_and_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def rendezvous(pool: "ResourcePool") -> tuple[str, int]:
+def rendezvous(pool: ResourcePool) -> tuple[str, int]:
     """An address and free port on the node of the pool's first bundle, where rank 0 will run (torch.distributed's MASTER_ADDR/PORT)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     task = ray.remote(_address_and_port).options(
-        num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=0))
+        num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=0)
+    )
     return ray.get(task.remote(), timeout=120)
 
 
@@ -87,7 +89,7 @@ class ResourcePool:
         from ray.util.placement_group import placement_group
 
         if n < 1:
-            raise ValueError(f"resource pool {name!r}: needs at least one bundle, got {n}")
+            raise ConfigError(f"resource pool {name!r}: needs at least one bundle, got {n}")
         self.n, self.cpus, self.gpus, self.name = n, cpus, gpus, name
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         self.pg = placement_group([bundle] * n, strategy="PACK")
@@ -95,7 +97,7 @@ class ResourcePool:
             ray.get(self.pg.ready(), timeout=60)
         except Exception as e:
             self.remove()
-            raise RuntimeError(
+            raise RunFailed(
                 f"Ray could not place resource pool {name!r} ({n} x {bundle}): the cluster has {ray.cluster_resources()} "
                 f"and {ray.available_resources()} free. Use fewer workers (--trainer.n-workers, --trainer.critic-workers), "
                 "fewer --trainer.cpus-per-worker, or add nodes (ray start --address ...)"
@@ -117,8 +119,18 @@ class RayWorkerGroup:
     so it can join a torch.distributed process group (gloo on CPU, NCCL on GPU).
     """
 
-    def __init__(self, worker_cls, pool: "ResourcePool | int", *args, share: float = 1.0, cpus_per_worker: float = 1,
-                 gpus_per_worker: float = 0, env: dict | None = None, timeout_s: float | None = None, **kwargs):
+    def __init__(
+        self,
+        worker_cls,
+        pool: ResourcePool | int,
+        *args,
+        share: float = 1.0,
+        cpus_per_worker: float = 1,
+        gpus_per_worker: float = 0,
+        env: dict | None = None,
+        timeout_s: float | None = None,
+        **kwargs,
+    ):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -132,7 +144,9 @@ class RayWorkerGroup:
         remote = ray.remote(worker_cls)
         self.workers = [
             remote.options(
-                num_cpus=cpus, num_gpus=gpus, max_restarts=0,
+                num_cpus=cpus,
+                num_gpus=gpus,
+                max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=i),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(cpus), 1)), **(env or {})}},
             ).remote(*args, rank=i, world_size=self.n, master_addr=master_addr, master_port=master_port, **kwargs)
@@ -147,11 +161,13 @@ class RayWorkerGroup:
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as e:  # the worker raised: e's text holds the worker traceback
+            if isinstance(e.cause, UserError):  # the user's to fix: the worker's own one-line message
+                raise e.cause from None
             raise RuntimeError(f"a {self.worker_cls.__name__} worker failed:\n{e}") from None
         except ray.exceptions.RayActorError as e:  # the worker process died (killed, OOM, segfault)
-            raise RuntimeError(f"a {self.worker_cls.__name__} worker died: {e}") from None
+            raise RunFailed(f"a {self.worker_cls.__name__} worker died: {e}") from None
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{self.worker_cls.__name__} workers did not answer within {self.timeout_s} s") from None
+            raise RunFailed(f"{self.worker_cls.__name__} workers did not answer within {self.timeout_s} s") from None
 
     def __getattr__(self, name):
         method = getattr(self.worker_cls, name, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlkit.engine import resolve_device
+from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
 
@@ -18,8 +19,9 @@ from rlkit.ray_group import dispatch
 class RewardModel:
     """score(prompts, responses) -> (B,) float tensor, in micro-batches, without gradients."""
 
-    def __init__(self, path: str, device: str = "auto", micro_batch_size: int = 32, max_length: int = 2048,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self, path: str, device: str = "auto", micro_batch_size: int = 32, max_length: int = 2048, trust_remote_code: bool = False
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.device = resolve_device(device)
@@ -29,7 +31,9 @@ class RewardModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code).to(self.device).eval()
         if self.model.config.num_labels != 1:
-            raise ValueError(f"reward model {path} has {self.model.config.num_labels} outputs; a reward model has exactly 1 (num_labels=1)")
+            raise ConfigError(
+                f"reward model {path} has {self.model.config.num_labels} outputs; a reward model has exactly 1 (num_labels=1)"
+            )
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.micro_batch_size, self.max_length = micro_batch_size, max_length
 
@@ -45,8 +49,14 @@ class RewardModel:
         texts = [self.render(p, r) for p, r in zip(prompts, responses)]
         scores = []
         for start in range(0, len(texts), self.micro_batch_size):
-            enc = self.tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.max_length, add_special_tokens=False).to(self.device)
+            enc = self.tokenizer(
+                texts[start : start + self.micro_batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                add_special_tokens=False,
+            ).to(self.device)
             scores.append(self.model(**enc).logits[:, 0].float().cpu())
         return torch.cat(scores)
 
@@ -58,15 +68,26 @@ class RewardModelWorker:
     group splits every batch across them (data parallel).
     """
 
-    def __init__(self, path: str, device: str = "auto", micro_batch_size: int = 32, trust_remote_code: bool = False, *,
-                 rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(
+        self,
+        path: str,
+        device: str = "auto",
+        micro_batch_size: int = 32,
+        trust_remote_code: bool = False,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+    ):
         import os
 
         from rlkit.engine import set_threads
 
         set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        self.model = RewardModel(path, "cuda:0" if resolve_device(device).type == "cuda" else "cpu", micro_batch_size,
-                                 trust_remote_code=trust_remote_code)
+        self.model = RewardModel(
+            path, "cuda:0" if resolve_device(device).type == "cuda" else "cpu", micro_batch_size, trust_remote_code=trust_remote_code
+        )
 
     @dispatch("split")
     def score(self, data: DataProto) -> DataProto:

@@ -21,11 +21,13 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import torch
+
+from rlkit.errors import ConfigError, MissingFile, MissingPackage, RunFailed
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ def math_score(data_source, solution_str, ground_truth, extra_info=None) -> floa
     try:
         from math_verify import parse, verify
     except ImportError as e:
-        raise ImportError("math_score needs the math-verify package: pip install math-verify") from e
+        raise MissingPackage("math_score needs the math-verify package: pip install math-verify") from e
 
     gold_text = str(ground_truth)
     if "$" not in gold_text and "\\boxed" not in gold_text:
@@ -121,12 +123,12 @@ def load_function(spec: str) -> ScoreFn:
     """
     location, sep, name = str(spec).rpartition(":")
     if not sep or not location or not name:
-        raise ValueError(f"bad function spec {spec!r}: {_SPEC_FORMAT}")
+        raise ConfigError(f"bad function spec {spec!r}: {_SPEC_FORMAT}")
 
     if location.endswith(".py") or "/" in location or "\\" in location:
         path = Path(location).expanduser().resolve()
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"reward file not found: {path} (from {spec!r}); relative paths are resolved against the "
                 f"current directory {Path.cwd()} - fix the path or pass an absolute one"
             )
@@ -146,24 +148,24 @@ def load_function(spec: str) -> ScoreFn:
         except ModuleNotFoundError as e:
             if e.name is None or not (location == e.name or location.startswith(e.name + ".")):
                 raise  # the module exists but one of its own imports is missing
-            raise ValueError(
-                f"cannot import module {location!r} (from {spec!r}): install it, or give a file path "
-                f'instead: "path/to/file.py:{name}"'
+            raise ConfigError(
+                f'cannot import module {location!r} (from {spec!r}): install it, or give a file path instead: "path/to/file.py:{name}"'
             ) from e
         where = f"module {location}"
 
     if not hasattr(module, name):
         defined = sorted(
-            k for k, v in vars(module).items()
+            k
+            for k, v in vars(module).items()
             if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
         )
-        raise ValueError(
+        raise ConfigError(
             f"{where} has no function {name!r}; it defines: {', '.join(defined) or '(no public functions)'} "
             f"- fix the name after the ':' in {spec!r}"
         )
     fn = getattr(module, name)
     if not callable(fn):
-        raise ValueError(f"{name!r} in {where} is a {type(fn).__name__}, not a function; point {spec!r} at a function")
+        raise ConfigError(f"{name!r} in {where} is a {type(fn).__name__}, not a function; point {spec!r} at a function")
     return fn
 
 
@@ -193,7 +195,8 @@ def _parse_output(out) -> tuple[float, dict[str, float]]:
         if "score" not in out:
             raise ValueError(f"returned a dict without a 'score' key (keys: {sorted(out)})")
         extras = {
-            k: float(v) for k, v in out.items()
+            k: float(v)
+            for k, v in out.items()
             if k != "score" and isinstance(v, numbers.Real)  # non-numeric extras (e.g. "pred") are not logged
         }
         return _as_number(out["score"], "dict['score']"), extras
@@ -231,7 +234,7 @@ class RewardFn:
         timeout_s: time limit per call of the custom function (a call that hangs counts as failing).
         """
         if on_error not in ("raise", "zero"):
-            raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+            raise ConfigError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
         if custom_fn is None or callable(custom_fn):
             self.custom_fn = custom_fn
         else:
@@ -241,7 +244,7 @@ class RewardFn:
         self.model, self.use_function = None, True  # a RewardModel, set by from_config
 
     @classmethod
-    def from_config(cls, cfg, device: str = "auto", model=None) -> "RewardFn":
+    def from_config(cls, cfg, device: str = "auto", model=None) -> RewardFn:
         """The reward of a RewardConfig: the scoring function and, with cfg.model_path, a reward model
         (loaded here on `device`, unless `model` gives one: anything called as model(prompts, responses))."""
         fn = cls(cfg.custom_fn, cfg.on_error, cfg.timeout_s or None)
@@ -257,7 +260,7 @@ class RewardFn:
         if self.custom_fn is not None:
             return self.custom_fn
         if data_source not in SCORERS:
-            raise ValueError(
+            raise ConfigError(
                 f"no reward function for data_source {data_source!r}; registered: {', '.join(sorted(SCORERS))}. "
                 "Write your own compute_score(data_source, solution_str, ground_truth, extra_info=None) "
                 "and pass --reward.custom-fn path.py:fn"
@@ -294,16 +297,19 @@ class RewardFn:
             fn = self.scorer_for(data_sources[i])
             try:
                 with time_limit(self.timeout_s if fn is self.custom_fn else None):
-                    out = fn(data_source=data_sources[i], solution_str=responses[i],
-                             ground_truth=ground_truths[i], extra_info=extra_infos[i])
+                    out = fn(
+                        data_source=data_sources[i], solution_str=responses[i], ground_truth=ground_truths[i], extra_info=extra_infos[i]
+                    )
                 score, sample_extras = _parse_output(out)
             except Exception as e:
                 response = str(responses[i])
                 short = response if len(response) <= 200 else response[:200] + "..."
-                message = (f"reward function {_describe(fn)} failed on sample {i} "
-                           f"(data_source={data_sources[i]!r}, response={short!r}): {type(e).__name__}: {e}")
+                message = (
+                    f"reward function {_describe(fn)} failed on sample {i} "
+                    f"(data_source={data_sources[i]!r}, response={short!r}): {type(e).__name__}: {e}"
+                )
                 if self.on_error == "raise":
-                    raise RuntimeError(message + " - fix the function, or score such samples 0 with --reward.on-error zero") from e
+                    raise RunFailed(message + " - fix the function, or score such samples 0 with --reward.on-error zero") from e
                 errors.append(message)
                 score, sample_extras = 0.0, {}
             scores.append(score)

@@ -62,8 +62,16 @@ class HFRollout:
         self.eos = eos_ids(model, tokenizer)
 
     @torch.no_grad()
-    def generate(self, prompts: DataProto, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, micro_batch_size: int | None = None, return_log_probs: bool = False) -> DataProto:
+    def generate(
+        self,
+        prompts: DataProto,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        micro_batch_size: int | None = None,
+        return_log_probs: bool = False,
+    ) -> DataProto:
         """Sample one response per row (repeat the prompts first for n samples). temperature 0 = greedy.
 
         return_log_probs: also return `rollout_log_probs` (B, R), log softmax(logits / temperature) of
@@ -73,15 +81,25 @@ class HFRollout:
         chunks = prompts.split(micro_batch_size) if micro_batch_size else [prompts]
         for chunk in chunks:
             ids = chunk["input_ids"].to(self.device)
-            kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
-                          pad_token_id=self.tokenizer.pad_token_id, **NEUTRAL_SAMPLING)
+            kwargs = dict(
+                do_sample=temperature > 0,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=self.eos,
+                pad_token_id=self.tokenizer.pad_token_id,
+                **NEUTRAL_SAMPLING,
+            )
             if temperature > 0:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
-            out = self.model.generate(input_ids=ids, attention_mask=chunk["attention_mask"].to(self.device),
-                                      return_dict_in_generate=True, output_logits=return_log_probs, **kwargs)
-            resp = out.sequences[:, ids.shape[1]:].cpu()
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=chunk["attention_mask"].to(self.device),
+                return_dict_in_generate=True,
+                output_logits=return_log_probs,
+                **kwargs,
+            )
+            resp = out.sequences[:, ids.shape[1] :].cpu()
             width = resp.shape[1]
             if width < max_new_tokens:  # every row stopped early: pad to a fixed width
                 pad = torch.full((len(resp), max_new_tokens - width), self.tokenizer.pad_token_id, dtype=resp.dtype)

@@ -33,6 +33,7 @@ import functools
 import json
 import re
 
+from rlkit.errors import ConfigError, MissingPackage
 from rlkit.rewards import register_scorer
 
 PREFIX = "reasoning_gym:"
@@ -46,15 +47,15 @@ def _reasoning_gym():
     try:
         import reasoning_gym
     except ImportError as e:
-        raise ImportError(f"--data.task reasoning_gym:... needs reasoning-gym: {PIP} (or `bash scripts/install.sh gym`)") from e
+        raise MissingPackage(f"--data.task reasoning_gym:... needs reasoning-gym: {PIP} (or `bash scripts/install.sh gym`)") from e
     return reasoning_gym
 
 
 def task_name(spec: str) -> str:
     """'reasoning_gym:chain_sum' -> 'chain_sum' (ValueError naming the form otherwise)."""
-    if not spec.startswith(PREFIX) or not spec[len(PREFIX):]:
-        raise ValueError(f"--data.task {spec!r}: expected reasoning_gym:NAME, e.g. reasoning_gym:chain_sum")
-    return spec[len(PREFIX):]
+    if not spec.startswith(PREFIX) or not spec[len(PREFIX) :]:
+        raise ConfigError(f"--data.task {spec!r}: expected reasoning_gym:NAME, e.g. reasoning_gym:chain_sum")
+    return spec[len(PREFIX) :]
 
 
 def parse_options(text: str) -> dict:
@@ -68,7 +69,7 @@ def parse_options(text: str) -> dict:
     for part in text.split(","):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--data.task-options {text!r}: expected key=value,key=value or a JSON object")
+            raise ConfigError(f"--data.task-options {text!r}: expected key=value,key=value or a JSON object")
         try:
             out[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
@@ -81,17 +82,19 @@ def _dataset(name: str, size: int, seed: int, options: dict):
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:
-        raise ValueError(f"reasoning-gym has no task {name!r}; some of its tasks: {', '.join(sorted(DATASETS)[:40])}, ...")
+        raise ConfigError(f"reasoning-gym has no task {name!r}; some of its tasks: {', '.join(sorted(DATASETS)[:40])}, ...")
     try:
         return rg.create_dataset(name, size=size, seed=seed, **options)
     except TypeError as e:
         fields = sorted(getattr(DATASETS[name][1], "__dataclass_fields__", {}))
-        raise ValueError(f"--data.task-options for {name}: {e}; its options are {', '.join(f for f in fields if f not in ('size', 'seed'))}") from e
+        raise ConfigError(
+            f"--data.task-options for {name}: {e}; its options are {', '.join(f for f in fields if f not in ('size', 'seed'))}"
+        ) from e
 
 
 def _messages(question: str, fmt: str) -> list[dict]:
     if fmt not in FORMATS:
-        raise ValueError(f"--data.task-format {fmt!r}: choose one of {', '.join(FORMATS)}")
+        raise ConfigError(f"--data.task-format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if fmt in ("plain", "number"):
         return [{"role": "user", "content": question}]
     from reasoning_gym.utils import SYSTEM_PROMPTS
@@ -99,8 +102,15 @@ def _messages(question: str, fmt: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPTS[fmt]}, {"role": "user", "content": question}]
 
 
-def task_rows(spec: str, size: int, seed: int, options: dict | str = "", fmt: str = "direct", split: str = "train",
-              exclude_questions: set[str] | None = None) -> list[dict]:
+def task_rows(
+    spec: str,
+    size: int,
+    seed: int,
+    options: dict | str = "",
+    fmt: str = "direct",
+    split: str = "train",
+    exclude_questions: set[str] | None = None,
+) -> list[dict]:
     """`size` verl-format rows of task `spec` generated with `seed` (minus questions in exclude_questions)."""
     name = task_name(spec)
     options = parse_options(options) if isinstance(options, str) else dict(options)
@@ -112,14 +122,22 @@ def task_rows(spec: str, size: int, seed: int, options: dict | str = "", fmt: st
             if entry["question"] in exclude_questions:
                 continue
             exclude_questions.add(entry["question"])
-        rows.append({
-            "data_source": DATA_SOURCE_PREFIX + name,
-            "prompt": _messages(entry["question"], fmt),
-            "ability": "reasoning",
-            "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
-            "extra_info": {"split": split, "index": i, "task": name, "options": json.dumps(options, sort_keys=True),
-                           "entry": json.dumps(entry, default=str), "format": fmt},
-        })
+        rows.append(
+            {
+                "data_source": DATA_SOURCE_PREFIX + name,
+                "prompt": _messages(entry["question"], fmt),
+                "ability": "reasoning",
+                "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
+                "extra_info": {
+                    "split": split,
+                    "index": i,
+                    "task": name,
+                    "options": json.dumps(options, sort_keys=True),
+                    "entry": json.dumps(entry, default=str),
+                    "format": fmt,
+                },
+            }
+        )
     return rows
 
 
@@ -163,7 +181,7 @@ def extract(response: str, fmt: str) -> str | None:
 def reasoning_gym_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
     """The task's own verifier on the extracted answer; acc = 1 for full marks."""
     info = extra_info or {}
-    name = info.get("task") or data_source[len(DATA_SOURCE_PREFIX):]
+    name = info.get("task") or data_source[len(DATA_SOURCE_PREFIX) :]
     entry = json.loads(info["entry"]) if info.get("entry") else {"question": "", "answer": str(ground_truth), "metadata": {}}
     ds = _scorer_dataset(name, info.get("options") or "{}")
     answer = extract(solution_str, info.get("format") or "direct")

@@ -15,13 +15,32 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from rlkit.errors import ConfigError
+
 LOGGERS = ["console", "wandb"]
 # The metrics the console line shows (those present), in this order.
-WATCHED = ["critic/score/mean", "critic/score/std", "val/acc", "response_length/mean", "actor/kl_loss",
-           "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "timing/step", "perf/throughput"]
-_SHORT = {"val/acc": "val/acc {}", "response_length/mean": "len {}", "actor/kl_loss": "kl {}",
-          "actor/pg_clipfrac": "clip {}", "actor/entropy": "ent {}", "actor/grad_norm": "gnorm {}",
-          "timing/step": "{}s/step", "perf/throughput": "{} tok/s"}
+WATCHED = [
+    "critic/score/mean",
+    "critic/score/std",
+    "val/acc",
+    "response_length/mean",
+    "actor/kl_loss",
+    "actor/pg_clipfrac",
+    "actor/entropy",
+    "actor/grad_norm",
+    "timing/step",
+    "perf/throughput",
+]
+_SHORT = {
+    "val/acc": "val/acc {}",
+    "response_length/mean": "len {}",
+    "actor/kl_loss": "kl {}",
+    "actor/pg_clipfrac": "clip {}",
+    "actor/entropy": "ent {}",
+    "actor/grad_norm": "gnorm {}",
+    "timing/step": "{}s/step",
+    "perf/throughput": "{} tok/s",
+}
 
 
 def _fmt(x: float) -> str:
@@ -55,12 +74,21 @@ def read_metrics(path: str | Path) -> list[dict]:
 class Tracker:
     """Writes out_dir/metrics.jsonl + config.json, and mirrors each step to the chosen loggers."""
 
-    def __init__(self, out_dir: str | Path, loggers: list[str] = ["console"], project: str = "rlkit",
-                 run_name: str = "run", config: dict | None = None, total_steps: int | None = None,
-                 resume_step: int = 0):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        loggers: list[str] | None = None,
+        project: str = "rlkit",
+        run_name: str = "run",
+        config: dict | None = None,
+        total_steps: int | None = None,
+        resume_step: int = 0,
+    ):
+        if loggers is None:
+            loggers = ["console"]
         unknown = [name for name in loggers if name not in LOGGERS]
         if unknown:
-            raise ValueError(f"unknown logger(s) {unknown}; choose from {LOGGERS}")
+            raise ConfigError(f"unknown logger(s) {unknown}; choose from {LOGGERS}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -73,8 +101,7 @@ class Tracker:
 
         self.bar = None
         if "console" in loggers:
-            self.bar = tqdm(total=total_steps, initial=resume_step, desc=run_name, unit="step",
-                            dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc=run_name, unit="step", dynamic_ncols=True)
         self.wandb = None
         if "wandb" in loggers:
             import wandb  # lazy: only users of the wandb logger need it installed
@@ -82,15 +109,22 @@ class Tracker:
             mode = None
             if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY") and not _has_wandb_key(wandb):
                 mode = "offline"
-                self.message(f"wandb: no API key found, logging offline to {self.out_dir}/wandb "
-                             "(upload later with `wandb sync`)")
+                self.message(f"wandb: no API key found, logging offline to {self.out_dir}/wandb (upload later with `wandb sync`)")
             # Keep the run id in out_dir so a resumed run continues the same wandb run (a fresh one gets a new id).
             id_file = self.out_dir / "wandb_run_id"
             if resume_step == 0 or not id_file.exists():
                 from wandb.sdk.lib.runid import generate_id
+
                 id_file.write_text(generate_id())
-            self.wandb = wandb.init(project=project, name=run_name, config=config, dir=str(self.out_dir),
-                                    id=id_file.read_text().strip(), resume="allow", mode=mode)
+            self.wandb = wandb.init(
+                project=project,
+                name=run_name,
+                config=config,
+                dir=str(self.out_dir),
+                id=id_file.read_text().strip(),
+                resume="allow",
+                mode=mode,
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step: a JSON line, a console line, a wandb point, and advance the progress bar."""
@@ -137,7 +171,6 @@ def _ema(xs: list[float], alpha: float = 0.9) -> list[float]:
 def plot_learning_curve(metrics_jsonl: str | Path, out_png: str | Path, title: str = "") -> Path:
     """Plot reward (left) and held-out accuracy (right; response length if no val/acc) to out_png."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, never needs a display
-
 
     rows, out_png = read_metrics(metrics_jsonl), Path(out_png)
 

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
+from rlkit.errors import MissingPackage
 from rlkit.protocol import DataProto
 from rlkit.rollout import assemble, eos_ids
 
@@ -98,10 +99,11 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 class VLLMRollout:
     """Generation with a vLLM engine next to the training model; see the module docstring."""
 
-    def __init__(self, model, tokenizer, model_path: str, dtype: torch.dtype, device: torch.device, rollout_cfg,
-                 max_model_len: int, seed: int = 0):
+    def __init__(
+        self, model, tokenizer, model_path: str, dtype: torch.dtype, device: torch.device, rollout_cfg, max_model_len: int, seed: int = 0
+    ):
         if not vllm_available():
-            raise ImportError(VLLM_MISSING)
+            raise MissingPackage(VLLM_MISSING)
         self.model, self.tokenizer = model, tokenizer
         self.eos = eos_ids(model, tokenizer)
         self.syncs = 0
@@ -116,15 +118,20 @@ class VLLMRollout:
         try:
             from vllm import LLM
         except Exception as e:  # an installed but broken vllm (e.g. the CUDA build on a CPU machine)
-            raise ImportError(f"`import vllm` failed ({type(e).__name__}: {e}). {VLLM_MISSING}") from e
+            raise MissingPackage(f"`import vllm` failed ({type(e).__name__}: {e}). {VLLM_MISSING}") from e
         # no longer than the model can attend (the prompt budget may be set generously above it)
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         max_model_len = min(max_model_len, limit) if limit else max_model_len
         start = time.perf_counter()
         kwargs = dict(
-            model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
-            max_model_len=max_model_len, enforce_eager=True if on_cpu else r.enforce_eager,
-            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+            model=model_path,
+            tokenizer=model_path,
+            dtype=str(dtype).removeprefix("torch."),
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True if on_cpu else r.enforce_eager,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
         )
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
@@ -144,15 +151,30 @@ class VLLMRollout:
 
         greedy = temperature <= 0
         return SamplingParams(
-            n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p, top_k=0 if greedy else (top_k or 0),
-            logprobs=0, stop_token_ids=list(self.eos), detokenize=False,
-            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0,
+            n=1,
+            max_tokens=max_new_tokens,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            top_k=0 if greedy else (top_k or 0),
+            logprobs=0,
+            stop_token_ids=list(self.eos),
+            detokenize=False,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            min_p=0.0,
         )
 
     @torch.no_grad()
-    def generate(self, prompts: DataProto, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, micro_batch_size: int | None = None) -> DataProto:
+    def generate(
+        self,
+        prompts: DataProto,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        micro_batch_size: int | None = None,
+    ) -> DataProto:
         """Sample one response per row (the HF backend's contract) + rollout_log_probs. temperature 0 = greedy."""
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
@@ -163,9 +185,9 @@ class VLLMRollout:
         for i, out in enumerate(outs):
             sample = out.outputs[0]
             toks = list(sample.token_ids)[:max_new_tokens]
-            resp[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            resp[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             if sample.logprobs is not None:
-                logp[i, :len(toks)] = torch.tensor([sample.logprobs[j][t].logprob for j, t in enumerate(toks)])
+                logp[i, : len(toks)] = torch.tensor([sample.logprobs[j][t].logprob for j, t in enumerate(toks)])
         batch = assemble(prompts, resp, self.eos, pad)
         batch["rollout_log_probs"] = logp * batch["response_mask"]
         return batch

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from rlkit.engine import TorchEngine, auto_micro_batch, num_params
+from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
 from rlkit.rollout import HFRollout
@@ -43,9 +44,17 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     if rollout_cfg.name == "vllm":
         from rlkit.vllm_rollout import VLLMRollout
 
-        return VLLMRollout(engine.model, engine.tokenizer, model_path, engine.dtype, engine.device, rollout_cfg,
-                           max_model_len=data_cfg.max_prompt_length + data_cfg.max_response_length, seed=seed)
-    raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
+        return VLLMRollout(
+            engine.model,
+            engine.tokenizer,
+            model_path,
+            engine.dtype,
+            engine.device,
+            rollout_cfg,
+            max_model_len=data_cfg.max_prompt_length + data_cfg.max_response_length,
+            seed=seed,
+        )
+    raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
 
 
 class CheckpointFiles:
@@ -62,17 +71,18 @@ class CheckpointFiles:
     def load_checkpoint(self, folder: str | Path) -> None:
         file = Path(folder) / "state.pt"
         if not file.is_file():
-            raise FileNotFoundError(f"{folder} holds no state.pt: was it saved with another --trainer.backend? Resume with the same backend")
+            raise MissingFile(f"{folder} holds no state.pt: was it saved with another --trainer.backend? Resume with the same backend")
         self.load_state_dict(torch.load(file, map_location="cpu", weights_only=False))
 
 
 class ActorRolloutRefWorker(CheckpointFiles):
     """Actor + rollout + reference on one model (one device)."""
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None,
-                 wrap=None):
+    def __init__(
+        self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None, wrap=None
+    ):
         if rollout_cfg.name not in ("hf", "vllm"):
-            raise ValueError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
+            raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
         self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
@@ -88,8 +98,11 @@ class ActorRolloutRefWorker(CheckpointFiles):
         """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
         r = self.rollout_cfg
         return self.rollout.generate(
-            prompts, self.data_cfg.max_response_length,
-            temperature=r.val_temperature if validate else r.temperature, top_p=r.top_p, top_k=r.top_k,
+            prompts,
+            self.data_cfg.max_response_length,
+            temperature=r.val_temperature if validate else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
         )
 
     def is_on_policy(self) -> bool:
@@ -111,8 +124,13 @@ class ActorRolloutRefWorker(CheckpointFiles):
         """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
         a = self.actor_cfg
         metrics = self.engine.update(
-            batch, loss_fn, mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size, micro_batch_size=self.micro_batch,
-            epochs=a.ppo_epochs, temperature=self.rollout_cfg.temperature, with_entropy=a.entropy_coeff != 0,
+            batch,
+            loss_fn,
+            mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size,
+            micro_batch_size=self.micro_batch,
+            epochs=a.ppo_epochs,
+            temperature=self.rollout_cfg.temperature,
+            with_entropy=a.entropy_coeff != 0,
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
         self.updates += 1
@@ -161,8 +179,13 @@ class CriticWorker(CheckpointFiles):
     def update(self, batch: DataProto, loss_fn) -> dict:
         """The critic update: ppo_mini_batch_size prompts × n trajectories per optimizer step; loss_fn gets values."""
         c = self.critic_cfg
-        return self.engine.update(batch, loss_fn, mini_batch_size=self.mini_batch_size * self.rollout_cfg.n // self.dp_size,
-                                  micro_batch_size=self.micro_batch, epochs=c.ppo_epochs)
+        return self.engine.update(
+            batch,
+            loss_fn,
+            mini_batch_size=self.mini_batch_size * self.rollout_cfg.n // self.dp_size,
+            micro_batch_size=self.micro_batch,
+            epochs=c.ppo_epochs,
+        )
 
     def num_params(self) -> tuple[int, int]:
         return num_params(self.engine.model)
@@ -200,7 +223,12 @@ def resource_pools(cfg) -> dict:
     pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
     roles = {"actor_rollout_ref": "global"}
     for role, n in (("critic", t.critic_workers), ("reward_model", t.reward_workers)):
-        if role == "critic" and not hasattr(cfg, "critic") or role == "reward_model" and not getattr(getattr(cfg, "reward", None), "model_path", None):
+        if (
+            role == "critic"
+            and not hasattr(cfg, "critic")
+            or role == "reward_model"
+            and not getattr(getattr(cfg, "reward", None), "model_path", None)
+        ):
             continue  # the recipe has no such role
         if n:
             pools[role] = ResourcePool(n, t.cpus_per_worker, gpus, name=role)
@@ -215,8 +243,10 @@ def _share(pools: dict, role: str) -> float:
 
 def _check_split(what: str, trajectories: int, n_workers: int, flag: str) -> None:
     if trajectories % n_workers:
-        raise ValueError(f"a {what} mini-batch of {trajectories} trajectories (mini-batch size x --rollout.n) does not split "
-                         f"over {flag} {n_workers}; make it a multiple")
+        raise ConfigError(
+            f"a {what} mini-batch of {trajectories} trajectories (mini-batch size x --rollout.n) does not split "
+            f"over {flag} {n_workers}; make it a multiple"
+        )
 
 
 def build_policy(cfg, need_ref: bool | None = None):
@@ -231,18 +261,30 @@ def build_policy(cfg, need_ref: bool | None = None):
     if t.backend == "local":
         return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=t.device, seed=t.seed, need_ref=need_ref))
     if t.backend != "ray":
-        raise ValueError(f"unknown --trainer.backend {t.backend!r}: use local or ray")
+        raise ConfigError(f"unknown --trainer.backend {t.backend!r}: use local or ray")
     from rlkit.engine import load_tokenizer
     from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
     from rlkit.ray_group import RayWorkerGroup
 
     _check_split("policy", cfg.actor.ppo_mini_batch_size * cfg.rollout.n, t.n_workers, "--trainer.n-workers")
     if hasattr(cfg, "critic"):
-        _check_split("critic", (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
-                     t.critic_workers or t.n_workers, "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers")
+        _check_split(
+            "critic",
+            (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
+            t.critic_workers or t.n_workers,
+            "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers",
+        )
     pools, made = _pools_of(cfg, None)
-    group = RayWorkerGroup(FSDPActorRolloutRefWorker, pools["actor_rollout_ref"], *args, share=_share(pools, "actor_rollout_ref"), device=t.device,
-                           seed=t.seed, need_ref=need_ref, fsdp=fsdp_options(t))
+    group = RayWorkerGroup(
+        FSDPActorRolloutRefWorker,
+        pools["actor_rollout_ref"],
+        *args,
+        share=_share(pools, "actor_rollout_ref"),
+        device=t.device,
+        seed=t.seed,
+        need_ref=need_ref,
+        fsdp=fsdp_options(t),
+    )
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
     group.pools = pools
     return _owning(group, pools, made)
@@ -286,8 +328,9 @@ def build_critic(cfg, policy=None):
     from rlkit.ray_group import RayWorkerGroup
 
     pools, made = _pools_of(cfg, policy)
-    group = RayWorkerGroup(FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, seed=t.seed,
-                           fsdp=fsdp_options(t))
+    group = RayWorkerGroup(
+        FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, seed=t.seed, fsdp=fsdp_options(t)
+    )
     return _owning(group, pools, made)
 
 
@@ -304,6 +347,13 @@ def build_reward(cfg, policy=None):
     from rlkit.reward_model import RayRewardModel, RewardModelWorker
 
     pools, made = _pools_of(cfg, policy)
-    group = RayWorkerGroup(RewardModelWorker, pools["reward_model"], r.model_path, t.device, r.model_micro_batch_size,
-                           cfg.model.trust_remote_code, share=_share(pools, "reward_model"))
+    group = RayWorkerGroup(
+        RewardModelWorker,
+        pools["reward_model"],
+        r.model_path,
+        t.device,
+        r.model_micro_batch_size,
+        cfg.model.trust_remote_code,
+        share=_share(pools, "reward_model"),
+    )
     return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))

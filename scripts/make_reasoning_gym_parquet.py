@@ -33,9 +33,11 @@ def main(argv=None) -> dict[str, Path]:
     p.add_argument("--train-size", type=int, default=1000)
     p.add_argument("--val-size", type=int, default=200, help="0 = no val.parquet")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--format", default="direct", choices=tasks.FORMATS, help="how the answer is asked for and read back (see rlkit/tasks.py)")
+    p.add_argument(
+        "--format", default="direct", choices=tasks.FORMATS, help="how the answer is asked for and read back (see rlkit/tasks.py)"
+    )
     a = p.parse_args(argv)
-    name = a.task[len(tasks.PREFIX):] if a.task.startswith(tasks.PREFIX) else a.task
+    name = a.task[len(tasks.PREFIX) :] if a.task.startswith(tasks.PREFIX) else a.task
     train, val = tasks.train_val_rows(tasks.PREFIX + name, a.train_size, a.val_size, a.seed, a.options, a.format)
     out = Path(a.out)
     paths = {"train": out / "train.parquet"}

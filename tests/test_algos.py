@@ -110,9 +110,7 @@ def test_agg_loss_modes(mode, expected):
     ],
 )
 def test_agg_loss_micro_batches_sum_to_whole(mode, expected):
-    parts = [
-        algos.agg_loss(L[i : i + 1], M[i : i + 1], mode, num_tokens=3, num_seqs=2, norm_len=3) for i in range(2)
-    ]
+    parts = [algos.agg_loss(L[i : i + 1], M[i : i + 1], mode, num_tokens=3, num_seqs=2, norm_len=3) for i in range(2)]
     assert_close(parts[0] + parts[1], t(expected), atol=ATOL, rtol=0)
 
 

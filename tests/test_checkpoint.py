@@ -9,7 +9,11 @@ from transformers import AutoModelForCausalLM
 from rlkit import checkpoint as ckpt
 from rlkit.config import ActorConfig, ModelConfig
 
-CONFIG = {"actor": {"lr": 1e-6, "clip_ratio": 0.2}, "trainer": {"total_training_steps": 10, "seed": 1}, "data": {"train_files": ["a.parquet"]}}
+CONFIG = {
+    "actor": {"lr": 1e-6, "clip_ratio": 0.2},
+    "trainer": {"total_training_steps": 10, "seed": 1},
+    "data": {"train_files": ["a.parquet"]},
+}
 
 
 def tiny_hf(folder):
@@ -18,7 +22,14 @@ def tiny_hf(folder):
 
 
 def save(root, step, keep=2, save_hf=tiny_hf):
-    return ckpt.save(root, step, {"policy": {"w": torch.full((2,), float(step))}, "loader": {"epoch": 0, "position": step}}, CONFIG, save_hf=save_hf, keep=keep)
+    return ckpt.save(
+        root,
+        step,
+        {"policy": {"w": torch.full((2,), float(step))}, "loader": {"epoch": 0, "position": step}},
+        CONFIG,
+        save_hf=save_hf,
+        keep=keep,
+    )
 
 
 def test_save_layout_and_latest(tmp_path):

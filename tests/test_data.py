@@ -118,7 +118,7 @@ def test_truncation_modes(long_file, tok, mode):
     k = 21
     assert len(full[0]) <= k < len(full[1])
     ps = build_prompts([long_file], tok, DataConfig(max_prompt_length=k, truncation=mode))
-    expected = {"left": full[1][-k:], "right": full[1][:k], "middle": full[1][: k // 2] + full[1][-(k - k // 2):]}[mode]
+    expected = {"left": full[1][-k:], "right": full[1][:k], "middle": full[1][: k // 2] + full[1][-(k - k // 2) :]}[mode]
     assert len(expected) == k
     assert ps.input_ids[1] == expected
     assert ps.input_ids[0] == full[0] and ps.input_ids[2] == full[2]  # short prompts untouched

@@ -89,8 +89,11 @@ def test_response_mask_batched():
 def test_assemble_concatenates_and_pads_after_eos():
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     batch = DataProto.from_dict(
-        tensors={"input_ids": torch.tensor([[0, 0, 11, 12], [13, 14, 15, 16]]), "attention_mask": mask,
-                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        tensors={
+            "input_ids": torch.tensor([[0, 0, 11, 12], [13, 14, 15, 16]]),
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        },
         non_tensors={"uid": ["a", "b"]},
     )
     out = assemble(batch, torch.tensor([[21, 2, 23, 24], [25, 26, 27, 28]]), eos=[2], pad_id=0)
@@ -172,8 +175,12 @@ def plain_log_probs(model, batch, temperature):
     """log_softmax(logits / T) at the response tokens, and the entropy: one untrimmed forward pass."""
     P = batch["prompts"].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits[:, P - 1:-1] / temperature
+        logits = (
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits[
+                :, P - 1 : -1
+            ]
+            / temperature
+        )
     logp_all = torch.log_softmax(logits, -1)
     return logp_all.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
 
@@ -261,8 +268,10 @@ def ppo_batch(eng, prompt_set, seed=0) -> DataProto:
 
 def ppo_loss(mode, use_norm=True):
     def loss_fn(mb, log_prob, entropy, norm):
-        return algos.ppo_clip_loss(log_prob, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
-                                   loss_agg_mode=mode, **(norm if use_norm else {}))
+        return algos.ppo_clip_loss(
+            log_prob, mb["old_log_probs"], mb["advantages"], mb["response_mask"], loss_agg_mode=mode, **(norm if use_norm else {})
+        )
+
     return loss_fn
 
 
@@ -361,11 +370,11 @@ def test_gradient_checkpointing_is_active_and_changes_nothing(prompt_set):
         eng = make_engine(gradient_checkpointing=gc)
         counter = [0]
 
-        def pack(t):
+        def pack(t, counter=counter):
             counter[0] += t.numel()
             return t
 
-        def loss_fn(mb, log_prob, entropy, norm):
+        def loss_fn(mb, log_prob, entropy, norm, gc=gc, counter=counter):
             saved_in_forward.setdefault(gc, counter[0])  # activations kept for backward by the first forward
             return ppo_loss("token-mean")(mb, log_prob, entropy, norm)
 
@@ -483,8 +492,16 @@ def test_workers_with_the_grpo_recipe_config():
     adv = algos.grpo_advantage(torch.tensor([1.0, 0.0, 0.0, 1.0]), out["uid"])
     out["advantages"] = adv[:, None] * out["response_mask"]
     metrics = policy.update(out, grpo.make_actor_loss(cfg))
-    expected = {"actor/loss", "actor/grad_norm", "actor/lr", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl",
-                "actor/pg_clipfrac", "actor/pg_clipfrac_lower"}
+    expected = {
+        "actor/loss",
+        "actor/grad_norm",
+        "actor/lr",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+    }
     assert expected <= set(metrics)
     assert metrics["actor/ppo_kl"] == 0 and metrics["actor/kl_loss"] == 0  # one on-policy step from the reference
     assert metrics["actor/lr"] == cfg.actor.lr and policy.updates == 1
@@ -503,7 +520,8 @@ def test_hf_rollout_log_probs_match_the_trainers():
     engine = TorchEngine(ModelConfig(), ActorConfig())
     prompts = build_prompts([str(embedded.DATA_DIR / "val.parquet")], engine.tokenizer, DataConfig(), max_samples=6)
     batch = HFRollout(engine.model, engine.tokenizer, engine.device).generate(
-        prompts.batch(list(range(6)), engine.tokenizer.pad_token_id).repeat(2), 8, temperature=0.7, return_log_probs=True)
+        prompts.batch(list(range(6)), engine.tokenizer.pad_token_id).repeat(2), 8, temperature=0.7, return_log_probs=True
+    )
     trainer_lp, _ = engine.compute_log_prob(batch, temperature=0.7, micro_batch_size=4)
     mask = batch["response_mask"].bool()
     assert mask.sum() > 12

@@ -12,10 +12,11 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
+from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
+
 from rlkit import algos, embedded  # noqa: E402
 from rlkit.data import PromptLoader, build_prompts  # noqa: E402
 from rlkit.workers import build_critic, build_policy  # noqa: E402
-from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,8 @@ def test_ppo_on_ray_critic_colocated_resumes_from_sharded_checkpoints_like_an_un
     wb = load_file(part / "checkpoints/global_step_2/hf/model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not ray.util.placement_group_table() or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # the runs freed their pools
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )  # the runs freed their pools
 
 
 def test_the_critic_starts_from_the_same_value_head_on_both_backends(tmp_path, local_ray):
@@ -234,5 +236,8 @@ def test_bad_scale_out_settings_fail_before_ray_starts_and_name_the_flag(tmp_pat
     cfg = _ppo_config(ppo, tmp_path, 1, critic_workers=3)  # critic mini-batch: 4 prompts x 2 samples = 8
     with pytest.raises(ValueError, match="critic mini-batch of 8 trajectories .* --trainer.critic-workers 3"):
         build_policy(cfg)
-    assert not ray.is_initialized() or not ray.util.placement_group_table() or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing was placed
+    assert (
+        not ray.is_initialized()
+        or not ray.util.placement_group_table()
+        or all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    )  # nothing was placed

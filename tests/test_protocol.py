@@ -146,8 +146,9 @@ def test_pad_to_divisor_then_unpad():
 
 def test_union_success_and_conflicts():
     d = make(2)
-    other = DataProto.from_dict(tensors={"score": d["score"].clone(), "adv": torch.tensor([1.0, -1.0])},
-                                non_tensors={"uid": ["u0", "u1"]}, meta={"step": 3})
+    other = DataProto.from_dict(
+        tensors={"score": d["score"].clone(), "adv": torch.tensor([1.0, -1.0])}, non_tensors={"uid": ["u0", "u1"]}, meta={"step": 3}
+    )
     u = d.union(other)
     assert u.keys() == ["ids", "score", "adv", "uid"]
     assert u.meta == {"temperature": 1.0, "step": 3}
@@ -201,5 +202,4 @@ def test_permute():
 
 def test_repr_is_compact():
     r = repr(make(2))
-    assert r == ("DataProto(batch_size=2, tensors={ids: (2, 2) int64, score: (2,) float32}, "
-                 "non_tensors=['uid'], meta=['temperature'])")
+    assert r == ("DataProto(batch_size=2, tensors={ids: (2, 2) int64, score: (2,) float32}, non_tensors=['uid'], meta=['temperature'])")

@@ -14,12 +14,15 @@ import pytest
 
 pytest.importorskip("ray")
 
-from rlkit.ray_group import free_port  # noqa: E402
 from test_grpo_recipe import ROOT, read_jsonl  # noqa: E402
 
+from rlkit.ray_group import free_port  # noqa: E402
 
-@pytest.mark.skipif(shutil.which("ray") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ray")),
-                    reason="the ray command-line tool is not installed")
+
+@pytest.mark.skipif(
+    shutil.which("ray") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ray")),
+    reason="the ray command-line tool is not installed",
+)
 def test_a_run_joins_a_two_node_ray_cluster_started_separately(tmp_path):
     """`ray start --head` plus a second node with `ray start --address`, one CPU each, on this machine: the run's
     two 1-CPU workers cannot share a node, so its FSDP group spans both (rank 0's node hosts the rendezvous)."""
@@ -27,30 +30,93 @@ def test_a_run_joins_a_two_node_ray_cluster_started_separately(tmp_path):
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
-    head = subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "1",
-                           "--include-dashboard", "false", "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)
+    head = subprocess.run(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "1",
+            "--include-dashboard",
+            "false",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     try:
         assert head.returncode == 0, head.stderr[-2000:]
-        node = subprocess.run([ray_cli, "start", "--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                               "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)
+        node = subprocess.run(
+            [
+                ray_cli,
+                "start",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--num-cpus",
+                "1",
+                "--disable-usage-stats",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert node.returncode == 0, node.stderr[-2000:]
-        status = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='127.0.0.1:%d'); "
-                                 "print(sorted(n['Resources'].get('CPU', 0) for n in ray.nodes() if n['Alive']))" % port],
-                                capture_output=True, text=True, env=env, timeout=120)
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import ray; ray.init(address='127.0.0.1:{port}'); "
+                "print(sorted(n['Resources'].get('CPU', 0) for n in ray.nodes() if n['Alive']))",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert status.stdout.strip().splitlines()[-1] == "[1.0, 1.0]", status.stdout + status.stderr[-2000:]  # two nodes, 1 CPU each
         out = subprocess.run(
-            [sys.executable, str(ROOT / "recipes/grpo.py"), "--trainer.backend", "ray", "--trainer.n-workers", "2",
-             "--trainer.ray-address", f"127.0.0.1:{port}", "--trainer.total-training-steps", "2", "--data.train-batch-size", "8",
-             "--actor.ppo-mini-batch-size", "8", "--rollout.n", "4", "--data.val-max-samples", "16",
-             "--trainer.default-local-dir", str(tmp_path)],
-            capture_output=True, text=True, env=env, timeout=300)
+            [
+                sys.executable,
+                str(ROOT / "recipes/grpo.py"),
+                "--trainer.backend",
+                "ray",
+                "--trainer.n-workers",
+                "2",
+                "--trainer.ray-address",
+                f"127.0.0.1:{port}",
+                "--trainer.total-training-steps",
+                "2",
+                "--data.train-batch-size",
+                "8",
+                "--actor.ppo-mini-batch-size",
+                "8",
+                "--rollout.n",
+                "4",
+                "--data.val-max-samples",
+                "16",
+                "--trainer.default-local-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         assert "Connecting to existing Ray cluster" in out.stderr + out.stdout
         assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
         assert (tmp_path / "checkpoints/global_step_2/hf/model.safetensors").is_file()
     finally:
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, env=env, timeout=120)
-
 
 
 KILLER = '''
@@ -88,15 +154,45 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error_keeps_the_last_checkpoi
     (tmp_path / "killer.py").write_text(KILLER)
     token = f"rlkit-test-{os.getpid()}-{free_port()}"
     ckpt = tmp_path / "out/checkpoints"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "RLKIT_TEST_TOKEN": token,
-           "RLKIT_TEST_CKPT": str(ckpt / "global_step_1/state.pt")}
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "OMP_NUM_THREADS": "1",
+        "RLKIT_TEST_TOKEN": token,
+        "RLKIT_TEST_CKPT": str(ckpt / "global_step_1/state.pt"),
+    }
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run(
-        [sys.executable, str(ROOT / "recipes/grpo.py"), "--trainer.backend", "ray", "--trainer.n-workers", "2",
-         "--trainer.total-training-steps", "3", "--trainer.save-freq", "1", "--trainer.no-val-before-train",
-         "--trainer.test-freq", "0", "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8", "--rollout.n", "4",
-         "--reward.custom-fn", f"{tmp_path / 'killer.py'}:compute_score", "--trainer.default-local-dir", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "recipes/grpo.py"),
+            "--trainer.backend",
+            "ray",
+            "--trainer.n-workers",
+            "2",
+            "--trainer.total-training-steps",
+            "3",
+            "--trainer.save-freq",
+            "1",
+            "--trainer.no-val-before-train",
+            "--trainer.test-freq",
+            "0",
+            "--data.train-batch-size",
+            "8",
+            "--actor.ppo-mini-batch-size",
+            "8",
+            "--rollout.n",
+            "4",
+            "--reward.custom-fn",
+            f"{tmp_path / 'killer.py'}:compute_score",
+            "--trainer.default-local-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     assert "rlkit: error: a FSDPActorRolloutRefWorker worker died" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr.split("rlkit: error:")[-1]  # one clear line, not a stack dump

@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from rlkit import embedded
 from test_grpo_recipe import ROOT, load_recipe, read_jsonl, run_cli, small_config
 
+from rlkit import embedded
 
-@pytest.mark.parametrize("name,extra", [("dapo", {}), ("rloo", {}), ("reinforce_pp", {}), ("reinforce_pp", {"baseline": True}),
-                                        ("grpo", {"norm_adv_by_std_in_grpo": False})])
+
+@pytest.mark.parametrize(
+    "name,extra",
+    [("dapo", {}), ("rloo", {}), ("reinforce_pp", {}), ("reinforce_pp", {"baseline": True}), ("grpo", {"norm_adv_by_std_in_grpo": False})],
+)
 def test_recipe_runs_and_updates_the_policy(tmp_path, name, extra):
     recipe = load_recipe(name)
     cfg = small_config(recipe, tmp_path, steps=2)
@@ -66,9 +68,26 @@ def test_dapo_keeps_only_informative_groups_and_shapes_overlong_rewards(tmp_path
 
 
 def test_dapo_stops_with_a_clear_error_when_no_group_is_informative(tmp_path):
-    out = run_cli("--trainer.default-local-dir", str(tmp_path), "--trainer.total-training-steps", "1", "--data.val-files",
-                  "--reward.custom-fn", f"{ROOT}/tests/fixtures/my_reward.py:constant_score", "--max-num-gen-batches", "2", "--overlong-buffer-len", "0",
-                  "--gen-batch-size", "8", "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8", recipe="dapo")
+    out = run_cli(
+        "--trainer.default-local-dir",
+        str(tmp_path),
+        "--trainer.total-training-steps",
+        "1",
+        "--data.val-files",
+        "--reward.custom-fn",
+        f"{ROOT}/tests/fixtures/my_reward.py:constant_score",
+        "--max-num-gen-batches",
+        "2",
+        "--overlong-buffer-len",
+        "0",
+        "--gen-batch-size",
+        "8",
+        "--data.train-batch-size",
+        "8",
+        "--actor.ppo-mini-batch-size",
+        "8",
+        recipe="dapo",
+    )
     assert out.returncode == 1
     assert "2 generation batches" in out.stderr and "--max-num-gen-batches" in out.stderr
 

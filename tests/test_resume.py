@@ -9,9 +9,9 @@ import time
 import datasets
 import torch
 from safetensors.torch import load_file
+from test_grpo_recipe import ROOT, _comparable, read_jsonl, run_cli
 
 from rlkit import embedded
-from test_grpo_recipe import ROOT, _comparable, read_jsonl, run_cli
 
 
 def _args(tmp_path, out):
@@ -20,9 +20,25 @@ def _args(tmp_path, out):
         ds = datasets.load_dataset("parquet", data_files=str(embedded.DATA_DIR / "train.parquet"), split="train")
         ds.select(range(16)).to_parquet(str(train))
     # 16 prompts / 8 per step = 2 steps per epoch: steps 3 and 5 start a new epoch
-    return ["--data.train-files", str(train), "--data.val-files", "--data.train-batch-size", "8",
-            "--actor.ppo-mini-batch-size", "4", "--rollout.n", "4", "--trainer.total-training-steps", "6",
-            "--trainer.save-freq", "1", "--trainer.max-ckpt-to-keep", "10", "--trainer.default-local-dir", str(out)]
+    return [
+        "--data.train-files",
+        str(train),
+        "--data.val-files",
+        "--data.train-batch-size",
+        "8",
+        "--actor.ppo-mini-batch-size",
+        "4",
+        "--rollout.n",
+        "4",
+        "--trainer.total-training-steps",
+        "6",
+        "--trainer.save-freq",
+        "1",
+        "--trainer.max-ckpt-to-keep",
+        "10",
+        "--trainer.default-local-dir",
+        str(out),
+    ]
 
 
 def _kill_when(path, proc, timeout=120):
@@ -40,8 +56,12 @@ def test_sigkill_at_an_epoch_boundary_then_resume_matches_an_uninterrupted_run(t
     assert run_cli(*_args(tmp_path, full)).returncode == 0
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes/grpo.py"), *_args(tmp_path, part)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes/grpo.py"), *_args(tmp_path, part)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _kill_when(part / "checkpoints" / "global_step_2", proc)  # the end of epoch 0
     done_before = len(list((part / "checkpoints").glob("global_step_*")))
     assert done_before < 6, "killed too late to test anything"

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from test_grpo_recipe import load_recipe, read_jsonl, small_config
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from rlkit import embedded
 from rlkit.config import RewardConfig
 from rlkit.reward_model import RewardModel
 from rlkit.rewards import RewardFn
-from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
 OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 
@@ -20,8 +20,16 @@ def rm_path(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
     tok.chat_template = OTHER_TEMPLATE
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     LlamaForSequenceClassification(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -82,8 +90,9 @@ def test_reward_model_replicas_on_ray_score_like_the_local_model_and_a_ray_run_u
         torch.testing.assert_close(got, RewardModel(str(rm_path))(PROMPTS, RESPONSES), atol=1e-5, rtol=0)
 
         grpo = load_recipe("grpo")  # policy on 2 workers, the reward model on a pool of its own (1 replica)
-        cfg = small_config(grpo, tmp_path, steps=1, backend="ray", n_workers=2, cpus_per_worker=0.5, reward_workers=1,
-                           val_before_train=False)
+        cfg = small_config(
+            grpo, tmp_path, steps=1, backend="ray", n_workers=2, cpus_per_worker=0.5, reward_workers=1, val_before_train=False
+        )
         cfg.data.val_max_samples = 8
         cfg.reward.model_path = str(rm_path)
         grpo.main(cfg)

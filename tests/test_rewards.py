@@ -222,9 +222,7 @@ def test_custom_fn_used_for_every_data_source_and_extras_averaged():
 
 
 def test_custom_fn_may_be_a_callable():
-    scores, _ = RewardFn(custom_fn=lambda data_source, solution_str, ground_truth, extra_info=None: 3)(
-        ["x"], ["y"], ["z"]
-    )
+    scores, _ = RewardFn(custom_fn=lambda data_source, solution_str, ground_truth, extra_info=None: 3)(["x"], ["y"], ["z"])
     assert scores.tolist() == [3.0]
 
 

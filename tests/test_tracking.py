@@ -13,8 +13,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def fake_step(step: int) -> dict:
-    return {"critic/score/mean": 0.2 + 0.01 * step, "critic/score/std": 0.4, "response_length/mean": 30.0 + step,
-            "actor/kl_loss": 0.001 * step, "timing/step": 1.2}
+    return {
+        "critic/score/mean": 0.2 + 0.01 * step,
+        "critic/score/std": 0.4,
+        "response_length/mean": 30.0 + step,
+        "actor/kl_loss": 0.001 * step,
+        "timing/step": 1.2,
+    }
 
 
 def test_logs_jsonl_config_and_png(tmp_path):
@@ -66,9 +71,19 @@ def test_fresh_run_starts_a_new_file(tmp_path):
 
 
 def test_console_line(tmp_path, capsys):
-    metrics = {"critic/score/mean": 0.41, "critic/score/std": 0.49, "val/acc": 0.62, "response_length/mean": 3.1,
-               "actor/kl_loss": 0.0012, "actor/pg_clipfrac": 0.0, "actor/entropy": 0.81, "actor/grad_norm": 0.53,
-               "timing/step": 1.2, "perf/throughput": 410.0, "not/watched": 7.0}
+    metrics = {
+        "critic/score/mean": 0.41,
+        "critic/score/std": 0.49,
+        "val/acc": 0.62,
+        "response_length/mean": 3.1,
+        "actor/kl_loss": 0.0012,
+        "actor/pg_clipfrac": 0.0,
+        "actor/entropy": 0.81,
+        "actor/grad_norm": 0.53,
+        "timing/step": 1.2,
+        "perf/throughput": 410.0,
+        "not/watched": 7.0,
+    }
     tracker = Tracker(tmp_path, ["console"], total_steps=10)
     tracker.log(1, metrics)
     tracker.message("validation before training: acc 0.23")

@@ -106,8 +106,9 @@ def prompts(worker, data_cfg):
     """8 embedded validation prompts, the first replaced by one of 290 tokens (> 2 KV blocks), each twice."""
     tok = worker.tokenizer
     ps = build_prompts(data_cfg.val_files, tok, data_cfg, 8)
-    text = tok.apply_chat_template([{"role": "user", "content": " ".join(f"What is {i}+{i + 1}?" for i in range(30))}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": " ".join(f"What is {i}+{i + 1}?" for i in range(30))}], add_generation_prompt=True, tokenize=False
+    )
     ps.input_ids[0] = tok(text, add_special_tokens=False)["input_ids"]
     assert len(ps.input_ids[0]) > 2 * 128
     return ps.batch(list(range(8)), tok.pad_token_id).repeat(2, interleave=True)
@@ -170,7 +171,9 @@ def test_lora_policy_is_synced_merged(long_model, data_cfg, prompts):
     from rlkit.workers import ActorRolloutRefWorker
 
     actor = ActorConfig(lr=5e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
-    w = ActorRolloutRefWorker(ModelConfig(path=long_model, lora_rank=8), actor, RolloutConfig(name="vllm", n=2), data_cfg, device="cpu", seed=1)
+    w = ActorRolloutRefWorker(
+        ModelConfig(path=long_model, lora_rank=8), actor, RolloutConfig(name="vllm", n=2), data_cfg, device="cpu", seed=1
+    )
     batch = w.generate(prompts)
     batch.meta = {}
     w.update(batch, push_up_sampled)
@@ -220,8 +223,13 @@ def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, dat
     from rlkit.workers import build_policy
 
     actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
-    cfg = SimpleNamespace(model=ModelConfig(path=long_model, lora_rank=lora_rank), actor=actor, rollout=RolloutConfig(name="vllm", n=2), data=data_cfg,
-                          trainer=TrainerConfig(backend="ray", n_workers=2, device="cpu", seed=1))
+    cfg = SimpleNamespace(
+        model=ModelConfig(path=long_model, lora_rank=lora_rank),
+        actor=actor,
+        rollout=RolloutConfig(name="vllm", n=2),
+        data=data_cfg,
+        trainer=TrainerConfig(backend="ray", n_workers=2, device="cpu", seed=1),
+    )
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers get push_up_sampled by value
     init_ray(num_cpus=2)
     try:
