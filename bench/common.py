@@ -133,7 +133,7 @@ class RlkitGRPO:
     ):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
-        from rlkit.workers import build_policy, build_reward
+        from rlkit.placement import build_policy, build_reward
 
         grpo = load_recipe("grpo")
         self.grpo, self.loop = grpo, loop

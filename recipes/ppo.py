@@ -44,8 +44,8 @@ from typing import Literal
 from rlkit import algos, loop
 from rlkit.config import ActorConfig, CriticConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
+from rlkit.placement import build_critic, build_policy, build_reward
 from rlkit.rewards import token_level_rewards
-from rlkit.workers import build_critic, build_policy, build_reward
 
 
 @dataclass
@@ -81,31 +81,20 @@ class Config:
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob,
-            mb["old_log_probs"],
-            mb["advantages"],
-            mask,
-            clip_ratio_low=a.clip_ratio_low or a.clip_ratio,
-            clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=mode,
-            **norm,
+            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, mode, norm=norm
         )
-        loss = pg_loss
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+            parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
-            kl_loss = algos.agg_loss(kl, mask, mode, **norm)
-            loss = loss + a.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss.item()
-        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = pg_loss.item()
-        return loss, metrics
+            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+        return loss, parts, metrics
 
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
     return actor_loss
 
 
@@ -113,14 +102,10 @@ def make_actor_loss(cfg: Config):
 def make_critic_loss(cfg: Config):
     c = cfg.critic
 
-    def critic_loss(mb, vpreds, _entropy, norm):
+    def critic_loss(mb, vpreds, _entropy, norm):  # vpreds, mask: (b, R)
         mask = mb["response_mask"]
-        vf_loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode, **norm)
-        return vf_loss, {
-            "critic/vf_loss": vf_loss.item(),
-            "critic/vf_clipfrac": clipfrac,
-            "critic/vpred_mean": algos.masked_mean(vpreds, mask).item(),
-        }
+        vf_loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode, norm=norm)
+        return vf_loss, {"vf_loss": vf_loss}, {"vf_clipfrac": clipfrac, "vpred_mean": algos.masked_mean(vpreds, mask).item()}
 
     return critic_loss
 
@@ -140,7 +125,7 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, models, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     need_ref = cfg.actor.use_kl_loss or cfg.use_kl_in_reward
-    policy = build_policy(cfg, need_ref=need_ref)  # actor + rollout + reference: here, or Ray workers (--trainer.backend ray)
+    policy = build_policy(cfg, need_ref=need_ref, critic=cfg.critic)  # actor + rollout + reference (+ room for the critic on Ray)
     critic = build_critic(cfg, policy)  # value model: the policy's checkpoint (or --critic.path) + a fresh value head
     tok = policy.tokenizer
     train = PromptLoader(

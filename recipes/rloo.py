@@ -22,8 +22,8 @@ from rlkit import algos, loop
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
+from rlkit.placement import build_policy, build_reward
 from rlkit.rewards import token_level_rewards
-from rlkit.workers import build_policy, build_reward
 
 
 @dataclass
@@ -40,31 +40,20 @@ class Config:
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob,
-            mb["old_log_probs"],
-            mb["advantages"],
-            mask,
-            clip_ratio_low=a.clip_ratio_low or a.clip_ratio,
-            clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=mode,
-            **norm,
+            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, mode, norm=norm
         )
-        loss = pg_loss
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+            parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
-            kl_loss = algos.agg_loss(kl, mask, mode, **norm)
-            loss = loss + a.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss.item()
-        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = pg_loss.item()
-        return loss, metrics
+            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+        return loss, parts, metrics
 
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
     return actor_loss
 
 

@@ -31,6 +31,8 @@ Contents
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "Norm",
     "agg_loss",
     "LOSS_AGG_MODES",
     "group_ids",
@@ -133,6 +136,18 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+@dataclass(frozen=True)
+class Norm:
+    """The normalisers of a loss: N = num_tokens and G = num_seqs of the whole mini-batch (see agg_loss).
+
+    The engine passes one to the loss function of every micro-batch, so that the micro-batch losses
+    add up to the mini-batch loss, whatever the split.
+    """
+
+    num_tokens: float
+    num_seqs: float
+
+
 def agg_loss(
     loss_mat: Tensor,
     mask: Tensor,
@@ -140,6 +155,7 @@ def agg_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ) -> Tensor:
     """Reduce a per-token loss L (B, T) to a scalar.
 
@@ -158,7 +174,7 @@ def agg_loss(
     gives 0), G = B, norm_len = T = loss_mat.shape[-1].
 
     Gradient accumulation: pass the token count N (or sequence count G) of the
-    whole mini-batch.  Then the losses of its micro-batches SUM to the loss of the
+    whole mini-batch, or both as `norm` (a Norm, as the engine gives it).  Then the losses of its micro-batches SUM to the loss of the
     mini-batch, and every token (or sequence) has the same weight no matter how
     the mini-batch was split.
 
@@ -168,6 +184,8 @@ def agg_loss(
 
     Fully-masked rows contribute 0 in every mode.  Unknown mode -> ValueError.
     """
+    if norm is not None:
+        num_tokens, num_seqs = norm.num_tokens, norm.num_seqs
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
         if num_tokens is None:
@@ -354,6 +372,7 @@ def ppo_clip_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """PPO clipped surrogate loss (Schulman et al. 2017) with clip-higher and dual-clip.
 
@@ -391,7 +410,7 @@ def ppo_clip_loss(
         per_token = torch.where(negative, torch.minimum(loss3, clipped), clipped)
         dual_active = negative & (clipped > loss3)
 
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss2 > loss1).to(ratio.dtype), mask).item(),
@@ -454,6 +473,7 @@ def value_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """Clipped value (critic) loss.
 
@@ -473,7 +493,7 @@ def value_loss(
         vpreds_clipped = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)
     loss1 = (vpreds - returns) ** 2
     loss2 = (vpreds_clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     clipfrac = masked_mean((loss2 > loss1).to(loss1.dtype), mask).item()
     return loss, clipfrac
 

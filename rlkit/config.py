@@ -135,6 +135,18 @@ class ActorConfig:
     nan_policy: Literal["error", "skip"] = "error"
     """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
 
+    # The clip range, resolved in one place. (Properties, not __post_init__: tyro builds the command line's
+    # defaults from a default instance, so a field filled in there would hide a later --actor.clip-ratio.)
+    @property
+    def clip_low(self) -> float:
+        """ε_low: clip_ratio_low, or clip_ratio when unset"""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        """ε_high: clip_ratio_high, or clip_ratio when unset"""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
 
 @dataclass
 class CriticConfig:

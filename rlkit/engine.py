@@ -33,10 +33,23 @@ from rlkit import algos
 from rlkit.errors import ConfigError, MissingFile, NonFinite, RunFailed
 from rlkit.protocol import DataProto
 
-# loss_fn(micro_batch, log_prob, entropy_or_None, norm) -> (loss, metrics). `norm` holds the
-# mini-batch's token and sequence counts (num_tokens, num_seqs) so that per-micro-batch losses add
-# up to the mini-batch loss exactly, whatever the micro-batch split.
-LossFn = Callable[[DataProto, torch.Tensor, "torch.Tensor | None", dict], "tuple[torch.Tensor, dict]"]
+# The loss contract. The engine calls loss_fn once per micro-batch:
+#
+#     loss, parts, metrics = loss_fn(mb, log_prob, entropy, norm)
+#
+#   mb        the micro-batch (a DataProto on the device): response_mask (b, R), advantages (b, R),
+#             old_log_probs (b, R) (filled in by the engine on the one-step path), whatever the recipe put in
+#   log_prob  (b, R) log pi(y_t | x, y_<t) with its gradient; a value model gets V(s_t) instead
+#   entropy   (b, R) with its gradient when the loss asks for it (loss_fn.needs_entropy = True), else None
+#   norm      algos.Norm(num_tokens, num_seqs) of the whole mini-batch: normalise by it (algos.agg_loss(..., norm=norm))
+#             and the micro-batch losses add up to the mini-batch loss, whatever the micro-batch split
+# and returns
+#   loss      the scalar to backpropagate
+#   parts     {name: scalar tensor}: named terms of the loss, normalised like it; summed over the micro-batches
+#             of a mini-batch (the mini-batch's value), logged as actor/<name> (critic/<name>)
+#   metrics   {name: float}: diagnostics, averaged over micro-batches, logged as actor/<name> unless the name has a "/"
+Norm = algos.Norm
+LossFn = Callable[[DataProto, torch.Tensor, "torch.Tensor | None", Norm], "tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -140,7 +153,7 @@ def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dic
     return {k: v[:, first:end] for k, v in tensors.items()}, first, keep
 
 
-def global_counts(num_tokens: int, num_seqs: int) -> dict:
+def global_counts(num_tokens: int, num_seqs: int) -> Norm:
     """The loss normalisers of a mini-batch: its token and sequence counts, over all data-parallel processes.
 
     With N processes each one's loss is divided by (global count / N): data parallelism (FSDP, DDP)
@@ -153,8 +166,8 @@ def global_counts(num_tokens: int, num_seqs: int) -> dict:
         t = torch.tensor([num_tokens, num_seqs], dtype=torch.float64)
         dist.all_reduce(t)
         n = dist.get_world_size()
-        return {"num_tokens": max(t[0].item(), 1.0) / n, "num_seqs": t[1].item() / n}
-    return {"num_tokens": max(num_tokens, 1), "num_seqs": num_seqs}
+        return Norm(num_tokens=max(t[0].item(), 1.0) / n, num_seqs=t[1].item() / n)
+    return Norm(num_tokens=max(num_tokens, 1), num_seqs=num_seqs)
 
 
 class TorchEngine:
@@ -278,19 +291,17 @@ class TorchEngine:
         micro_batch_size: int,
         epochs: int = 1,
         temperature: float = 1.0,
-        with_entropy: bool = False,
         shuffle_seed: int | None = None,
     ) -> dict:
         """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
 
-        One optimizer step per mini-batch. Returns metrics averaged over optimizer steps: actor/loss,
-        actor/grad_norm, actor/lr (critic/... for a value model) and whatever loss_fn reports. A metric
-        whose name ends in "loss" is a part of the loss (normalised by the mini-batch totals, like the
-        loss): it is summed over the micro-batches of a mini-batch, so it does not depend on the
-        micro-batch size. Other metrics are averaged. A value model's loss_fn gets values where a
-        policy's gets log-probs.
+        One optimizer step per mini-batch; loss_fn follows the contract above (LossFn). Returns metrics
+        averaged over optimizer steps, each prefixed with the role (actor/..., critic/... for a value
+        model): loss, grad_norm (before clipping), lr, the loss's parts (summed over the micro-batches of
+        a mini-batch, so they do not depend on the micro-batch size) and its metrics (averaged).
         """
         cfg, role = self.actor_cfg, self.role
+        with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         # On-policy shortcut: a batch without old log-probs is updated in exactly one optimizer step, where
         # pi_old = pi, so log pi_old is this step's own log-probs, detached (rho = 1, the gradient unchanged).
         reuse_old = not self.value_head and "old_log_probs" not in batch
@@ -303,6 +314,7 @@ class TorchEngine:
         counts: dict[str, int] = {}
 
         def add(key, value):
+            key = key if "/" in key else f"{role}/{key}"
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
 
@@ -310,20 +322,19 @@ class TorchEngine:
             for epoch in range(epochs):
                 data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
                 for mini in data.split(mini_batch_size):
-                    mask = mini["response_mask"]
-                    norm = global_counts(int(mask.sum()), len(mini))
+                    norm = global_counts(int(mini["response_mask"].sum()), len(mini))
                     self.optimizer.zero_grad(set_to_none=True)
-                    total, parts = 0.0, {}  # parts: the mini-batch's "...loss" metrics, summed over micro-batches
+                    total, part_sums = 0.0, {}  # the mini-batch's loss and loss parts, summed over micro-batches
                     for mb in mini.split(micro_batch_size):
                         logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
                         mb = mb.to(self.device)
                         if reuse_old:  # the old log-probs and the entropy metric, from this very pass
                             mb["old_log_probs"] = logp.detach()
-                            add(f"{role}/entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
-                        loss, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
+                            add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
+                        loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
                         if not torch.isfinite(loss):
                             if cfg.nan_policy == "skip":
-                                add(f"{role}/skipped_steps", 1)
+                                add("skipped_steps", 1)
                                 break
                             raise NonFinite(
                                 f"non-finite loss ({loss.item()}) in the {role} update; no step was taken and no checkpoint written. "
@@ -331,30 +342,29 @@ class TorchEngine:
                             )
                         loss.backward()
                         total += loss.item()
+                        for k, v in parts.items():
+                            part_sums[k] = part_sums.get(k, 0.0) + float(v.detach())
                         for k, v in metrics.items():
-                            if k.endswith("loss"):
-                                parts[k] = parts.get(k, 0.0) + float(v)
-                            else:
-                                add(k, v)
+                            add(k, v)
                     else:
                         params = [p for p in self.model.parameters() if p.requires_grad]
-                        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # the norm before clipping
                         if not torch.isfinite(grad_norm):
                             if cfg.nan_policy == "skip":
-                                add(f"{role}/skipped_steps", 1)
+                                add("skipped_steps", 1)
                                 self.optimizer.zero_grad(set_to_none=True)
                                 continue
                             raise NonFinite(
                                 f"non-finite gradient norm in the {role} update; no step was taken and no checkpoint written. "
                                 f"Lower --{role}.lr or pass --{role}.nan-policy skip"
                             )
-                        add(f"{role}/lr", self.optimizer.param_groups[0]["lr"])
+                        add("lr", self.optimizer.param_groups[0]["lr"])
                         self.optimizer.step()
                         self.scheduler.step()
-                        add(f"{role}/loss", total)
-                        for k, v in parts.items():
+                        add("loss", total)
+                        for k, v in part_sums.items():
                             add(k, v)
-                        add(f"{role}/grad_norm", grad_norm.item())
+                        add("grad_norm", grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         return {k: sums[k] / counts[k] if k != f"{role}/skipped_steps" else sums[k] for k in sums}
 

@@ -211,14 +211,12 @@ class Run:
         )
 
     def finish(self) -> dict:
-        """Close the logs, draw the learning curve and print the before/after summary."""
-        from rlkit.ray_group import RayWorkerGroup
-
+        """Close the logs, draw the learning curve, close what the run was given (worker groups, the reward)
+        and print the before/after summary."""
         png = self.tracker.finish()
-        reward_model = getattr(getattr(self.reward_fn, "model", None), "group", None)
-        for group in [*self.stateful.values(), reward_model, self.policy]:  # Ray worker groups: stop them, free their pools
-            if isinstance(group, RayWorkerGroup):
-                group.shutdown()
+        for part in [*self.stateful.values(), self.reward_fn, self.policy]:  # worker groups: stop Ray workers, free pools, engines
+            if hasattr(part, "close"):
+                part.close()
         summary = {"out_dir": str(self.out_dir), "learning_curve": str(png)}
         if len(self.val_history) >= 2:
             (s0, a0), (s1, a1) = self.val_history[0], self.val_history[-1]

@@ -192,12 +192,15 @@ class RayWorkerGroup:
 
         return call
 
-    def shutdown(self) -> None:
-        """Kill the workers (and free their pool if it is their own)."""
+    def close(self) -> None:
+        """Kill the workers and free the pools they own (their own pool, or the pools made for them)."""
         import ray
 
         for w in self.workers:
             ray.kill(w)
+        self.workers = []
         for pool in self.owned_pools:
             pool.remove()
         self.owned_pools = []
+
+    shutdown = close  # the older name

@@ -103,3 +103,7 @@ class RayRewardModel:
     def __call__(self, prompts, responses: list[str]) -> torch.Tensor:
         data = DataProto.from_dict(non_tensors={"raw_prompt": list(prompts), "response": list(responses)})
         return self.group.score(data)["scores"]
+
+    def close(self) -> None:
+        """Stop the replicas and free their pools."""
+        self.group.close()

@@ -255,6 +255,11 @@ class RewardFn:
             fn.use_function = cfg.combine == "add"
         return fn
 
+    def close(self) -> None:
+        """Stop a reward model's Ray workers, if any (one in this process goes with this object)."""
+        if hasattr(self.model, "close"):
+            self.model.close()
+
     def scorer_for(self, data_source: str) -> ScoreFn:
         """The function that scores `data_source`: the custom one if given, else the registered one."""
         if self.custom_fn is not None:

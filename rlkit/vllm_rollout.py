@@ -199,6 +199,18 @@ class VLLMRollout:
         driver = getattr(executor, "driver_worker", None)
         return getattr(driver, "worker", None)
 
+    def close(self) -> None:
+        """Shut the engine down and free its memory (KV cache, weights); generate no more after this."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     @torch.no_grad()
     def sync_weights(self) -> float:
         """Push the trainer's current weights into the running engine, then drop the prefix cache. Returns seconds."""

@@ -14,7 +14,8 @@ A recipe never touches a model directly. It calls a worker group::
     critic.update(batch, loss_fn)        -> metrics
 
 `LocalWorkerGroup` runs one such worker in this process; a group with workers on Ray answers the
-same calls, so a recipe does not change when it scales out.
+same calls, so a recipe does not change when it scales out. Which group a recipe gets, and where its
+workers go, is rlkit/placement.py's job (`build_policy`, `build_critic`, `build_reward`).
 """
 
 from __future__ import annotations
@@ -130,7 +131,6 @@ class ActorRolloutRefWorker(CheckpointFiles):
             micro_batch_size=self.micro_batch,
             epochs=a.ppo_epochs,
             temperature=self.rollout_cfg.temperature,
-            with_entropy=a.entropy_coeff != 0,
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
         self.updates += 1
@@ -138,6 +138,11 @@ class ActorRolloutRefWorker(CheckpointFiles):
         if synced is not None:
             metrics["timing/weight_sync"] = synced
         return metrics
+
+    def close(self) -> None:
+        """Shut down a separate inference engine (vllm), if any."""
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
 
     def sync_rollout(self) -> float | None:
         """Give a separate inference engine (vllm) the current weights; seconds taken, None without one."""
@@ -206,154 +211,7 @@ class LocalWorkerGroup:
     def __getattr__(self, name):
         return getattr(self.worker, name)
 
-
-def resource_pools(cfg) -> dict:
-    """Roles -> Ray resource pools, as verl's ResourcePoolManager maps them.
-
-    actor/rollout/reference always share the "global" pool (--trainer.n-workers bundles). PPO's critic
-    is colocated on it (--trainer.critic-workers 0: each bundle holds an actor and a critic process,
-    each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N); the same
-    for a reward model (--reward.model-path) with --trainer.reward-workers.
-    """
-    from rlkit.ray_group import ResourcePool, init_ray
-
-    t = cfg.trainer
-    init_ray(t.ray_address)
-    gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
-    pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
-    roles = {"actor_rollout_ref": "global"}
-    for role, n in (("critic", t.critic_workers), ("reward_model", t.reward_workers)):
-        if (
-            role == "critic"
-            and not hasattr(cfg, "critic")
-            or role == "reward_model"
-            and not getattr(getattr(cfg, "reward", None), "model_path", None)
-        ):
-            continue  # the recipe has no such role
-        if n:
-            pools[role] = ResourcePool(n, t.cpus_per_worker, gpus, name=role)
-        roles[role] = role if n else "global"
-    return {role: pools[name] for role, name in roles.items()}
-
-
-def _share(pools: dict, role: str) -> float:
-    """The share of each bundle a role's workers take: bundles are split evenly among the roles placed on them."""
-    return 1 / sum(p is pools[role] for p in pools.values())
-
-
-def _check_split(what: str, trajectories: int, n_workers: int, flag: str) -> None:
-    if trajectories % n_workers:
-        raise ConfigError(
-            f"a {what} mini-batch of {trajectories} trajectories (mini-batch size x --rollout.n) does not split "
-            f"over {flag} {n_workers}; make it a multiple"
-        )
-
-
-def build_policy(cfg, need_ref: bool | None = None):
-    """The actor/rollout/reference worker group for a recipe config (fields model, actor, rollout, data, trainer).
-
-    need_ref: whether the recipe asks for reference log-probs (default: cfg.actor.use_kl_loss).
-    With --trainer.backend ray the group gets every role's resource pool as `.pools`, so that
-    build_critic and build_reward can place their workers beside it.
-    """
-    t = cfg.trainer
-    args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
-    if t.backend == "local":
-        return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=t.device, seed=t.seed, need_ref=need_ref))
-    if t.backend != "ray":
-        raise ConfigError(f"unknown --trainer.backend {t.backend!r}: use local or ray")
-    from rlkit.engine import load_tokenizer
-    from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
-    from rlkit.ray_group import RayWorkerGroup
-
-    _check_split("policy", cfg.actor.ppo_mini_batch_size * cfg.rollout.n, t.n_workers, "--trainer.n-workers")
-    if hasattr(cfg, "critic"):
-        _check_split(
-            "critic",
-            (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
-            t.critic_workers or t.n_workers,
-            "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers",
-        )
-    pools, made = _pools_of(cfg, None)
-    group = RayWorkerGroup(
-        FSDPActorRolloutRefWorker,
-        pools["actor_rollout_ref"],
-        *args,
-        share=_share(pools, "actor_rollout_ref"),
-        device=t.device,
-        seed=t.seed,
-        need_ref=need_ref,
-        fsdp=fsdp_options(t),
-    )
-    group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
-    group.pools = pools
-    return _owning(group, pools, made)
-
-
-def _pools_of(cfg, policy) -> tuple[dict, bool]:
-    """The roles' pools: the policy group's (False), or new ones made for a group built on its own (True)."""
-    pools = getattr(policy, "pools", None)
-    return (pools, False) if pools else (resource_pools(cfg), True)
-
-
-def _owning(group, pools: dict, made: bool):
-    """A group built on pools made for it frees them (each once) at shutdown."""
-    if made:
-        group.owned_pools += list(dict.fromkeys(pools.values()))
-    return group
-
-
-def fsdp_options(t) -> dict:
-    """The FSDP2 settings of --trainer: compute dtype and CPU offload."""
-    return {"param_dtype": t.fsdp_param_dtype, "offload": t.fsdp_offload}
-
-
-def resolve_device_name(device: str) -> str:
-    """'auto' -> 'cuda' when this machine has a GPU, else 'cpu'; 'cuda:1' -> 'cuda'."""
-    from rlkit.engine import resolve_device
-
-    return resolve_device(device).type
-
-
-def build_critic(cfg, policy=None):
-    """The critic worker group for a recipe config (fields model, critic, actor, rollout, trainer).
-
-    With --trainer.backend ray, pass the policy group: the critic goes on its pool (colocated) or on its own.
-    """
-    t = cfg.trainer
-    args = (cfg.model, cfg.critic, cfg.rollout, cfg.actor.ppo_mini_batch_size)
-    if t.backend == "local":
-        return LocalWorkerGroup(CriticWorker(*args, device=t.device, seed=t.seed))
-    from rlkit.fsdp_workers import FSDPCriticWorker
-    from rlkit.ray_group import RayWorkerGroup
-
-    pools, made = _pools_of(cfg, policy)
-    group = RayWorkerGroup(
-        FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, seed=t.seed, fsdp=fsdp_options(t)
-    )
-    return _owning(group, pools, made)
-
-
-def build_reward(cfg, policy=None):
-    """The reward of a recipe config: the scoring function, plus with --reward.model-path a reward model,
-    loaded in this process or, with --trainer.backend ray, as replicas on Ray workers (pass the policy
-    group: they go on its pool, or on their own with --trainer.reward-workers N)."""
-    from rlkit.rewards import RewardFn
-
-    t, r = cfg.trainer, cfg.reward
-    if t.backend == "local" or not r.model_path:
-        return RewardFn.from_config(r, t.device)
-    from rlkit.ray_group import RayWorkerGroup
-    from rlkit.reward_model import RayRewardModel, RewardModelWorker
-
-    pools, made = _pools_of(cfg, policy)
-    group = RayWorkerGroup(
-        RewardModelWorker,
-        pools["reward_model"],
-        r.model_path,
-        t.device,
-        r.model_micro_batch_size,
-        cfg.model.trust_remote_code,
-        share=_share(pools, "reward_model"),
-    )
-    return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))
+    def close(self) -> None:
+        """Free what the worker holds beside its model (a vLLM engine); the model goes with the group."""
+        if hasattr(self.worker, "close"):
+            self.worker.close()

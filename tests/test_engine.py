@@ -12,9 +12,9 @@ from rlkit import algos, embedded
 from rlkit.config import ActorConfig, DataConfig, ModelConfig
 from rlkit.data import build_prompts
 from rlkit.engine import TorchEngine, load_model, load_tokenizer, trim_padding
+from rlkit.placement import build_policy
 from rlkit.protocol import DataProto
 from rlkit.rollout import HFRollout, assemble, response_mask
-from rlkit.workers import build_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 T = 0.7  # the temperature log-probs are computed at
@@ -45,7 +45,7 @@ def sample(engine, prompt_set, rows=B, temperature=2.0, seed=0, max_new_tokens=8
 
 def likelihood_loss(mb, log_prob, entropy, norm):
     """A simple nonzero loss: minus the token-mean log-likelihood of the responses."""
-    return -algos.agg_loss(log_prob, mb["response_mask"], "token-mean", **norm), {}
+    return -algos.agg_loss(log_prob, mb["response_mask"], "token-mean", norm=norm), {}, {}
 
 
 def params(engine) -> list[torch.Tensor]:
@@ -268,9 +268,10 @@ def ppo_batch(eng, prompt_set, seed=0) -> DataProto:
 
 def ppo_loss(mode, use_norm=True):
     def loss_fn(mb, log_prob, entropy, norm):
-        return algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mb["response_mask"], loss_agg_mode=mode, **(norm if use_norm else {})
+        loss, metrics = algos.ppo_clip_loss(
+            log_prob, mb["old_log_probs"], mb["advantages"], mb["response_mask"], loss_agg_mode=mode, norm=norm if use_norm else None
         )
+        return loss, {}, metrics
 
     return loss_fn
 
@@ -294,14 +295,14 @@ def test_update_is_micro_batch_invariant(prompt_set, mode):
     assert max_diff(whole, quarters) < 1e-6
 
 
-def test_loss_metrics_add_up_over_micro_batches(prompt_set):
-    """A "...loss" metric is a part of the loss: summed over micro-batches, it does not depend on their size
-    (averaging them would report a quarter of the loss with four micro-batches)."""
+def test_loss_parts_add_up_over_micro_batches(prompt_set):
+    """A loss part is summed over micro-batches, so it does not depend on their size (averaging would report a
+    quarter of the loss with four micro-batches); the engine prefixes it with the role."""
     batch = ppo_batch(make_engine(), prompt_set)
 
     def loss_fn(mb, log_prob, entropy, norm):
-        loss, metrics = ppo_loss("token-mean")(mb, log_prob, entropy, norm)
-        return loss, {**metrics, "actor/pg_loss": loss.item()}
+        loss, _, metrics = ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+        return loss, {"pg_loss": loss}, metrics
 
     def metrics(micro):
         torch.manual_seed(0)
@@ -312,6 +313,23 @@ def test_loss_metrics_add_up_over_micro_batches(prompt_set):
     assert whole["actor/pg_loss"] == pytest.approx(whole["actor/loss"], rel=1e-6)
     assert quarters["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], rel=1e-5)
     assert quarters["actor/loss"] == pytest.approx(whole["actor/loss"], rel=1e-5)
+
+
+def test_entropy_reaches_the_loss_with_its_gradient_only_when_asked(prompt_set):
+    eng = make_engine()
+    batch = ppo_batch(eng, prompt_set)
+    seen = []
+
+    def loss_fn(mb, log_prob, entropy, norm):
+        seen.append(entropy)
+        loss, parts, metrics = ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+        return (loss if entropy is None else loss - algos.agg_loss(entropy, mb["response_mask"], norm=norm)), parts, metrics
+
+    eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=B, temperature=T)
+    loss_fn.needs_entropy = True
+    eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=B, temperature=T)
+    assert seen[0] is None
+    assert seen[1].shape == batch["responses"].shape and seen[1].requires_grad and seen[1].max() > 0
 
 
 def test_micro_batch_invariance_check_detects_wrong_normalisation(prompt_set):
@@ -334,9 +352,9 @@ def test_ratio_is_exactly_one_on_policy(prompt_set):
     seen = []
 
     def loss_fn(mb, log_prob, entropy, norm):
-        loss, metrics = ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+        loss, parts, metrics = ppo_loss("token-mean")(mb, log_prob, entropy, norm)
         seen.append((log_prob.detach(), mb["old_log_probs"], metrics))
-        return loss, metrics
+        return loss, parts, metrics
 
     # two mini-batches of two micro-batches: the second mini-batch comes after one optimizer step
     metrics = eng.update(batch, loss_fn, mini_batch_size=B // 2, micro_batch_size=B // 4, temperature=T)
@@ -344,7 +362,7 @@ def test_ratio_is_exactly_one_on_policy(prompt_set):
         assert torch.equal(log_prob, old)
         assert m["ppo_kl"] == 0 and m["pg_clipfrac"] == 0 and m["pg_clipfrac_lower"] == 0
     assert seen[2][2]["ppo_kl"] != 0  # after the step the ratio moves, so the check above can fail
-    assert {"actor/loss", "actor/grad_norm", "actor/lr", "ppo_kl", "pg_clipfrac"} <= set(metrics)
+    assert {"actor/loss", "actor/grad_norm", "actor/lr", "actor/ppo_kl", "actor/pg_clipfrac"} <= set(metrics)
 
 
 def test_ratio_is_one_up_to_rounding_when_micro_batches_differ(prompt_set):
@@ -360,7 +378,7 @@ def test_ratio_is_one_up_to_rounding_when_micro_batches_differ(prompt_set):
         return ppo_loss("token-mean")(mb, log_prob, entropy, norm)
 
     metrics = eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=1, temperature=T)
-    assert max(seen) < 1e-5 and metrics["pg_clipfrac"] == 0
+    assert max(seen) < 1e-5 and metrics["actor/pg_clipfrac"] == 0
 
 
 def test_gradient_checkpointing_is_active_and_changes_nothing(prompt_set):
@@ -390,11 +408,11 @@ def test_gradient_checkpointing_is_active_and_changes_nothing(prompt_set):
 
 
 def nan_loss(mb, log_prob, entropy, norm):
-    return log_prob.sum() * float("nan"), {}
+    return log_prob.sum() * float("nan"), {}, {}
 
 
 def nan_grad_loss(mb, log_prob, entropy, norm):
-    return torch.sqrt(log_prob * 0).sum(), {}  # value 0, gradient NaN
+    return torch.sqrt(log_prob * 0).sum(), {}, {}  # value 0, gradient NaN
 
 
 @pytest.mark.parametrize("loss_fn, message", [(nan_loss, "non-finite loss"), (nan_grad_loss, "non-finite gradient")])
@@ -538,7 +556,8 @@ def test_on_policy_update_without_old_log_probs_equals_the_update_with_them():
     from rlkit.rollout import HFRollout
 
     def loss_fn(mb, logp, ent, norm):
-        return algos.ppo_clip_loss(logp, mb["old_log_probs"], mb["advantages"], mb["response_mask"], **norm)
+        loss, metrics = algos.ppo_clip_loss(logp, mb["old_log_probs"], mb["advantages"], mb["response_mask"], norm=norm)
+        return loss, {}, metrics
 
     torch.manual_seed(0)
     a, b = TorchEngine(ModelConfig(), ActorConfig(lr=1e-3)), TorchEngine(ModelConfig(), ActorConfig(lr=1e-3))

@@ -16,7 +16,7 @@ from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
 from rlkit import algos, embedded  # noqa: E402
 from rlkit.data import PromptLoader, build_prompts  # noqa: E402
-from rlkit.workers import build_critic, build_policy  # noqa: E402
+from rlkit.placement import build_critic, build_policy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _update_on_ray(grpo, cfg, batch, n_workers, **trainer):
         group.save_pretrained(Path(cfg.trainer.default_local_dir) / f"hf-{n_workers}")
         return group.state_dict()["model"], metrics
     finally:
-        group.shutdown()
+        group.close()
 
 
 def _max_diff(a, b):
@@ -124,7 +124,7 @@ def test_sharded_checkpoint_of_two_workers_loads_into_one(tmp_path, local_ray):
         saved = two.state_dict()
         two.save_checkpoint(tmp_path / "policy")
     finally:
-        two.shutdown()
+        two.close()
     files = sorted(p.name for p in (tmp_path / "policy").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_state.pt"]  # one shard per process
     cfg.trainer.n_workers = 1
@@ -134,7 +134,7 @@ def test_sharded_checkpoint_of_two_workers_loads_into_one(tmp_path, local_ray):
         one.load_checkpoint(tmp_path / "policy")
         loaded = one.state_dict()
     finally:
-        one.shutdown()
+        one.close()
     assert _max_diff(fresh["model"], saved["model"]) > 0  # loading changes something
     assert all(torch.equal(loaded["model"][k], saved["model"][k]) for k in saved["model"])
     a, b = saved["optimizer"]["state"], loaded["optimizer"]["state"]
@@ -187,11 +187,11 @@ def test_ppo_on_ray_critic_colocated_resumes_from_sharded_checkpoints_like_an_un
 def test_the_critic_starts_from_the_same_value_head_on_both_backends(tmp_path, local_ray):
     ppo = load_recipe("ppo")
     cfg = _ppo_config(ppo, tmp_path, 1, critic_workers=1)
-    on_ray = build_critic(cfg)  # built alone: on pools made for it, freed by its shutdown
+    on_ray = build_critic(cfg)  # built alone: on pools made for it, freed when it is closed
     try:
         ray_head = on_ray.state_dict()["model"]["score.weight"]
     finally:
-        on_ray.shutdown()
+        on_ray.close()
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
     cfg.trainer.backend = "local"
     local_head = build_critic(cfg).state_dict()["model"]["score.weight"]
@@ -223,7 +223,7 @@ def test_hybrid_engine_generates_on_gathered_weights_like_one_process_then_frees
         assert group._get([w.__ray_call__.remote(sharded) for w in group.workers]) == [True, True]
         sampled = group.generate(prompts.repeat(2))
     finally:
-        group.shutdown()
+        group.close()
     assert torch.equal(got["responses"], want["responses"]) and torch.equal(got["response_mask"], want["response_mask"])
     assert sampled["response_mask"].sum() > 0 and not torch.equal(sampled["responses"][:32], sampled["responses"][32:])
 
@@ -235,7 +235,7 @@ def test_bad_scale_out_settings_fail_before_ray_starts_and_name_the_flag(tmp_pat
         build_policy(cfg)
     cfg = _ppo_config(ppo, tmp_path, 1, critic_workers=3)  # critic mini-batch: 4 prompts x 2 samples = 8
     with pytest.raises(ValueError, match="critic mini-batch of 8 trajectories .* --trainer.critic-workers 3"):
-        build_policy(cfg)
+        build_policy(cfg, critic=cfg.critic)
     assert (
         not ray.is_initialized()
         or not ray.util.placement_group_table()

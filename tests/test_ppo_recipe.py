@@ -150,7 +150,7 @@ def test_kl_in_reward_by_hand():
 def test_critic_values_sit_at_the_response_positions(lora_rank):
     from transformers import AutoModelForTokenClassification
 
-    from rlkit.workers import build_critic
+    from rlkit.placement import build_critic
 
     cfg = small_config("unused")
     cfg.critic.lora_rank = lora_rank

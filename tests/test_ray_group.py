@@ -47,7 +47,7 @@ def group():
     init_ray(num_cpus=2)
     g = RayWorkerGroup(EchoWorker, 2, 10, cpus_per_worker=1, timeout_s=60)
     yield g
-    g.shutdown()
+    g.close()
     ray.shutdown()
 
 

@@ -43,9 +43,9 @@ def test_dapo_keeps_only_informative_groups_and_shapes_overlong_rewards(tmp_path
         seen["len"] = batch["response_mask"].sum(-1)
         return real_update(batch, loss_fn)
 
-    import rlkit.workers as workers
+    import rlkit.placement as placement
 
-    build = workers.build_policy
+    build = placement.build_policy
 
     def build_spy(*a, **k):
         nonlocal real_update

@@ -86,7 +86,7 @@ def test_reward_model_replicas_on_ray_score_like_the_local_model_and_a_ray_run_u
         try:
             got = RayRewardModel(group)(PROMPTS, RESPONSES)  # 3 rows over 2 replicas: padded to 4, split, unpadded
         finally:
-            group.shutdown()
+            group.close()
         torch.testing.assert_close(got, RewardModel(str(rm_path))(PROMPTS, RESPONSES), atol=1e-5, rtol=0)
 
         grpo = load_recipe("grpo")  # policy on 2 workers, the reward model on a pool of its own (1 replica)

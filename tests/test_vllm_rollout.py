@@ -34,7 +34,7 @@ needs_vllm = pytest.mark.skipif(
 
 def push_up_sampled(mb, log_prob, entropy, norm):
     """A loss that moves the weights a lot: raise the log-prob of every sampled token."""
-    return -(log_prob * mb["response_mask"]).sum() / norm["num_tokens"], {}
+    return -(log_prob * mb["response_mask"]).sum() / norm.num_tokens, {}, {}
 
 
 def max_gap(worker, batch):
@@ -218,9 +218,9 @@ def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, dat
     ray = pytest.importorskip("ray")
     from types import SimpleNamespace
 
-    from rlkit.config import TrainerConfig
+    from rlkit.config import RewardConfig, TrainerConfig
+    from rlkit.placement import build_policy
     from rlkit.ray_group import init_ray
-    from rlkit.workers import build_policy
 
     actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
     cfg = SimpleNamespace(
@@ -228,6 +228,7 @@ def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, dat
         actor=actor,
         rollout=RolloutConfig(name="vllm", n=2),
         data=data_cfg,
+        reward=RewardConfig(),
         trainer=TrainerConfig(backend="ray", n_workers=2, device="cpu", seed=1),
     )
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers get push_up_sampled by value
@@ -244,6 +245,6 @@ def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, dat
             after = group.generate(prompts)
             assert max_gap(group, after) < LOGPROB_ATOL  # ... and both engines sample from the new one
         finally:
-            group.shutdown()
+            group.close()
     finally:
         ray.shutdown()

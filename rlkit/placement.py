@@ -1,0 +1,170 @@
+"""Which worker group each role of a recipe gets, and where its workers run.
+
+A recipe asks for its roles here::
+
+    policy = build_policy(cfg)                 # actor + rollout + reference
+    critic = build_critic(cfg, policy)         # PPO's value model
+    reward_fn = build_reward(cfg, policy)      # the scoring function (+ a reward model)
+
+With --trainer.backend local each is one worker in this process (rlkit/workers.py). With ray each is a
+RayWorkerGroup of FSDP2 workers (rlkit/fsdp_workers.py) placed on Ray resource pools, as verl's
+ResourcePoolManager places them: this module sits above both worker modules, which never import it.
+Every group has close(); loop.Run.finish closes the ones it was given.
+"""
+
+from __future__ import annotations
+
+from rlkit.errors import ConfigError
+from rlkit.workers import ActorRolloutRefWorker, CriticWorker, LocalWorkerGroup, resolved
+
+
+def resource_pools(t, critic: bool = False, reward_model: bool = False) -> dict:
+    """Roles -> Ray resource pools, for the trainer section `t` and the roles the recipe has besides the policy.
+
+    actor/rollout/reference always share the "global" pool (--trainer.n-workers bundles). PPO's critic
+    is colocated on it (--trainer.critic-workers 0: each bundle holds an actor and a critic process,
+    each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N); the same
+    for a reward model (--reward.model-path) with --trainer.reward-workers.
+    """
+    from rlkit.ray_group import ResourcePool, init_ray
+
+    init_ray(t.ray_address)
+    gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
+    pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
+    roles = {"actor_rollout_ref": "global"}
+    for role, wanted, n in (("critic", critic, t.critic_workers), ("reward_model", reward_model, t.reward_workers)):
+        if not wanted:
+            continue
+        if n:
+            pools[role] = ResourcePool(n, t.cpus_per_worker, gpus, name=role)
+        roles[role] = role if n else "global"
+    return {role: pools[name] for role, name in roles.items()}
+
+
+def _share(pools: dict, role: str) -> float:
+    """The share of each bundle a role's workers take: bundles are split evenly among the roles placed on them."""
+    return 1 / sum(p is pools[role] for p in pools.values())
+
+
+def _check_split(what: str, trajectories: int, n_workers: int, flag: str) -> None:
+    if trajectories % n_workers:
+        raise ConfigError(
+            f"a {what} mini-batch of {trajectories} trajectories (mini-batch size x --rollout.n) does not split "
+            f"over {flag} {n_workers}; make it a multiple"
+        )
+
+
+def build_policy(cfg, need_ref: bool | None = None, critic=None):
+    """The actor/rollout/reference worker group for a recipe config (sections model, actor, rollout, data, reward, trainer).
+
+    need_ref: whether the recipe asks for reference log-probs (default: cfg.actor.use_kl_loss).
+    critic: the recipe's CriticConfig when it trains a critic (PPO), so that with --trainer.backend ray
+    its pool is planned beside the policy's. With ray the group gets every role's resource pool as
+    `.pools`, so that build_critic and build_reward can place their workers beside it.
+    """
+    t = cfg.trainer
+    args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
+    if t.backend == "local":
+        return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=t.device, seed=t.seed, need_ref=need_ref))
+    if t.backend != "ray":
+        raise ConfigError(f"unknown --trainer.backend {t.backend!r}: use local or ray")
+    from rlkit.engine import load_tokenizer
+    from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
+    from rlkit.ray_group import RayWorkerGroup
+
+    _check_split("policy", cfg.actor.ppo_mini_batch_size * cfg.rollout.n, t.n_workers, "--trainer.n-workers")
+    if critic is not None:
+        _check_split(
+            "critic",
+            (critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
+            t.critic_workers or t.n_workers,
+            "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers",
+        )
+    pools = resource_pools(t, critic=critic is not None, reward_model=bool(cfg.reward.model_path))
+    group = RayWorkerGroup(
+        FSDPActorRolloutRefWorker,
+        pools["actor_rollout_ref"],
+        *args,
+        share=_share(pools, "actor_rollout_ref"),
+        device=t.device,
+        seed=t.seed,
+        need_ref=need_ref,
+        fsdp=fsdp_options(t),
+    )
+    group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
+    group.pools = pools
+    return _owning(group, pools, True)
+
+
+def _pools_of(policy, role: str, t) -> tuple[dict, bool]:
+    """The roles' pools: the policy group's (False), or new ones made for `role`'s group built on its own (True)."""
+    pools = getattr(policy, "pools", None)
+    if pools and role in pools:
+        return pools, False
+    if pools:
+        raise ConfigError(f"the policy group was built without a {role} pool: pass the recipe's config section to build_policy")
+    return resource_pools(t, critic=role == "critic", reward_model=role == "reward_model"), True
+
+
+def _owning(group, pools: dict, made: bool):
+    """A group built on pools made for it frees them (each once) when it is closed."""
+    if made:
+        group.owned_pools += list(dict.fromkeys(pools.values()))
+    return group
+
+
+def fsdp_options(t) -> dict:
+    """The FSDP2 settings of --trainer: compute dtype and CPU offload."""
+    return {"param_dtype": t.fsdp_param_dtype, "offload": t.fsdp_offload}
+
+
+def resolve_device_name(device: str) -> str:
+    """'auto' -> 'cuda' when this machine has a GPU, else 'cpu'; 'cuda:1' -> 'cuda'."""
+    from rlkit.engine import resolve_device
+
+    return resolve_device(device).type
+
+
+def build_critic(cfg, policy=None):
+    """The critic worker group for a recipe config (sections model, critic, actor, rollout, trainer).
+
+    With --trainer.backend ray, pass the policy group (built with critic=cfg.critic): the critic goes on
+    its pool (colocated) or on its own.
+    """
+    t = cfg.trainer
+    args = (cfg.model, cfg.critic, cfg.rollout, cfg.actor.ppo_mini_batch_size)
+    if t.backend == "local":
+        return LocalWorkerGroup(CriticWorker(*args, device=t.device, seed=t.seed))
+    from rlkit.fsdp_workers import FSDPCriticWorker
+    from rlkit.ray_group import RayWorkerGroup
+
+    pools, made = _pools_of(policy, "critic", t)
+    group = RayWorkerGroup(
+        FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, seed=t.seed, fsdp=fsdp_options(t)
+    )
+    return _owning(group, pools, made)
+
+
+def build_reward(cfg, policy=None):
+    """The reward of a recipe config: the scoring function, plus with --reward.model-path a reward model,
+    loaded in this process or, with --trainer.backend ray, as replicas on Ray workers (pass the policy
+    group: they go on its pool, or on their own with --trainer.reward-workers N)."""
+    from rlkit.rewards import RewardFn
+
+    t, r = cfg.trainer, cfg.reward
+    if t.backend == "local" or not r.model_path:
+        return RewardFn.from_config(r, t.device)
+    from rlkit.ray_group import RayWorkerGroup
+    from rlkit.reward_model import RayRewardModel, RewardModelWorker
+
+    pools, made = _pools_of(policy, "reward_model", t)
+    group = RayWorkerGroup(
+        RewardModelWorker,
+        pools["reward_model"],
+        r.model_path,
+        t.device,
+        r.model_micro_batch_size,
+        cfg.model.trust_remote_code,
+        share=_share(pools, "reward_model"),
+    )
+    return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))
