@@ -29,7 +29,6 @@ from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError, RunFailed
 from rlkit.placement import build_policy, build_reward
 from rlkit.protocol import DataProto
-from rlkit.rewards import token_level_rewards
 
 
 @dataclass
@@ -97,7 +96,7 @@ def main(cfg: Config) -> dict:
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            kept, num_gen_batches = [], 0
+            kept, gen_metrics, num_gen_batches = [], [], 0  # informative groups; every generation batch's reward metrics
             while sum(len(b) for b in kept) < cfg.data.train_batch_size * cfg.rollout.n:
                 num_gen_batches += 1
                 if 0 < cfg.max_num_gen_batches < num_gen_batches:
@@ -106,14 +105,15 @@ def main(cfg: Config) -> dict:
                         "prompts whose responses differ in reward. The task is too easy or too hard for the model: "
                         "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --no-filter-groups"
                     )
-                batch = train.next_batch()
+                batch = train.next_batch()  # G = gen_batch_size prompts: input_ids, attention_mask, position_ids (G, P), ...
                 batch["uid"] = [f"{step}-{num_gen_batches}-{i}" for i in range(len(batch))]  # one group id per prompt
-                batch = batch.repeat(cfg.rollout.n, interleave=True)  # a group's rows adjacent
+                batch = batch.repeat(cfg.rollout.n, interleave=True)  # G prompts -> G*n rows, a group's rows adjacent
 
                 with loop.timer("gen", timings):  # rollout: sample one response per row
-                    batch = policy.generate(batch)
+                    batch = policy.generate(batch)  # + responses, response_mask: (G*n, R)
                 with loop.timer("reward", timings):  # one verifiable score per response
-                    scores, reward_metrics = loop.score(batch, tok, reward_fn)
+                    scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (G*n,)
+                gen_metrics.append((reward_metrics, len(batch)))
 
                 # ALGO LOGIC: overlong reward shaping, then keep only groups whose rewards differ
                 if cfg.overlong_buffer_len > 0:
@@ -123,20 +123,19 @@ def main(cfg: Config) -> dict:
                 batch["scores"] = scores
                 keep = algos.informative_groups(batch["uid"], scores) if cfg.filter_groups else torch.ones(len(batch), dtype=torch.bool)
                 kept.append(batch.index(keep))
-            batch = DataProto.concat(kept).index(slice(0, cfg.data.train_batch_size * cfg.rollout.n))
-            scores = batch["scores"]
-            reward_metrics["dapo/num_gen_batches"] = num_gen_batches
+            batch = DataProto.concat(kept).index(slice(0, cfg.data.train_batch_size * cfg.rollout.n))  # B*n rows
+            scores = batch["scores"]  # (B*n,)
+            reward_metrics = {**loop.mean_metrics(gen_metrics), "dapo/num_gen_batches": num_gen_batches}  # all generated responses
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
-                    batch = batch.union(policy.compute_ref_log_prob(batch))
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
-                    batch = batch.union(policy.compute_log_prob(batch))
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
-            batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
-            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
             with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
                 actor_metrics = policy.update(batch, actor_loss)

@@ -37,7 +37,6 @@ from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, Rol
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
-from rlkit.rewards import token_level_rewards
 
 
 @dataclass
@@ -91,25 +90,24 @@ def main(cfg: Config) -> dict:
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()
+            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
             batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
             batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
 
             with loop.timer("gen", timings):  # rollout: sample one response per row
-                batch = policy.generate(batch)
+                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
-                    batch = batch.union(policy.compute_ref_log_prob(batch))
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
-                    batch = batch.union(policy.compute_log_prob(batch))
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
-            batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
-            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
             with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
                 actor_metrics = policy.update(batch, actor_loss)

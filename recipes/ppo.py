@@ -56,7 +56,7 @@ class Config:
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, use_kl_loss=False))
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(lr=1e-4))
     reward: RewardConfig = field(default_factory=RewardConfig)
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(experiment_name="ppo-embedded"))
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     gamma: float = 1.0
     """GAE discount gamma"""
     lam: float = 1.0
@@ -144,23 +144,23 @@ def main(cfg: Config) -> dict:
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()
+            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
             batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one id per prompt
             batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows
 
             with loop.timer("gen", timings):  # rollout: sample one response per row
-                batch = policy.generate(batch)
+                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if need_ref:
-                    batch = batch.union(policy.compute_ref_log_prob(batch))
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                batch = batch.union(policy.compute_log_prob(batch))
+                batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
             with loop.timer("values", timings):  # V_old(s_t): the critic's estimate before token t
-                batch = batch.union(critic.compute_values(batch))
+                batch = batch.union(critic.compute_values(batch))  # + values: (B*n, R)
 
-            # ALGO LOGIC: per-token rewards (KL in the reward), then GAE advantages (whitened) and returns
+            # ALGO LOGIC: per-token rewards (KL in the reward), then GAE advantages (whitened) and returns, all (B*n, R)
             kl_metrics = {}
             if cfg.use_kl_in_reward:
                 batch["token_level_rewards"], kl_metrics = kl_in_reward(scores, batch, kl_ctrl, cfg.kl_penalty)

@@ -7,8 +7,9 @@ reward, token by token, and the advantage is the discounted return, whitened ove
     G_t = r_t + gamma * G_{t+1}
     A_t = (G_t - mean(G)) / std(G)                 over every valid token of the batch
 
-With --baseline (REINFORCE++-baseline) the outcome is first centred on its prompt's group mean,
-then whitened over the batch: A_i = whiten(s_i - mean_group), the same for every token.
+With --baseline (REINFORCE++-baseline) each response's total reward R_i = sum_t r_t (the score minus
+the KL penalties, as verl sums it) is first centred on its prompt's group mean, then whitened over the
+batch: A_i = whiten(R_i - mean_group(R)), the same for every token.
 The update is grpo.py's clipped surrogate.
 
     python recipes/reinforce_pp.py                  # embedded tiny model + arithmetic task, CPU
@@ -90,22 +91,22 @@ def main(cfg: Config) -> dict:
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()
+            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
             batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
             batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
 
             with loop.timer("gen", timings):  # rollout: sample one response per row
-                batch = policy.generate(batch)
+                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss or cfg.use_kl_in_reward:
-                    batch = batch.union(policy.compute_ref_log_prob(batch))
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                batch = batch.union(policy.compute_log_prob(batch))
+                batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
 
             # ALGO LOGIC: token rewards (score on the last token, minus beta * KL_t), then the whitened return
-            mask = batch["response_mask"]
+            mask = batch["response_mask"]  # token rewards and advantages: (B*n, R), like the mask
             batch["token_level_rewards"] = token_level_rewards(scores, mask)
             if cfg.use_kl_in_reward:
                 kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty) * mask

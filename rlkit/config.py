@@ -212,8 +212,8 @@ class TrainerConfig:
     """where checkpoints, metrics.jsonl and the learning-curve PNG are written"""
     project_name: str = "rlkit"
     """project name for wandb"""
-    experiment_name: str = "grpo-embedded"
-    """run name"""
+    experiment_name: str | None = None
+    """run name (default: the recipe's file name, plus the model and the data when they are not the embedded ones, e.g. grpo-qwen2.5-0.5b-instruct-gsm8k)"""
     logger: list[Literal["console", "wandb"]] = field(default_factory=lambda: ["console"])
     """where to log: console and/or wandb (WANDB_MODE=offline works with no network)"""
     seed: int = 1

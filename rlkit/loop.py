@@ -75,6 +75,25 @@ def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: i
     return out
 
 
+def mean_metrics(batches: list[tuple[dict, int]]) -> dict:
+    """The metrics of several batches as one: each name's mean over the batches that report it, weighted by their
+    rows; a count (reward/errors) is summed instead.
+
+    batches: [(metrics, number of rows), ...], e.g. the reward metrics of every generation batch of a DAPO step.
+    """
+    sums: dict[str, float] = {}
+    rows: dict[str, int] = {}
+    for metrics, n in batches:
+        for k, v in metrics.items():
+            weight = 1 if k in COUNTS else n
+            sums[k] = sums.get(k, 0.0) + float(v) * weight
+            rows[k] = rows.get(k, 0) + weight
+    return {k: sums[k] / rows[k] if k not in COUNTS else sums[k] for k in sums}
+
+
+COUNTS = {"reward/errors"}  # metrics that count events in a batch, rather than average over its rows
+
+
 def validate(policy, prompts, reward_fn, batch_size: int) -> dict:
     """Generate on every validation prompt (rollout.val_temperature; 0 = greedy) and average the scores."""
     tok = policy.tokenizer
@@ -113,6 +132,27 @@ def load_state_into(obj, state: dict) -> None:
         vars(obj).update(state)
 
 
+def run_name(cfg) -> str:
+    """The default --trainer.experiment-name: the recipe's file name (the module of its Config), then the model and
+    the data when they are not the embedded ones. grpo.py on the defaults -> "grpo"; with --model
+    Qwen/Qwen2.5-0.5B-Instruct and --data.train-files gsm8k/train.parquet -> "grpo-qwen2.5-0.5b-instruct-gsm8k"."""
+    import sys
+
+    from rlkit.config import DataConfig, ModelConfig
+
+    module = sys.modules.get(type(cfg).__module__)
+    parts = [Path(getattr(module, "__file__", None) or "run").stem]
+    if cfg.model.path != ModelConfig().path:
+        parts.append(Path(cfg.model.path.rstrip("/")).name)
+    d = cfg.data
+    if d.task:
+        parts.append(d.task.split(":")[-1])
+    elif d.train_files != DataConfig().train_files and d.train_files:
+        f = Path(d.train_files[0])
+        parts.append(f.parent.name if f.stem in ("train", "training") and f.parent.name else f.stem)
+    return "-".join(parts).lower()
+
+
 class Run:
     """Output folder, logging, validation schedule, checkpoints and resume for one training run.
 
@@ -126,6 +166,8 @@ class Run:
         self.stateful = dict(stateful or {})
         if {"policy", "loader", "val_history", "step", "rng"} & set(self.stateful):
             raise ValueError(f"Run(stateful=...): names {sorted(self.stateful)} clash with the checkpoint's own entries")
+        if not t.experiment_name:  # resolved once, before the config is saved: a resumed run finds the same folder
+            t.experiment_name = run_name(cfg)
         self.config = dataclasses.asdict(cfg)
         self.out_dir = Path(t.default_local_dir.format(experiment_name=t.experiment_name, project_name=t.project_name))
         self.ckpt_dir = self.out_dir / "checkpoints"

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import pytest
+from test_grpo_recipe import load_recipe
 
 from rlkit import loop
 from rlkit.errors import ConfigError
@@ -46,3 +47,29 @@ def test_rlkit_traceback_shows_a_user_errors_traceback(monkeypatch):
     monkeypatch.setenv("RLKIT_TRACEBACK", "1")
     with pytest.raises(ConfigError):
         loop.cli(bad_flag, Config)
+
+
+def test_each_recipe_names_its_runs_after_itself_and_what_it_trains_on():
+    names = {name: loop.run_name(load_recipe(name).Config()) for name in ("grpo", "rloo", "dapo", "ppo", "reinforce_pp")}
+    assert names == {"grpo": "grpo", "rloo": "rloo", "dapo": "dapo", "ppo": "ppo", "reinforce_pp": "reinforce_pp"}
+    cfg = load_recipe("grpo").Config()
+    cfg.model.path = "Qwen/Qwen2.5-0.5B-Instruct"
+    cfg.data.train_files = ["data/gsm8k/train.parquet"]
+    assert loop.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-gsm8k"
+    cfg.data.task = "reasoning_gym:chain_sum"
+    assert loop.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-chain_sum"
+
+
+def test_a_rerun_into_a_used_folder_names_both_ways_forward(tmp_path):
+    from rlkit.errors import RunExists
+
+    cfg = load_recipe("rloo").Config()
+    cfg.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
+    step = tmp_path / "rloo/checkpoints/global_step_3"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"")
+    with pytest.raises(RunExists) as info:
+        loop.Run(cfg, policy=None, train_loader=[], val_prompts=None, reward_fn=None)
+    msg = str(info.value)
+    assert "\n" not in msg and str(tmp_path / "rloo/checkpoints") in msg
+    assert "--trainer.resume auto" in msg and "--trainer.experiment-name" in msg

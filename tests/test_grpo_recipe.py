@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_recipe(name: str):
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # as an import would: the default run name is read from the Config's module file
     spec.loader.exec_module(mod)
     return mod
 
