@@ -1,7 +1,5 @@
 """End-to-end: every GRPO-family recipe runs a few steps on the embedded model, and DAPO's extras behave."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -92,13 +90,44 @@ def test_dapo_stops_with_a_clear_error_when_no_group_is_informative(tmp_path):
     assert "2 generation batches" in out.stderr and "--max-num-gen-batches" in out.stderr
 
 
+def spy_on_updates(recipe, seen: list):
+    """Make `recipe` build a policy whose update first records the batch it gets."""
+    import rlkit.placement as placement
+
+    def build_spy(*a, **k):
+        policy = placement.build_policy(*a, **k)
+        real_update = policy.worker.update
+
+        def update(batch, loss_fn):
+            seen.append(batch)
+            return real_update(batch, loss_fn)
+
+        policy.worker.update = update
+        return policy
+
+    recipe.build_policy = build_spy
+
+
 def test_reinforce_pp_puts_the_kl_in_the_reward(tmp_path):
+    """r_t = s [t last] - beta KL_t: the token rewards of step 2 (the policy has moved off the reference)
+    are the 0/1 score minus beta times the KL of each token, and the KL is not in the loss."""
     rpp = load_recipe("reinforce_pp")
-    cfg = small_config(rpp, tmp_path, steps=1)
-    cfg.kl_coef = 0.5
+    cfg = small_config(rpp, tmp_path, steps=2)
+    cfg.kl_coef, cfg.kl_penalty = 0.5, "kl"
     cfg.actor.use_kl_loss = False
+    cfg.actor.lr = 1e-2  # a first step large enough that the KL of step 2 is far from 0
+    seen = []
+    spy_on_updates(rpp, seen)
     rpp.main(cfg)
+    batch = seen[-1]
+    mask = batch["response_mask"]
+    kl = (batch["old_log_probs"] - batch["ref_log_prob"]) * mask  # (B*n, R), k1
+    assert kl.abs().sum(-1).min() > 1e-3  # every response has a KL to pay
+    score = batch["token_level_rewards"] + cfg.kl_coef * kl  # what is left: the score, on the last token
+    last = mask.sum(-1).long() - 1
+    on_last = score.gather(1, last[:, None])[:, 0]
+    assert torch.all((on_last.abs() < 1e-5) | ((on_last - 1).abs() < 1e-5))  # scores are 0 or 1
+    score.scatter_(1, last[:, None], 0.0)
+    assert score.abs().max() < 1e-5  # nothing but the KL anywhere else
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert "actor/kl_loss" not in rows[1]  # KL is in the reward, not the loss
-    cfg_saved = json.loads((tmp_path / "config.json").read_text())
-    assert cfg_saved["use_kl_in_reward"] is True
+    assert "actor/kl_loss" not in rows[-1]  # KL is in the reward, not the loss

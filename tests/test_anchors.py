@@ -1,0 +1,137 @@
+"""Regression anchors: the first two steps of every recipe, on a small CPU config, reproduce pinned metrics.
+
+As torchtune's recipe tests do: a change that alters what a recipe computes (its advantage, its loss, the
+update loop, sampling, the data order) moves these numbers, and the test names the metric that moved.
+The tolerance covers only float rounding (another CPU, BLAS or thread schedule); 1 thread and a fixed seed
+make the run deterministic. After an intended change, print the new values with
+`python tests/test_anchors.py` and paste them here, saying why in the commit.
+"""
+
+import sys
+
+import pytest
+from test_grpo_recipe import load_recipe, read_jsonl, small_config
+
+KEYS = ("critic/score/mean", "response_length/mean", "actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss")
+
+ANCHORS = {  # one dict per step; measured on x86-64, torch 2.13 CPU (the same before and after the loss-contract refactor)
+    "grpo": [
+        {
+            "critic/score/mean": 0.1875,
+            "response_length/mean": 3.59375,
+            "actor/loss": 0.0016478351317346096,
+            "actor/pg_loss": 0.0016445331275463104,
+            "actor/kl_loss": 0.00330204120837152,
+            "actor/grad_norm": 3.0055079460144043,
+        },
+        {
+            "critic/score/mean": 0.09375,
+            "response_length/mean": 3.4375,
+            "actor/loss": -0.0008913690289773513,
+            "actor/pg_loss": -0.0009268720168620348,
+            "actor/kl_loss": 0.035503007005900145,
+            "actor/grad_norm": 0.739567160140723,
+        },
+    ],
+    "rloo": [
+        {
+            "critic/score/mean": 0.1875,
+            "response_length/mean": 3.59375,
+            "actor/loss": 0.0010514678433537483,
+            "actor/pg_loss": 0.0010480496566742659,
+            "actor/kl_loss": 0.003418212989345193,
+            "actor/grad_norm": 2.0152289867401123,
+        },
+        {
+            "critic/score/mean": 0.09375,
+            "response_length/mean": 3.4375,
+            "actor/loss": -0.0005576837506851007,
+            "actor/pg_loss": -0.0005931553314439952,
+            "actor/kl_loss": 0.03547159442678094,
+            "actor/grad_norm": 0.4956138012930751,
+        },
+    ],
+    "dapo": [
+        {
+            "critic/score/mean": 0.40625,
+            "response_length/mean": 3.78125,
+            "actor/loss": 0.0028374716639518738,
+            "actor/pg_loss": 0.0028374716639518738,
+            "actor/grad_norm": 3.232704997062683,
+        },
+        {
+            "critic/score/mean": 0.25,
+            "response_length/mean": 3.75,
+            "actor/loss": 0.0018461218569427729,
+            "actor/pg_loss": 0.0018461218569427729,
+            "actor/grad_norm": 4.44060492515564,
+        },
+    ],
+    "reinforce_pp": [
+        {
+            "critic/score/mean": 0.1875,
+            "response_length/mean": 3.59375,
+            "actor/loss": 0.008119240403175354,
+            "actor/pg_loss": 0.008119240403175354,
+            "actor/grad_norm": 3.7423804998397827,
+        },
+        {
+            "critic/score/mean": 0.09375,
+            "response_length/mean": 3.4375,
+            "actor/loss": -0.013660743832588196,
+            "actor/pg_loss": -0.013660743832588196,
+            "actor/grad_norm": 3.210271954536438,
+        },
+    ],
+    "ppo": [
+        {
+            "critic/score/mean": 0.0625,
+            "response_length/mean": 3.4375,
+            "actor/loss": 0.017847679555416107,
+            "actor/pg_loss": 0.017847679555416107,
+            "actor/grad_norm": 7.9354143142700195,
+            "critic/vf_loss": 0.03814062010496855,
+        },
+        {
+            "critic/score/mean": 0.1875,
+            "response_length/mean": 3.4375,
+            "actor/loss": 0.0037320032715797424,
+            "actor/pg_loss": 0.0037320032715797424,
+            "actor/grad_norm": 6.007267236709595,
+            "critic/vf_loss": 0.0718933753669262,
+        },
+    ],
+}
+
+
+def run_two_steps(name: str, out_dir) -> list[dict]:
+    recipe = load_recipe(name)
+    cfg = small_config(recipe, out_dir, steps=2, num_threads=1, save_freq=0, seed=7)
+    cfg.data.val_files = []  # no validation: the anchors are about training
+    cfg.trainer.max_ckpt_to_keep = 1
+    if name == "dapo":
+        cfg.gen_batch_size = 8
+    if name == "ppo":
+        cfg.rollout.n = 2
+    recipe.main(cfg)
+    rows = read_jsonl(out_dir / "metrics.jsonl")
+    return [{k: r[k] for k in KEYS if k in r} for r in rows]
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "dapo", "reinforce_pp", "ppo"])
+def test_first_two_steps_reproduce_the_pinned_metrics(tmp_path, name):
+    got = run_two_steps(name, tmp_path)
+    want = ANCHORS[name]
+    assert [sorted(r) for r in got] == [sorted(r) for r in want]
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), f"{name} step {step}: {k} is {g[k]!r}, pinned {w[k]!r}"
+
+
+if __name__ == "__main__":  # print the current values, to pin after an intended change
+    import tempfile
+    from pathlib import Path
+
+    for name in sys.argv[1:] or ["grpo", "rloo", "dapo", "reinforce_pp", "ppo"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"    {name!r}: {run_two_steps(name, Path(tmp))!r},")
