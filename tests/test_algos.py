@@ -438,6 +438,16 @@ def test_logprobs_from_logits():
     assert_close(out, t([[-2.407606, -1.407606, -0.407606]]), atol=ATOL, rtol=0)
 
 
+def test_logprobs_from_low_precision_logits_are_computed_in_float32():
+    """bfloat16 logits (a GPU policy's) are upcast before logsumexp: over 1000 equal logits log p = -ln 1000 =
+    -6.907755, which bfloat16 (8 bits of mantissa: steps of 0.03 near 7) can only round to -6.90625 or -6.9375."""
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = torch.zeros(2, 1000, dtype=dtype)
+        out = algos.logprobs_from_logits(logits, torch.tensor([0, 999]))
+        assert out.dtype == torch.float32
+        assert_close(out, torch.full((2,), -math.log(1000.0)), atol=1e-6, rtol=0)
+
+
 # ---------------------------------------------------------------------------
 # KL controllers
 # ---------------------------------------------------------------------------

@@ -404,6 +404,111 @@ def test_gradient_checkpointing_is_active_and_changes_nothing(prompt_set):
     assert max_diff(saved_in_forward["paramsFalse"], saved_in_forward["paramsTrue"]) < 1e-6
 
 
+# ----------------------------------------------------------------------------- the update loop, step by step
+
+
+def grads_at_each_step(eng) -> list[list[torch.Tensor]]:
+    """Record the gradients every optimizer step of `eng` applies (after clipping)."""
+    seen, step = [], eng.optimizer.step
+
+    def recording_step(*a, **k):
+        seen.append([p.grad.clone() for p in eng.model.parameters() if p.requires_grad])
+        return step(*a, **k)
+
+    eng.optimizer.step = recording_step
+    return seen
+
+
+def mini_batch_gradient(eng, batch, mode="token-mean") -> list[torch.Tensor]:
+    """The gradient of the mini-batch loss, from one forward pass over the whole batch on a copy of the model."""
+    import copy
+
+    model = copy.deepcopy(eng.model)
+    logp, _ = eng.forward(model, batch, T, with_entropy=False)
+    loss, _ = algos.ppo_clip_loss(logp, batch["old_log_probs"], batch["advantages"], batch["response_mask"], loss_agg_mode=mode)
+    loss.backward()
+    return [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def test_update_step_is_the_mini_batch_gradient_without_clipping(prompt_set):
+    """SGD with lr 1 and no clipping: the weights move by exactly minus the mini-batch loss's gradient, whatever the
+    micro-batches (with clipping on, a wrong constant factor in the loss would be rescaled away)."""
+    batch = ppo_batch(make_engine(), prompt_set)
+    torch.manual_seed(0)
+    eng = make_engine(grad_clip=1e9)
+    use_sgd(eng, 1.0)
+    want = mini_batch_gradient(eng, batch)
+    before = params(eng)
+    eng.update(batch, ppo_loss("token-mean"), mini_batch_size=B, micro_batch_size=B // 4, temperature=T)
+    step = [a - b for a, b in zip(params(eng), before)]
+    assert max(g.abs().max().item() for g in want) > 1e-3
+    for s, g in zip(step, want):
+        torch.testing.assert_close(s, -g, atol=1e-6, rtol=1e-4)
+
+
+def test_gradient_clipping_bounds_the_step_and_the_norm_is_reported_before_clipping(prompt_set):
+    batch = ppo_batch(make_engine(), prompt_set)
+    torch.manual_seed(0)
+    eng = make_engine(grad_clip=1e-3)
+    use_sgd(eng, 1.0)
+    full_norm = torch.cat([g.flatten() for g in mini_batch_gradient(eng, batch)]).norm().item()
+    before = params(eng)
+    metrics = eng.update(batch, ppo_loss("token-mean"), mini_batch_size=B, micro_batch_size=B // 2, temperature=T)
+    moved = torch.cat([(a - b).flatten() for a, b in zip(params(eng), before)]).norm().item()
+    assert full_norm > 0.1  # far above the clip, so clipping matters
+    assert metrics["actor/grad_norm"] == pytest.approx(full_norm, rel=1e-4)  # the norm before clipping
+    assert moved == pytest.approx(1e-3, rel=1e-3)  # the step: lr x the clipped norm
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # the recording wrapper
+def test_gradients_are_reset_between_mini_batches(prompt_set):
+    """Each optimizer step applies its own mini-batch's gradient (lr 0: the weights stay put, so each mini-batch's
+    gradient can be computed on its own and compared)."""
+    batch = ppo_batch(make_engine(), prompt_set)
+    torch.manual_seed(0)
+    eng = make_engine(grad_clip=1e9)
+    use_sgd(eng, 0.0)
+    seen = grads_at_each_step(eng)
+    eng.update(batch, ppo_loss("token-mean"), mini_batch_size=B // 2, micro_batch_size=B // 4, temperature=T)
+    assert len(seen) == 2
+    for got, mini in zip(seen, batch.split(B // 2)):
+        for g, w in zip(got, mini_batch_gradient(eng, mini)):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
+
+
+def test_warmup_raises_the_learning_rate_linearly_over_the_first_steps(prompt_set):
+    batch = ppo_batch(make_engine(), prompt_set)
+    eng = make_engine(lr=1e-3, warmup_steps=3)
+    lrs = []
+
+    def loss_fn(mb, log_prob, entropy, norm):
+        lrs.append(eng.optimizer.param_groups[0]["lr"])
+        return ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+
+    metrics = eng.update(batch, loss_fn, mini_batch_size=B // 4, micro_batch_size=B // 4, temperature=T, epochs=2)
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-9)
+    assert metrics["actor/lr"] == pytest.approx(sum(lrs) / len(lrs), rel=1e-9)  # the mean over the optimizer steps
+
+
+def test_each_epoch_reshuffles_the_mini_batches(prompt_set):
+    batch = ppo_batch(make_engine(), prompt_set)
+    batch["row"] = torch.arange(B)
+    eng = make_engine()
+    order = []
+
+    def loss_fn(mb, log_prob, entropy, norm):
+        order.append(mb["row"].tolist())
+        return ppo_loss("token-mean")(mb, log_prob, entropy, norm)
+
+    eng.update(batch, loss_fn, mini_batch_size=B // 2, micro_batch_size=B // 2, temperature=T, epochs=2, shuffle_seed=5)
+    first, second = order[0] + order[1], order[2] + order[3]
+    assert sorted(first) == sorted(second) == list(range(B))  # each epoch sees every row once
+    assert first != list(range(B)) and second != first  # shuffled, and anew in the second epoch
+    order.clear()
+    eng.update(batch, loss_fn, mini_batch_size=B // 2, micro_batch_size=B // 2, temperature=T, epochs=1, shuffle_seed=5)
+    assert order[0] + order[1] == first  # the order is the seed's, so a resumed run repeats it
+
+
 # ----------------------------------------------------------------------------- non-finite losses
 
 

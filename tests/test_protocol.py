@@ -203,3 +203,16 @@ def test_permute():
 def test_repr_is_compact():
     r = repr(make(2))
     assert r == ("DataProto(batch_size=2, tensors={ids: (2, 2) int64, score: (2,) float32}, non_tensors=['uid'], meta=['temperature'])")
+
+
+def test_meta_travels_through_union_and_concat():
+    """union merges meta (the other side wins on a shared key), concat keeps the first item's, and neither
+    shares the dict with its inputs."""
+    a = DataProto.from_dict(tensors={"x": torch.zeros(2)}, meta={"epoch": 1, "temperature": 0.7})
+    b = DataProto.from_dict(tensors={"y": torch.ones(2)}, meta={"epoch": 2, "step": 5})
+    u = a.union(b)
+    assert u.meta == {"epoch": 2, "temperature": 0.7, "step": 5}
+    c = DataProto.concat([a, DataProto.from_dict(tensors={"x": torch.ones(3)}, meta={"epoch": 9})])
+    assert c.meta == {"epoch": 1, "temperature": 0.7} and len(c) == 5
+    u.meta["epoch"] = c.meta["epoch"] = 42
+    assert a.meta["epoch"] == 1 and b.meta["epoch"] == 2

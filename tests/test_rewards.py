@@ -62,6 +62,23 @@ def test_math_score_equivalent_forms():
     assert math_score("math", "\\boxed{3}", "\\boxed{3}") == 1.0  # already-boxed ground truth is not re-wrapped
 
 
+@pytest.mark.parametrize(
+    "response, truth",
+    [
+        ("\\boxed{\\sqrt{2}}", "\\sqrt{2}"),
+        ("\\boxed{2^{1/2}}", "\\sqrt{2}"),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}"),
+        ("\\boxed{3\\pi}", "3\\pi"),
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2"),
+    ],
+)
+def test_math_score_ground_truths_beyond_fractions(response, truth):
+    """Ground truths with roots, pi and polynomials are parsed as LaTeX (wrapped in $...$), not as plain text."""
+    pytest.importorskip("math_verify")
+    assert math_score("math", response, truth) == 1.0
+    assert math_score("math", "\\boxed{2}", truth) == 0.0
+
+
 def test_math_score_wrong_answer():
     pytest.importorskip("math_verify")
     assert math_score("math", "\\boxed{\\frac{1}{3}}", "0.5") == 0.0
