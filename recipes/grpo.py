@@ -14,8 +14,8 @@ Run it:
 
     python recipes/grpo.py                          # embedded tiny model + arithmetic task, CPU, ~5 min
     python recipes/grpo.py --help                   # every option, documented
-    python recipes/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \
-        --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \
+    python recipes/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
+        --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \\
         --data.max-prompt-length 512 --data.max-response-length 512 --actor.lr 1e-5
 
 Batch-size arithmetic, per training step:

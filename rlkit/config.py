@@ -9,15 +9,22 @@ algorithm fields next to these in its own `Config`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from rlkit import embedded
 
 
+def shown_default(text: str):
+    """Show `text` as the default in --help instead of the value (an absolute path inside the install)."""
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+
 @dataclass
 class ModelConfig:
-    path: str = str(embedded.MODEL_DIR)
-    """model to train: a local Hugging Face folder or a hub id (default: the embedded tiny model)"""
+    path: Annotated[str, shown_default("the embedded tiny model, rlkit/assets/tiny-arith")] = str(embedded.MODEL_DIR)
+    """model to train: a local Hugging Face folder or a hub id"""
     trust_remote_code: bool = False
     """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -34,9 +41,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=lambda: [str(embedded.DATA_DIR / "train.parquet")])
+    train_files: Annotated[list[str], shown_default("rlkit/assets/arith/train.parquet")] = field(
+        default_factory=lambda: [str(embedded.DATA_DIR / "train.parquet")]
+    )
     """verl-format parquet file(s) for training (columns data_source, prompt, ability, reward_model, extra_info)"""
-    val_files: list[str] = field(default_factory=lambda: [str(embedded.DATA_DIR / "val.parquet")])
+    val_files: Annotated[list[str], shown_default("rlkit/assets/arith/val.parquet")] = field(
+        default_factory=lambda: [str(embedded.DATA_DIR / "val.parquet")]
+    )
     """verl-format parquet file(s) for validation; empty to skip validation"""
     prompt_key: str = "prompt"
     """column that holds the chat messages"""

@@ -150,6 +150,14 @@ def test_help_documents_every_field():
         "--model.lora-rank",
     ):
         assert phrase in text, phrase
+    # --model.path's default is shown once, not as a path inside this install
+    plain = " ".join(out.stdout.replace("│", " ").split())  # without the boxes' borders
+    entry = plain[plain.index("--model.path STR") : plain.index("--model.trust-remote-code")]
+    assert entry.count("(default:") == 1 and "the embedded tiny model" in entry
+    assert str(ROOT / "rlkit") not in plain  # nor any data default
+    # the docstring's multi-line example keeps its line breaks (a backslash ends each continued line)
+    example = [line.strip() for line in out.stdout.splitlines() if "--data.train-files gsm8k" in line]
+    assert example and example[0].startswith("--data.train-files") and example[0].endswith("\\")
 
 
 def _write_parquet(path, rows):
