@@ -74,7 +74,7 @@ class DataConfig:
     task_train_size: int = 1000
     """training items to generate (seed task_seed)"""
     task_val_size: int = 200
-    """validation items to generate (seed task_seed + task_train_size; repeated questions and those also in the training set are dropped); 0 = no validation"""
+    """validation items to generate (seed task_seed + task_train_size; repeated questions and those also in the training set are dropped); at least 1: to skip validation pass --data.val-files with no file"""
     task_seed: int = 0
     """seed of the generated task data"""
     task_format: Literal["direct", "default", "plain", "number"] = "direct"

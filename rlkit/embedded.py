@@ -8,8 +8,8 @@ learn. So rlkit ships (in `rlkit/assets/`):
 - `tiny-arith/`: a ~0.5M-parameter Llama-shaped causal LM in the ordinary Hugging Face format
   (config.json, model.safetensors, tokenizer.json with a chat template), loaded by the same
   `from_pretrained` call that loads Qwen. It was trained here by a short supervised pass on the
-  train split, stopped early on purpose, so it answers roughly a quarter of held-out problems
-  correctly: the headroom that RL then closes.
+  train split, stopped early on purpose, so it answers about 30% of held-out problems (0.295,
+  greedy) correctly: the headroom that RL then closes.
 
 Everything is rebuilt, deterministically, by::
 

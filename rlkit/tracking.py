@@ -160,11 +160,12 @@ def _has_wandb_key(wandb) -> bool:
         return getattr(getattr(wandb, "api", None), "api_key", None) is not None
 
 
-def _ema(xs: list[float], alpha: float = 0.9) -> list[float]:
-    out, s = [], xs[0]
-    for x in xs:
-        s = alpha * s + (1 - alpha) * x
-        out.append(s)
+def rolling_mean(xs: list[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each point (fewer at the start)."""
+    out, total = [], 0.0
+    for i, x in enumerate(xs):
+        total += x - (xs[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
     return out
 
 
@@ -190,24 +191,20 @@ def plot_learning_curve(metrics_jsonl: str | Path, out_png: str | Path, title: s
     fig = Figure(figsize=(12, 4.5))
     left, right = fig.subplots(1, 2)
     steps, score = series("critic/score/mean")
-    if steps:
-        std = dict(zip(*series("critic/score/std")))
-        if all(s in std for s in steps):
-            lo = [m - std[s] for s, m in zip(steps, score)]
-            hi = [m + std[s] for s, m in zip(steps, score)]
-            left.fill_between(steps, lo, hi, alpha=0.2, color="C0", label="±std")
-        smooth = len(steps) > 10
-        left.plot(steps, score, color="C0", alpha=0.4 if smooth else 1, marker="" if smooth else "o", label="mean")
-        if smooth:
-            left.plot(steps, _ema(score), color="C0", lw=2, label="EMA 0.9")
-        left.legend(loc="best")
-    left.set(title="reward", xlabel="step", ylabel="critic/score/mean")
+    if steps:  # a 0/1 reward's std spans the plot and says nothing: the per-step mean, faint, and its rolling mean
+        window = max(1, min(10, len(steps) // 5))
+        left.plot(steps, score, color="C0", alpha=0.35 if window > 1 else 1, marker="" if len(steps) > 10 else "o", label="per step")
+        if window > 1:
+            left.plot(steps, rolling_mean(score, window), color="C0", lw=2, label=f"mean of the last {window} steps")
+        left.legend(loc="lower right")
+    left.set(title="reward (training batch)", xlabel="step", ylabel="critic/score/mean")
 
     vsteps, vacc = series("val/acc")
     if vsteps:
         right.plot(vsteps, vacc, marker="o", color="C2")
-        for s, a in zip(vsteps, vacc):
-            right.annotate(f"{a:.2f}", (s, a), textcoords="offset points", xytext=(0, 7), ha="center")
+        ends = {0, len(vsteps) - 1}  # labels on the first and last point only: more would overlap
+        for i in sorted(ends):
+            right.annotate(f"{vacc[i]:.2f}", (vsteps[i], vacc[i]), textcoords="offset points", xytext=(0, 8), ha="center")
         right.margins(y=0.15)  # room for the labels
         right.set(title="held-out accuracy", ylabel="val/acc")
         title = " — ".join(t for t in [title, f"val acc {vacc[0]:.2f} → {vacc[-1]:.2f}"] if t)

@@ -143,3 +143,10 @@ def test_plot_empty_and_single_line(tmp_path):
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"step": 0, "val/acc": 0.23}) + "\n")
     assert plot_learning_curve(one, tmp_path / "one.png", title="t").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_rolling_mean_of_the_learning_curve():
+    from rlkit.tracking import rolling_mean
+
+    assert rolling_mean([0.0, 1.0, 1.0, 0.0, 1.0], 2) == [0.0, 0.5, 1.0, 0.5, 0.5]
+    assert rolling_mean([3.0, 1.0], 10) == [3.0, 2.0]  # fewer values than the window: the mean so far
