@@ -795,3 +795,18 @@ def test_decoupled_ppo_is_ppo_when_behaviour_is_proximal():
     loss, _ = algos.decoupled_ppo_loss(logp, prox, prox.clone(), adv, m, 0.2, 0.28, 3.0)
     ref, _ = algos.ppo_clip_loss(logp, prox, adv, m, 0.2, 0.28, 3.0)
     assert torch.equal(loss, ref)
+
+
+def test_loss_weights_are_detached():
+    logp, old, adv, m = _ppo_case()
+    logp.requires_grad_(True)
+    w = t([[2.0, 1.0, 1.0, 1.0, 1.0]]).requires_grad_(True)
+    for loss_fn in (algos.ppo_clip_loss, algos.cispo_loss, algos.gspo_loss, algos.gmpo_loss):
+        loss, _ = loss_fn(logp, old, adv, m, weights=w)
+        loss.backward()
+        assert w.grad is None, loss_fn.__name__  # the weight rescales the gradient, it gets none
+    # and it rescales: token a (unclipped, A=+1, u=1.1) with w=2 -> d/dlogp = -2*1.1/4 = -0.55
+    logp.grad = None
+    loss, _ = algos.ppo_clip_loss(logp, old, adv, m, 0.2, 0.2, 3.0, weights=w)
+    loss.backward()
+    assert_close(logp.grad, t([[-0.55, 0.0, 0.0, 0.0, 0.0]]), atol=ATOL, rtol=0)
