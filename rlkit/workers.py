@@ -229,11 +229,11 @@ def resource_pools(cfg) -> dict:
     each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N); the same
     for a reward model (--reward.model-path) with --trainer.reward-workers.
     """
-    from rlkit.ray_group import ResourcePool, init_ray
+    from rlkit.ray_group import ResourcePool, cluster_gpus, gpus_per_worker, init_ray
 
     t = cfg.trainer
     init_ray(t.ray_address)
-    gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
+    gpus = gpus_per_worker(t.device, cluster_gpus())
     pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
     roles = {"actor_rollout_ref": "global"}
     for role, n in (("critic", t.critic_workers), ("reward_model", t.reward_workers)):
