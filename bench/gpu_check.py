@@ -72,9 +72,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def sizes(dry: bool) -> dict:
     """The model and batch shapes: Qwen2-0.5B-shaped on GPU, the embedded model's size on CPU."""
     if dry:
-        model = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=275)
+        model = dict(
+            hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=275
+        )
         return dict(model=model, prompt=48, response=16, prompts=4, n=4, mini=2, micro=8)
-    model = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
+    model = dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936
+    )
     return dict(model=model, prompt=512, response=512, prompts=8, n=8, mini=4, micro=8)
 
 
@@ -278,7 +282,9 @@ def check_checkpointing(ctx: dict) -> str:
     results = {}
     for gc in ("off", "on"):
         with quiet():
-            eng = TorchEngine(ModelConfig(path=ctx["model"], gradient_checkpointing=gc), ActorConfig(use_kl_loss=False), device=ctx["device"])
+            eng = TorchEngine(
+                ModelConfig(path=ctx["model"], gradient_checkpointing=gc), ActorConfig(use_kl_loss=False), device=ctx["device"]
+            )
         expect(eng.gradient_checkpointing == (gc == "on"), f"gradient checkpointing {gc} was not applied")
         cuda = eng.device.type == "cuda"
         if cuda:
@@ -346,7 +352,9 @@ def check_vllm(ctx: dict) -> str:
     data = DataConfig(train_files=[ctx["data"]], max_prompt_length=s["prompt"], max_response_length=s["response"])
     rollout = RolloutConfig(name="vllm", n=1, gpu_memory_utilization=0.3, kv_cache_gb=1)
     with quiet():
-        worker = ActorRolloutRefWorker(ModelConfig(path=ctx["model"]), ActorConfig(lr=1e-3, use_kl_loss=False), rollout, data, device=ctx["device"])
+        worker = ActorRolloutRefWorker(
+            ModelConfig(path=ctx["model"]), ActorConfig(lr=1e-3, use_kl_loss=False), rollout, data, device=ctx["device"]
+        )
     tok = worker.tokenizer
     prompts = build_prompts(data.train_files, tok, data, max_samples=16).batch(list(range(16)), tok.pad_token_id)
 

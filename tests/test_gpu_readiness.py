@@ -260,7 +260,13 @@ def test_vllm_sleeps_during_the_trainer_passes_on_cuda_only(cuda):
     r.sleep()  # compute_log_prob: already asleep
     r.sync_weights()  # after the update: the weights wake, the KV cache stays asleep
     r.wake_up()  # generate
-    expected = [("sleep", 1), ("wake_up", ("weights",)), ("reload", len(r.model.state_dict())), ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+    expected = [
+        ("sleep", 1),
+        ("wake_up", ("weights",)),
+        ("reload", len(r.model.state_dict())),
+        ("reset_prefix_cache",),
+        ("wake_up", ("kv_cache",)),
+    ]
     assert r.llm.calls == (expected if cuda else [c for c in expected if c[0] in ("reload", "reset_prefix_cache")])
 
 
