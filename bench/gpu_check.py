@@ -5,8 +5,7 @@
     python bench/gpu_check.py --skip ray,vllm    # leave parts out (CI's dry test does: they cost minutes on 2 cores)
 
 No network and no download: the model is built from a config with random weights and the embedded model's
-tokenizer, whose EOS is removed (the generation EOS is an id past the vocabulary), so every response runs to
-the length cap: memory and speed are measured at the full 512 + 512 tokens. Rewards come from a small scoring
+tokenizer, and neither has an EOS token (nor its generation config), so every response runs to the length cap: memory and speed are measured at the full 512 + 512 tokens. Rewards come from a small scoring
 function written beside it (random tokens score unevenly), so GRPO's advantages and gradients are not zero.
 
 What it checks, each a row of the PASS/FAIL table:
@@ -83,7 +82,7 @@ def sizes(dry: bool) -> dict:
 
 
 def make_model(folder: Path, shape: dict) -> str:
-    """A random-weight Qwen2 causal LM + the embedded tokenizer (no EOS; generation EOS past the vocabulary)."""
+    """A random-weight Qwen2 causal LM + the embedded tokenizer, without any EOS token: responses never stop early."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -98,7 +97,7 @@ def make_model(folder: Path, shape: dict) -> str:
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=shape["vocab_size"], pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=tok.pad_token_id)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
@@ -278,7 +277,7 @@ def check_checkpointing(ctx: dict) -> str:
             "position_ids": torch.arange(P).expand(rows, P),
         }
     )
-    batch = assemble(prompts, torch.randint(3, min(vocab, 275), (rows, R), generator=g), [vocab], 0)
+    batch = assemble(prompts, torch.randint(3, min(vocab, 275), (rows, R), generator=g), [], 0)
     results = {}
     for gc in ("off", "on"):
         with quiet():
