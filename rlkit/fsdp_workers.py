@@ -2,8 +2,8 @@
 
 One instance runs in each process of a `RayWorkerGroup`. Every process holds 1/N of the
 parameters, gradients and optimizer state (`torch.distributed.fsdp.fully_shard`, gloo on CPU,
-NCCL + gloo on GPU); the model is loaded in CPU memory and sharding moves each process's share to
-its GPU, so no GPU ever holds the full model (or the reference copy) in float32; the batch is split across processes by the group (`@dispatch("split")`).
+NCCL + gloo on GPU); the model is loaded in CPU memory and sharding, one decoder layer at a time,
+moves each process's share to its GPU, so no GPU ever holds the full model (or the reference copy); the batch is split across processes by the group (`@dispatch("split")`).
 
 What changes against the single-process workers, and why:
 
