@@ -95,9 +95,9 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         tensor = _full(tensor)
         module = adapted.get(name)
-        if module is not None:
-            delta = sum(module.get_delta_weight(a).detach() for a in module.active_adapters if a in getattr(module, "lora_A", {}))
-            tensor = tensor + torch.as_tensor(delta).to(tensor.dtype)
+        for adapter in module.active_adapters if module is not None else ():
+            if adapter in getattr(module, "lora_A", {}):  # FSDP: computed on the shards, then gathered (a collective)
+                tensor = tensor + _full(module.get_delta_weight(adapter).detach()).to(tensor.dtype)
         yield name.replace(".base_layer.", "."), tensor
 
 
