@@ -46,6 +46,10 @@ RESUMABLE_CHANGES = {
     "data.val_batch_size",
     "data.val_max_samples",
     "rollout.log_prob_micro_batch_size",
+    "rollout.micro_batch_size",
+    "rollout.gpu_memory_utilization",
+    "model.gradient_checkpointing",
+    "model.attn_implementation",
     "trainer.ray_address",
     "trainer.cpus_per_worker",
     "trainer.n_workers",
@@ -59,9 +63,12 @@ RESUMABLE_CHANGES = {
 
 
 def rng_state() -> dict:
-    """Python, numpy and torch (CPU and CUDA) random states."""
+    """Python, numpy and torch (CPU and CUDA) random states.
+
+    CUDA's only where this process already uses CUDA: get_rng_state_all() would otherwise create a CUDA
+    context on every visible GPU (the Ray driver, whose workers hold the GPUs)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -70,7 +77,7 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

@@ -28,15 +28,17 @@ class ModelConfig:
     trust_remote_code: bool = False
     """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """parameter dtype: auto = float32 on CPU, bfloat16 on GPU (--trainer.backend ray: float32 master weights, compute in --trainer.fsdp-param-dtype)"""
+    """compute dtype: auto = float32 on CPU, bfloat16 on GPU. Full-parameter training in bfloat16/float16 keeps float32 master weights and computes under autocast (LoRA: the frozen base is stored in it); --trainer.backend ray: float32 master weights, compute in --trainer.fsdp-param-dtype"""
     lora_rank: int = 0
     """LoRA rank; 0 trains all parameters (and keeps a frozen copy as the reference policy)"""
     lora_alpha: int = 16
     """LoRA scaling alpha"""
     target_modules: str = "all-linear"
     """LoRA target modules: 'all-linear' or a comma-separated list such as 'q_proj,v_proj'"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """recompute each layer's activations in the backward pass: less memory, ~30 % slower update (auto = on for a model of 10M+ parameters on a GPU, off on CPU)"""
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    """attention kernel: auto = flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa"""
 
 
 @dataclass
@@ -96,9 +98,11 @@ class RolloutConfig:
     val_temperature: float = 0.0
     """temperature for validation; 0 = greedy"""
     log_prob_micro_batch_size: int = 0
-    """sequences per forward pass when computing log-probs without gradients (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 16)"""
+    """sequences per forward pass when computing log-probs (and values) without gradients (0 = the update's micro-batch, --actor.ppo-micro-batch-size)"""
+    micro_batch_size: int = 0
+    """hf: rows per generate call, in training and validation (0 = auto: all rows for a model under 10M parameters, like the embedded one, else 64)"""
     gpu_memory_utilization: float = 0.5
-    """vllm on a GPU: share of GPU memory the engine may take (weights + KV cache); the trainer needs the rest"""
+    """vllm on a GPU: share of GPU memory the engine takes while it generates (weights + KV cache); it sleeps during the trainer's passes (weights to CPU, KV cache freed), so the trainer's weights and optimizer state must fit in the rest (docs/gpu.md)"""
     kv_cache_gb: int = 1
     """vllm on CPU: GiB of RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE)"""
     enforce_eager: bool = False

@@ -16,11 +16,23 @@ log-probs.
 
 Dropout stays off (eval mode) in every pass, so the log-probs of the update equal the old
 log-probs when the weights have not moved: the PPO ratio is exactly 1 on-policy.
+
+Precision. --model.dtype names the *compute* dtype (auto: bfloat16 on GPU, float32 on CPU). Full-parameter
+training in bfloat16/float16 keeps float32 master weights and runs every pass under
+`torch.autocast(device, dtype)`: AdamW's update lr * m / sqrt(v) is often below half a bf16 ulp of the
+weight, so bf16 weights updated in place mostly do not move at all (1e-5 on a weight of 0.02 is 1/8 of an
+ulp); in float32 every step lands. Autocast rather than a second float32 copy for the optimizer: one copy of
+the weights (4 bytes/param instead of 2 + 4), the matmuls still run in bf16, and it is what FSDP's
+MixedPrecisionPolicy does on the Ray backend (float32 shards, bf16 compute): both backends train alike.
+The frozen reference copy is stored in the compute dtype. LoRA keeps the base in the compute dtype (it is
+frozen) and peft's adapters in float32, as before.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import inspect
 import os
 import warnings
 from collections.abc import Callable
@@ -66,6 +78,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def resolve_attn_implementation(name: str, device: torch.device) -> str:
+    """'auto' -> flash_attention_2 on CUDA when the flash-attn package is importable, else sdpa; otherwise as given."""
+    if name != "auto":
+        return name
+    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+def resolve_gradient_checkpointing(setting, device: torch.device, n_params: int) -> bool:
+    """on/off (or True/False) as given; 'auto' -> on for a real model (>= 10M parameters) on a GPU.
+
+    Checkpointing trades a second forward pass per layer in the backward (~30 % slower update) for not keeping
+    every layer's activations: on a GPU memory decides, on CPU (tiny models) speed does.
+    """
+    setting = {True: "on", False: "off"}.get(setting, setting)
+    if setting == "auto":
+        return device.type == "cuda" and n_params >= 10_000_000
+    if setting not in ("on", "off"):
+        raise ConfigError(f"--model.gradient-checkpointing {setting!r}: use auto, on or off")
+    return setting == "on"
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """AutoTokenizer with left padding and a pad token (falls back to EOS)."""
     from transformers import AutoTokenizer
@@ -77,11 +110,20 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False, value_head: bool = False):
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    value_head: bool = False,
+    attn_implementation: str | None = None,
+):
     """AutoModelForCausalLM.from_pretrained with errors that say what to do.
 
     value_head: AutoModelForTokenClassification with num_labels=1 instead (a critic: one value per position).
+    attn_implementation: sdpa, flash_attention_2, eager (None: transformers' default).
     """
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     local = Path(path).expanduser()
@@ -98,7 +140,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             hf_logging.set_verbosity_error()
             try:
                 model, info = AutoModelForTokenClassification.from_pretrained(
-                    path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+                    path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True, **attn
                 )
             finally:
                 hf_logging.set_verbosity(level)
@@ -109,7 +151,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
                     stacklevel=2,
                 )
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **attn)
     except ValueError as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ConfigError(f"{path} ships its own modelling code; if you trust it, pass --model.trust-remote-code") from e
@@ -153,6 +195,25 @@ def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dic
     return {k: v[:, first:end] for k, v in tensors.items()}, first, keep
 
 
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the model's forward computes the LM head on the last N positions only (transformers' `logits_to_keep`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """isfinite(x).all(), agreed over all data-parallel processes: with --actor.nan-policy skip every process
+    skips the same step (a process leaving a collective alone would hang the others)."""
+    import torch.distributed as dist
+
+    ok = bool(torch.isfinite(x).all())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([1.0 if ok else 0.0])  # on CPU: the process group serves CPU tensors (gloo) beside NCCL
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        ok = bool(t.item() == 1.0)
+    return ok
+
+
 def global_counts(num_tokens: int, num_seqs: int) -> Norm:
     """The loss normalisers of a mini-batch: its token and sequence counts, over all data-parallel processes.
 
@@ -190,22 +251,31 @@ class TorchEngine:
         sharding (rlkit/fsdp_workers.py): how a distributed engine plugs in.
         """
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(model_cfg.dtype, self.device)
+        self.dtype = resolve_dtype(model_cfg.dtype, self.device)  # the compute dtype
         self.value_head = value_head
         self.role = "critic" if value_head else "actor"  # metric prefix and flag names in messages
+        self.lora = model_cfg.lora_rank > 0
+        # full-parameter training in 16 bits on one device: float32 master weights, compute under autocast (module docstring);
+        # FSDP (wrap) has its own mixed precision policy, LoRA trains float32 adapters on a frozen base
+        self.master_fp32 = actor_cfg is not None and not self.lora and wrap is None and self.dtype in (torch.bfloat16, torch.float16)
+        self.param_dtype = torch.float32 if self.master_fp32 else self.dtype
+        self.attn_implementation = resolve_attn_implementation(getattr(model_cfg, "attn_implementation", "auto"), self.device)
+        # FSDP: load in CPU memory; sharding moves each process's 1/N to its GPU (no full copy, no reference copy on the GPU)
+        load_on = torch.device("cpu") if wrap is not None else self.device
         model = load_model(
-            model_cfg.path, self.dtype, self.device, model_cfg.trust_remote_code, value_head
+            model_cfg.path, self.param_dtype, load_on, model_cfg.trust_remote_code, value_head, self.attn_implementation
         )  # first: its errors say what to do
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-        if model_cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        self.gradient_checkpointing = resolve_gradient_checkpointing(model_cfg.gradient_checkpointing, self.device, num_params(model)[1])
+        if self.gradient_checkpointing:  # non-reentrant: gradients reach LoRA adapters behind frozen embeddings
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_cfg = model_cfg
-        self.lora = model_cfg.lora_rank > 0
         self.ref_model = None
         if self.lora:
             model = add_lora(model, model_cfg, value_head)
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
-            self.ref_model = copy.deepcopy(model).requires_grad_(False)
+            self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
+        self.keep_logits = accepts_logits_to_keep(model)
         if wrap is not None:
             model = wrap(model)
             self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None
@@ -217,6 +287,21 @@ class TorchEngine:
             self.optimizer = torch.optim.AdamW(params, lr=actor_cfg.lr, weight_decay=actor_cfg.weight_decay)
             warm = max(actor_cfg.warmup_steps, 0)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+
+    def autocast(self):
+        """torch.autocast in the compute dtype when the weights are float32 masters (module docstring); else nothing."""
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.master_fp32 else nullcontext()
+
+    def describe(self) -> str:
+        """Device, dtypes, attention and checkpointing, for the start-of-run line."""
+        params = str(self.param_dtype).removeprefix("torch.")
+        compute = str(self.dtype).removeprefix("torch.")
+        if self.lora:
+            params = f"{params} (LoRA adapters float32)"
+        ckpt = "on" if self.gradient_checkpointing else "off"
+        return (
+            f"device {self.device}, params {params}, compute {compute}, attention {self.attn_implementation}, gradient checkpointing {ckpt}"
+        )
 
     # -- forward passes ------------------------------------------------------------------------
     def _reference(self):
@@ -235,13 +320,20 @@ class TorchEngine:
         prompt_len = mb["prompts"].shape[1]
         resp_len = mb["responses"].shape[1]
         t, first, keep = trim_padding({k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
-        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False).logits
-        logits = logits[:, prompt_len - first - 1 : -1].float()  # position t-1 predicts y_t (or values state y_<t)
+        # the LM head only where it is read (the last keep+1 positions), not over the prompt: (b, keep+1, V), not (b, L, V)
+        only = {"logits_to_keep": keep + 1} if self.keep_logits else {}
+        with self.autocast():
+            out = model(
+                input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False, **only
+            ).logits
+        logits = out[:, -keep - 1 : -1]  # position t-1 predicts y_t (or values state y_<t): (b, keep, V)
         if self.value_head:
             values = torch.zeros(len(mb), resp_len, device=self.device)
-            values[:, :keep] = logits[..., 0]
+            values[:, :keep] = logits[..., 0].float()
             return values, None
-        logits = logits / temperature
+        logits = logits.float()  # the one float32 copy of the vocabulary-wide logits (none when computed in float32)
+        if temperature != 1.0:
+            logits = logits / temperature
         labels = mb["responses"][:, :keep].to(self.device)
         logp = torch.zeros(len(mb), resp_len, device=self.device)
         logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
@@ -332,7 +424,7 @@ class TorchEngine:
                             mb["old_log_probs"] = logp.detach()
                             add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
                         loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
-                        if not torch.isfinite(loss):
+                        if not all_finite(loss):
                             if cfg.nan_policy == "skip":
                                 add("skipped_steps", 1)
                                 break
@@ -349,7 +441,7 @@ class TorchEngine:
                     else:
                         params = [p for p in self.model.parameters() if p.requires_grad]
                         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # the norm before clipping
-                        if not torch.isfinite(grad_norm):
+                        if not all_finite(grad_norm):
                             if cfg.nan_policy == "skip":
                                 add("skipped_steps", 1)
                                 self.optimizer.zero_grad(set_to_none=True)
@@ -374,7 +466,14 @@ class TorchEngine:
         model = self.model
         if self.lora:
             model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(path)
+        if self.master_fp32:  # exported in the compute dtype, as the FSDP workers do
+            stored, model.config.dtype = model.config.dtype, self.dtype
+            try:
+                model.save_pretrained(path, state_dict={k: v.to(self.dtype) for k, v in model.state_dict().items()})
+            finally:
+                model.config.dtype = stored
+        else:
+            model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
     def in_checkpoint(self, key: str) -> bool:

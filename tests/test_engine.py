@@ -396,11 +396,23 @@ def test_gradient_checkpointing_is_active_and_changes_nothing(prompt_set):
             saved_in_forward.setdefault(gc, counter[0])  # activations kept for backward by the first forward
             return ppo_loss("token-mean")(mb, log_prob, entropy, norm)
 
+        with eng._checkpointing():  # the loss and every gradient of one backward pass
+            logp, _ = eng.forward(eng.model, batch, T, False)
+            loss = likelihood_loss(batch, logp, None, {"num_tokens": int(batch["response_mask"].sum()), "num_seqs": B})[0]
+            loss.backward()
+        saved_in_forward[f"loss{gc}"] = loss.item()
+        saved_in_forward[f"grads{gc}"] = [p.grad.clone() for p in eng.model.parameters()]
+        eng.optimizer.zero_grad(set_to_none=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=B, temperature=T)
+            metrics = eng.update(batch, loss_fn, mini_batch_size=B, micro_batch_size=B, temperature=T)
+        saved_in_forward[f"update_loss{gc}"] = metrics["actor/loss"]
         saved_in_forward[f"params{gc}"] = params(eng)
+        assert eng.gradient_checkpointing is gc
         assert not any(m.training for m in eng.model.modules())  # back to eval mode for generation
     assert saved_in_forward[True] < saved_in_forward[False] / 4
+    assert saved_in_forward["lossTrue"] == pytest.approx(saved_in_forward["lossFalse"], abs=1e-6)
+    assert saved_in_forward["update_lossTrue"] == pytest.approx(saved_in_forward["update_lossFalse"], abs=1e-6)
+    assert max_diff(saved_in_forward["gradsFalse"], saved_in_forward["gradsTrue"]) < 1e-6
     assert max_diff(saved_in_forward["paramsFalse"], saved_in_forward["paramsTrue"]) < 1e-6
 
 
