@@ -364,7 +364,8 @@ def check_vllm(ctx: dict) -> str:
         return (mine - out["rollout_log_probs"])[mask].abs().mean().item()
 
     def loss(mb, log_prob, entropy, norm):  # a large step: raise the likelihood of what was sampled
-        return -(log_prob * mb["response_mask"]).sum() / norm["num_tokens"], {}
+        nll = -(log_prob * mb["response_mask"]).sum() / norm.num_tokens
+        return nll, {"nll": nll}, {}
 
     before = gap()
     out = worker.generate(prompts)

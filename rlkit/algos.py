@@ -429,12 +429,12 @@ def ppo_clip_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
-    weights: Tensor | None = None,
     loss_agg_mode: str = "token-mean",
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
     norm: Norm | None = None,
+    weights: Tensor | None = None,
 ):
     """PPO clipped surrogate loss (Schulman et al. 2017) with clip-higher and dual-clip.
 

@@ -39,7 +39,8 @@ def batch(prompt_set):
 
 
 def likelihood_loss(mb, log_prob, entropy, norm):
-    return -algos.agg_loss(log_prob, mb["response_mask"], "token-mean", **norm), {}
+    nll = -algos.agg_loss(log_prob, mb["response_mask"], "token-mean", norm=norm)
+    return nll, {"nll": nll}, {}
 
 
 # ----------------------------------------------------------------------------- precision
