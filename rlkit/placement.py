@@ -118,13 +118,6 @@ def fsdp_options(t) -> dict:
     return {"param_dtype": t.fsdp_param_dtype, "offload": t.fsdp_offload}
 
 
-def resolve_device_name(device: str) -> str:
-    """'auto' -> 'cuda' when this machine has a GPU, else 'cpu'; 'cuda:1' -> 'cuda'."""
-    from rlkit.engine import resolve_device
-
-    return resolve_device(device).type
-
-
 def build_critic(cfg, policy=None):
     """The critic worker group for a recipe config (sections model, critic, actor, rollout, trainer).
 
