@@ -1,0 +1,222 @@
+"""Multi-turn tool rollouts (rlkit/agent.py, rlkit/tools.py): token in / token out, masks with holes, limits, tools."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlkit import agent, embedded, tools
+from rlkit.agent import AgentConfig
+from rlkit.algos import logprobs_from_logits
+from rlkit.rollout import HFRollout
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+
+
+def chars(tok, text: str) -> list[int]:
+    """`text` as one byte-level token per character: valid ids the tokenizer would never produce itself."""
+    return [i for c in text for i in tok(c, add_special_tokens=False)["input_ids"]]
+
+
+def call_text(expression: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "</tool_call>"
+
+
+class Scripted:
+    """A Sampler that plays fixed turns (ids + made-up log-probs) and records the contexts it was given."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.contexts, self.budgets = list(turns), [], []
+
+    def __call__(self, contexts, max_new_tokens):
+        self.contexts.append(contexts[0])
+        self.budgets.append(max_new_tokens[0])
+        ids = self.turns.pop(0)[: max_new_tokens[0]]
+        return [(ids, [-0.5] * len(ids))]
+
+
+def run(tok, turns, cfg=None, budget=200, tool_fns=(tools.calculator,), prompt=(5, 6, 7)):
+    sampler = Scripted(turns)
+    eos = [tok.eos_token_id]
+    ep = agent.run_turns(sampler, [list(prompt)], tok, tools.Tools(list(tool_fns)), cfg or AgentConfig(), budget, eos)[0]
+    return ep, sampler
+
+
+def test_trained_ids_are_sampled_ids_plus_tool_ids_never_re_tokenised(tok):
+    eos = tok.eos_token_id
+    turn1 = chars(tok, call_text("12*34")) + [eos]
+    turn2 = chars(tok, "What is 408") + [eos]
+    # the premise: these sampled ids do not survive decode -> encode (a re-tokenising loop would change them)
+    assert tok(tok.decode(turn1[:-1]), add_special_tokens=False)["input_ids"] != turn1[:-1]
+    assert tok(tok.decode(turn2[:-1]), add_special_tokens=False)["input_ids"] != turn2[:-1]
+
+    ep, sampler = run(tok, [turn1, turn2])
+    suffix = tok("\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert ep.ids == turn1 + suffix + turn2
+    assert ep.mask == [1] * len(turn1) + [0] * len(suffix) + [1] * len(turn2)
+    assert ep.log_probs == [-0.5] * len(turn1) + [0.0] * len(suffix) + [-0.5] * len(turn2)
+    # turn by turn, the policy was fed exactly the ids that are trained
+    assert sampler.contexts == [[5, 6, 7], [5, 6, 7] + turn1 + suffix]
+    assert (ep.turns, ep.tool_calls, ep.tool_errors, ep.stopped_by_limit) == (2, 1, 0, False)
+
+
+def test_tool_suffix_renders_only_the_new_messages_with_the_template(tok):
+    msgs = [{"role": "tool", "name": "calculator", "content": "7"}, {"role": "tool", "name": "calculator", "content": "8"}]
+    ids = agent.tool_suffix_ids(tok, msgs, "<|im_end|>")
+    assert tok.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>tool\n8<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tool_suffix_rejects_a_template_that_rewrites_history(tok):
+    class Rewriting:
+        name_or_path = "rewriter"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            return "".join(f"[{m['role']}{len(messages)}]{m['content']}<|im_end|>" for m in messages)
+
+    with pytest.raises(agent.ConfigError, match="append-only"):
+        agent.tool_suffix_ids(Rewriting(), [{"role": "tool", "content": "1"}], "<|im_end|>")
+
+
+def test_assemble_episodes_layout_with_holes(tok):
+    eos = tok.eos_token_id
+    turn1 = chars(tok, call_text("2+2")) + [eos]
+    turn2 = chars(tok, "4") + [eos]
+    ep, _ = run(tok, [turn1, turn2])
+    plain = agent.Episode([9], ids=[3, eos], mask=[1, 1], log_probs=[-1.0, -2.0], turns=1, done=True)
+    prompts = agent.left_pad([[5, 6, 7], [9]], tok.pad_token_id)
+    width = len(ep.ids) + 2
+    out = agent.assemble_episodes(prompts, [ep, plain], width, tok.pad_token_id)
+    n = len(ep.ids)
+    assert out["responses"][0, :n].tolist() == ep.ids and out["responses"][0, n:].tolist() == [tok.pad_token_id] * 2
+    assert out["response_mask"][0].tolist() == ep.mask + [0, 0]
+    assert out["attention_mask"][0].tolist() == [1, 1, 1] + [1] * n + [0, 0]  # tool tokens are attended to
+    assert out["attention_mask"][1].tolist() == [0, 0, 1] + [1, 1] + [0] * (width - 2)
+    assert out["position_ids"][1, 2:5].tolist() == [0, 1, 2]
+    assert out["input_ids"].shape == (2, 3 + width)
+    assert out["rollout_log_probs"][1, :3].tolist() == [-1.0, -2.0, 0.0]
+    assert out["agent_tool_tokens"].tolist() == [n - len(turn1) - len(turn2), 0.0]
+    assert out["agent_turns"].tolist() == [2.0, 1.0] and out["agent_tool_calls"].tolist() == [1.0, 0.0]
+    m = agent.agent_metrics(out)
+    assert m["agent/tool_call_rate"] == 0.5 and m["agent/turns/max"] == 2.0
+    assert m["agent/sampled_tokens/mean"] == (len(turn1) + len(turn2) + 2) / 2
+
+
+def test_limits_turns_tool_calls_and_token_budget(tok):
+    eos = tok.eos_token_id
+    call = chars(tok, call_text("1+1")) + [eos]
+    # max_turns 2: the second turn still calls -> stopped by the limit, its call not run
+    ep, _ = run(tok, [call, call, call], AgentConfig(max_turns=2, max_tool_calls=5))
+    assert (ep.turns, ep.tool_calls, ep.stopped_by_limit) == (2, 1, True)
+    # max_tool_calls 1: two calls in one turn are over the limit
+    ep, _ = run(tok, [chars(tok, call_text("1+1") + call_text("2+2")) + [eos]], AgentConfig(max_turns=5, max_tool_calls=1))
+    assert (ep.turns, ep.tool_calls, ep.stopped_by_limit) == (1, 0, True)
+    # the token budget counts sampled and tool tokens; each turn gets what is left of it
+    budget = len(call) + 20
+    ep, sampler = run(tok, [call, call], AgentConfig(max_turns=5, max_tool_calls=5), budget=budget)
+    suffix = len(agent.tool_suffix_ids(tok, [{"role": "tool", "content": "2"}], "<|im_end|>"))
+    assert sampler.budgets == [budget, budget - len(call) - suffix]
+    assert ep.stopped_by_limit and len(ep.ids) == budget and ep.ids[-1] != eos  # cut inside the second turn
+    # a tool result that leaves no room to sample is not appended
+    ep, _ = run(tok, [call], AgentConfig(max_turns=5), budget=len(call) + suffix)
+    assert ep.stopped_by_limit and ep.ids == call
+
+
+def test_tool_errors_go_back_to_the_model_and_are_counted(tok):
+    eos = tok.eos_token_id
+
+    def broken(x: int) -> str:
+        """Always fails.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("boom")
+
+    bad = '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call><tool_call>not json</tool_call>'
+    bad += '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>'
+    turn1 = chars(tok, bad) + [eos]
+    ep, sampler = run(tok, [turn1, [eos]], AgentConfig(max_tool_calls=4), budget=1000, tool_fns=(tools.calculator, broken))
+    assert (ep.tool_calls, ep.tool_errors, ep.stopped_by_limit) == (4, 4, False)
+    shown = tok.decode(sampler.contexts[1][3 + len(turn1) :])
+    assert "error: RuntimeError: boom" in shown
+    assert "error: malformed tool call" in shown
+    assert "error: unknown tool 'nope'" in shown
+    assert "unexpected keyword argument 'x'" in shown
+
+
+def test_hf_backend_rollout_log_probs_match_a_forward_pass_across_holes(tok):
+    """Every turn calls the tool (a parser that always finds a call); the log-probs a plain forward pass gives the
+    assembled rows equal the sampler's on every sampled token: holes, positions and attention are consistent."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    rollout = HFRollout(model, tok, "cpu")
+    prompts = agent.left_pad([tok("What is 3+4?", add_special_tokens=False)["input_ids"], [5, 6]], tok.pad_token_id)
+    always_call = lambda text: [tools.ToolCall("calculator", {"expression": "1+1"})]  # noqa: E731
+    cfg = AgentConfig(max_turns=3, max_tool_calls=3)
+    out = agent.generate_multi_turn(
+        agent.hf_sampler(rollout, temperature=1.5), prompts, tok, tools.Tools([tools.calculator]), cfg, 40, rollout.eos, always_call
+    )
+    assert out["agent_tool_tokens"].min() > 0 and out["agent_turns"].max() >= 2
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+    P = out["prompts"].shape[1]
+    lp = logprobs_from_logits(logits[:, P - 1 : -1] / 1.5, out["responses"])  # rollout log-probs are at the sampling temperature
+    mask = out["response_mask"].bool()
+    assert torch.allclose(lp[mask], out["rollout_log_probs"][mask], atol=1e-4)
+    assert (out["rollout_log_probs"][~mask] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "expr, expected", [("123*456", "56088"), ("(2+3)**2", "25"), ("-7//2", "-4"), ("1/4", "0.25"), (" 10 % 3 ", "1"), ("6/3", "2")]
+)
+def test_calculator(expr, expected):
+    assert tools.calculator(expr) == expected
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "x+1", "[1]*3", "'a'*3", "9**9**9", "2**5000*2**5000", "1" * 300])
+def test_calculator_rejects_anything_but_bounded_arithmetic(expr):
+    with pytest.raises((ValueError, SyntaxError)):
+        tools.calculator(expr)
+
+
+def test_calculator_schema_comes_from_type_hints_and_docstring():
+    (schema,) = tools.Tools([tools.calculator]).schemas
+    assert schema["function"]["name"] == "calculator"
+    assert schema["function"]["parameters"]["properties"]["expression"]["type"] == "string"
+    assert schema["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_python_tool_runs_isolated_with_a_time_limit(monkeypatch):
+    out, err, timed_out = tools.run_code_subprocess("import os; print(6*7, sorted(os.environ), os.listdir('.'))", timeout_s=10)
+    assert (out, timed_out) == ("42 ['LC_CTYPE'] []\n", False)  # empty environment (python sets the locale), empty working dir
+    out, err, timed_out = tools.run_code_subprocess("import time; time.sleep(30)", timeout_s=0.5)
+    assert timed_out
+    out, err, _ = tools.run_code_subprocess("x = bytearray(2 << 30)", timeout_s=10, memory_mb=256)
+    assert "MemoryError" in err
+    monkeypatch.setattr(tools, "PYTHON_TIMEOUT_S", 0.5)
+    res = tools.Tools([tools.python]).call(tools.ToolCall("python", {"code": "while True: pass"}))
+    assert (res.error, res.timed_out) == (True, True) and res.text.startswith("error: timed out")
+
+
+def test_a_template_without_tool_support_gets_the_tools_in_the_system_message(tok):
+    schemas = tools.Tools([tools.calculator]).schemas
+    text = tools.render_prompt(tok, [{"role": "user", "content": "What is 2*3?"}], schemas)
+    assert text.startswith("<|im_start|>system\nYou can call tools.")
+    assert '"name": "calculator"' in text and text.endswith("<|im_start|>user\nWhat is 2*3?<|im_end|>\n<|im_start|>assistant\n")
+    assert tools.render_prompt(tok, [{"role": "user", "content": "Hi"}], []) == tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_parse_hermes():
+    text = (
+        'a<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>b<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    )
+    assert tools.parse_hermes(text) == [tools.ToolCall("f", {"x": 1}), tools.ToolCall("g", {"y": 2})]
+    assert tools.parse_hermes("no call") == []
+    (bad,) = tools.parse_hermes('<tool_call>{"arguments": {}}</tool_call>')
+    assert bad.error.startswith("malformed tool call")
