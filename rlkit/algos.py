@@ -272,6 +272,10 @@ def reinforce_pp_advantage(token_rewards: Tensor, mask: Tensor, gamma: float = 1
         returns_t    = G_t
         advantages   = whiten_m(returns) * m
 
+    A hole in the mask (m = 0 before the row's last valid token: a tool response
+    in a multi-turn rollout) is skipped: G carries across it unchanged, so the
+    earlier turns get the later turns' rewards (verl#7278).
+
     Whitening uses the mean / unbiased variance of all valid tokens in the batch
     (no per-prompt grouping, no critic).
 
@@ -279,11 +283,12 @@ def reinforce_pp_advantage(token_rewards: Tensor, mask: Tensor, gamma: float = 1
     """
     mask = mask.to(token_rewards.dtype)
     returns = torch.zeros_like(token_rewards)
+    inside = mask.flip(-1).cumsum(-1).flip(-1).clamp(max=1)  # 1 up to the row's last valid token: holes, not padding
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]  # reset after EOS
+        step = token_rewards[:, t] + gamma * running
+        returns[:, t] = step
+        running = step * mask[:, t] + running * (1 - mask[:, t]) * inside[:, t]  # valid: step; hole: carry; padding: reset
     advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
 

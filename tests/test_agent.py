@@ -220,3 +220,97 @@ def test_parse_hermes():
     assert tools.parse_hermes("no call") == []
     (bad,) = tools.parse_hermes('<tool_call>{"arguments": {}}</tool_call>')
     assert bad.error.startswith("malformed tool call")
+
+
+# ----------------------------------------------------------------------------- holes downstream (fixed values)
+# Row 0 is [turn 1: 2 tokens | tool: 2 tokens | turn 2: 1 token | pad]; row 1 is one sampled token then padding.
+HOLES = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]])
+VALID = HOLES.bool()
+
+
+def test_token_level_rewards_and_grpo_advantages_skip_holes():
+    from rlkit import algos
+    from rlkit.rewards import token_level_rewards
+
+    rewards = token_level_rewards(torch.tensor([1.0, 0.0]), HOLES)
+    assert rewards.tolist() == [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]]  # on the last sampled token, not in the hole
+    adv = algos.grpo_advantage(torch.tensor([1.0, 0.0]), ["g", "g"])[:, None] * HOLES
+    # mean 0.5, unbiased std sqrt(0.5) = 0.707107 -> +-0.5 / 0.707107 = +-0.707106 on sampled tokens, 0 elsewhere
+    a = 0.707106
+    assert torch.allclose(adv, torch.tensor([[a, a, 0, 0, a, 0], [-a, 0, 0, 0, 0, 0]]), atol=1e-5)
+
+
+def test_reinforce_pp_return_carries_across_a_tool_span():
+    from rlkit import algos
+
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = algos.reinforce_pp_advantage(rewards, HOLES[:1], gamma=0.5)
+    # backwards: t4 G=1; holes t3, t2 carry G=1 (no discount, no reward); t1 G=0.5*1=0.5; t0 G=0.25
+    assert ret[0, VALID[0]].tolist() == [0.25, 0.5, 1.0]
+    # the same trajectory without the tool span gives the same returns and advantages on its sampled tokens
+    adv_c, ret_c = algos.reinforce_pp_advantage(torch.tensor([[0.0, 0.0, 1.0]]), torch.ones(1, 3), gamma=0.5)
+    assert ret_c[0].tolist() == [0.25, 0.5, 1.0]
+    assert torch.allclose(adv[0, VALID[0]], adv_c[0]) and (adv[0, ~VALID[0]] == 0).all()
+
+
+def test_gae_skips_holes():
+    from rlkit import algos
+
+    values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.4, 9.0]])  # values inside the hole must not matter
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = algos.gae_advantage(rewards, values, HOLES[:1].float(), gamma=1.0, lam=1.0)
+    # compact [0.1, 0.2, 0.4], reward 1 at the end, gamma = lam = 1: A_t = 1 - V_t -> 0.9, 0.8, 0.6; returns = 1
+    assert torch.allclose(ret[0, VALID[0]], torch.ones(3))
+    adv_c, _ = algos.gae_advantage(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.1, 0.2, 0.4]]), torch.ones(1, 3))
+    assert torch.allclose(adv[0, VALID[0]], adv_c[0]) and (adv[0, ~VALID[0]] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 10 / 4),
+        ("seq-mean-token-sum", (6 + 4) / 2),
+        ("seq-mean-token-mean", (2 + 4) / 2),
+        ("seq-mean-token-sum-norm", 10 / 12),
+    ],
+)
+def test_agg_loss_modes_ignore_tool_tokens(mode, expected):
+    from rlkit import algos
+
+    loss = torch.tensor([[1.0, 2.0, 99.0, 99.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0, 99.0, 99.0]])
+    assert algos.agg_loss(loss, HOLES, mode).item() == pytest.approx(expected)
+
+
+def test_policy_loss_and_kl_see_only_sampled_tokens():
+    from rlkit import algos
+
+    torch.manual_seed(0)
+    lp, old, ref = torch.randn(3, 2, 6).unbind(0)
+    adv = torch.randn(2, 6)
+    junk = ~VALID  # change everything in the holes and the padding: nothing may move
+    lp2, old2, ref2, adv2 = (torch.where(junk, torch.full_like(x, 5.0), x) for x in (lp, old, ref, adv))
+    for mode in algos.LOSS_AGG_MODES:
+        a, ma = algos.ppo_clip_loss(lp, old, adv, HOLES, loss_agg_mode=mode)
+        b, mb = algos.ppo_clip_loss(lp2, old2, adv2, HOLES, loss_agg_mode=mode)
+        assert a.item() == pytest.approx(b.item()) and ma == pytest.approx(mb)
+        for kind in ("kl", "low_var_kl", "mse", "abs"):
+            k1 = algos.agg_loss(algos.kl_penalty(lp, ref, kind), HOLES, mode)
+            k2 = algos.agg_loss(algos.kl_penalty(lp2, ref2, kind), HOLES, mode)
+            assert k1.item() == pytest.approx(k2.item())
+
+
+def test_batch_metrics_count_sampled_tokens_and_entropy_over_them():
+    from rlkit import loop
+    from rlkit.protocol import DataProto
+
+    batch = DataProto.from_dict(
+        tensors={
+            "response_mask": HOLES,
+            "prompts": torch.zeros(2, 2, dtype=torch.long),
+            "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0, 0]]),
+            "entropys": torch.tensor([[1.0, 2.0, 50.0, 50.0, 3.0, 50.0], [6.0, 50.0, 50.0, 50.0, 50.0, 50.0]]),
+        }
+    )
+    m = loop.batch_metrics(batch, torch.tensor([1.0, 0.0]), max_response_length=6)
+    assert (m["response_length/mean"], m["response_length/max"]) == (2.0, 3.0)  # sampled tokens only
+    assert m["actor/entropy"] == pytest.approx((1 + 2 + 3 + 6) / 4)
