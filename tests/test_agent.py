@@ -314,3 +314,39 @@ def test_batch_metrics_count_sampled_tokens_and_entropy_over_them():
     m = loop.batch_metrics(batch, torch.tensor([1.0, 0.0]), max_response_length=6)
     assert (m["response_length/mean"], m["response_length/max"]) == (2.0, 3.0)  # sampled tokens only
     assert m["actor/entropy"] == pytest.approx((1 + 2 + 3 + 6) / 4)
+
+
+# ----------------------------------------------------------------------------- the recipe and the demo
+
+
+def test_mult_scorer_reads_the_answer_after_the_tool_call():
+    from rlkit import embedded_tools
+
+    call = embedded_tools.call_text(12, 34)
+    assert embedded_tools.mult_score("rlkit/mult", call + "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 1.0}
+    assert embedded_tools.mult_score("rlkit/mult", "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 0.0}
+    assert embedded_tools.mult_score("rlkit/mult", call, "408")["score"] == 0.0  # stopped before answering
+    assert embedded_tools.mult_score("rlkit/mult", "=407", "408")["score"] == 0.0
+
+
+def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("recipe_grpo_tools", Path(__file__).resolve().parents[1] / "recipes" / "grpo_tools.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = recipe.Config()
+    cfg.data.train_batch_size, cfg.data.val_max_samples, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 4, 16, 4, 4
+    cfg.trainer.total_training_steps, cfg.trainer.default_local_dir = 2, str(tmp_path)
+    summary = recipe.main(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    last = rows[-1]
+    for key in ("agent/turns/mean", "agent/turns/max", "agent/tool_call_rate", "agent/tool_errors/mean", "agent/tool_timeouts/mean"):
+        assert key in last
+    assert last["agent/tool_time_s"] >= 0 and 0 <= last["agent/stopped_by_limit"] <= 1
+    assert last["agent/sampled_tokens/mean"] == last["response_length/mean"]  # response length counts sampled tokens only
+    assert last["agent/tool_calls/mean"] > 0 and last["agent/tool_tokens/mean"] > 0  # the warm-started model calls the tool
+    assert "val_acc_after" in summary
