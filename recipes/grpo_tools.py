@@ -68,7 +68,7 @@ class Config:
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32))
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(
-        default_factory=lambda: TrainerConfig(total_training_steps=60, test_freq=10, experiment_name="grpo-tools-embedded")
+        default_factory=lambda: TrainerConfig(total_training_steps=40, test_freq=10, experiment_name="grpo-tools-embedded")
     )
     agent: AgentConfig = field(default_factory=AgentConfig)
     norm_adv_by_std_in_grpo: bool = True

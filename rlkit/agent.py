@@ -234,10 +234,26 @@ def hf_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int
     return sample
 
 
+def vllm_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Sampler:
+    """A Sampler on rlkit.vllm_rollout.VLLMRollout: ids in (`prompt_token_ids`), ids and log-probs out, no text."""
+
+    def sample(contexts, max_new_tokens):
+        params = [rollout.sampling_params(n, temperature, top_p, top_k) for n in max_new_tokens]  # a budget per row
+        outs = rollout.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+        res = []
+        for out in outs:
+            s = out.outputs[0]
+            ids = list(s.token_ids)
+            res.append((ids, [s.logprobs[j][t].logprob for j, t in enumerate(ids)] if s.logprobs is not None else [0.0] * len(ids)))
+        return res
+
+    return sample
+
+
 def sampler_for(rollout, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Sampler:
-    """The Sampler of a rollout backend: HFRollout (hf) or VLLMRollout (vllm)."""
-    if hasattr(rollout, "sample_ids"):
-        return lambda contexts, max_new: rollout.sample_ids(contexts, max_new, temperature, top_p, top_k)
+    """The Sampler of a rollout backend: VLLMRollout (vllm, has an engine `llm`) or HFRollout (hf)."""
+    if hasattr(rollout, "llm"):
+        return vllm_sampler(rollout, temperature, top_p, top_k)
     return hf_sampler(rollout, temperature, top_p, top_k)
 
 

@@ -169,7 +169,8 @@ def _ema(xs: list[float], alpha: float = 0.9) -> list[float]:
 
 
 def plot_learning_curve(metrics_jsonl: str | Path, out_png: str | Path, title: str = "") -> Path:
-    """Plot reward (left) and held-out accuracy (right; response length if no val/acc) to out_png."""
+    """Plot reward (left; with the tool-call rate of a tool-use run) and held-out accuracy (right; response length if
+    no val/acc) to out_png."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, never needs a display
 
     rows, out_png = read_metrics(metrics_jsonl), Path(out_png)
@@ -200,6 +201,9 @@ def plot_learning_curve(metrics_jsonl: str | Path, out_png: str | Path, title: s
         left.plot(steps, score, color="C0", alpha=0.4 if smooth else 1, marker="" if smooth else "o", label="mean")
         if smooth:
             left.plot(steps, _ema(score), color="C0", lw=2, label="EMA 0.9")
+        tsteps, rate = series("agent/tool_call_rate")  # tool-use runs (recipes/grpo_tools.py)
+        if tsteps:
+            left.plot(tsteps, rate, color="C3", ls="--", label="tool-call rate")
         left.legend(loc="best")
     left.set(title="reward", xlabel="step", ylabel="critic/score/mean")
 

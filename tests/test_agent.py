@@ -348,5 +348,46 @@ def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path):
         assert key in last
     assert last["agent/tool_time_s"] >= 0 and 0 <= last["agent/stopped_by_limit"] <= 1
     assert last["agent/sampled_tokens/mean"] == last["response_length/mean"]  # response length counts sampled tokens only
-    assert last["agent/tool_calls/mean"] > 0 and last["agent/tool_tokens/mean"] > 0  # the warm-started model calls the tool
+    # the warm-started model calls the tool ~10% of the time (seeded: this run calls it)
+    assert sum(r["agent/tool_calls/mean"] for r in rows[1:]) > 0 and sum(r["agent/tool_tokens/mean"] for r in rows[1:]) > 0
     assert "val_acc_after" in summary
+
+
+def test_vllm_backend_turn_loop_matches_hf_and_the_trainer():
+    """One vLLM engine: greedy multi-turn episodes equal the hf backend's id for id (holes included), and sampled
+    episodes' vLLM log-probs equal a plain forward pass on the assembled rows. Skipped without vllm."""
+    from rlkit.vllm_rollout import VLLMRollout, vllm_available
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
+    from rlkit import embedded_tools
+    from rlkit.config import RolloutConfig
+
+    path = str(embedded_tools.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), max_model_len=128)
+    hf = HFRollout(model, tok, "cpu")
+    tool_set = tools.Tools([tools.calculator])
+    texts = [
+        tools.render_prompt(tok, [{"role": "user", "content": f"What is {a}*{b}?"}], tool_set.schemas) for a, b in [(12, 34), (56, 78)]
+    ]
+    prompts = agent.left_pad(tok(texts, add_special_tokens=False)["input_ids"], tok.pad_token_id)
+    always_call = lambda text: [tools.ToolCall("calculator", {"expression": "6*7"})]  # noqa: E731
+    cfg = AgentConfig(max_turns=3, max_tool_calls=3)
+
+    def episodes(sampler):
+        return agent.generate_multi_turn(sampler, prompts, tok, tool_set, cfg, 48, vllm.eos, always_call)
+
+    a, b = episodes(agent.vllm_sampler(vllm, temperature=0.0)), episodes(agent.hf_sampler(hf, temperature=0.0))
+    assert a["agent_turns"].tolist() == [3.0, 3.0] and a["agent_tool_tokens"].min() > 0
+    for key in ("responses", "response_mask", "attention_mask", "position_ids"):
+        assert torch.equal(a[key], b[key]), key
+
+    out = episodes(agent.sampler_for(vllm, temperature=1.0))
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+    lp = logprobs_from_logits(logits[:, out["prompts"].shape[1] - 1 : -1], out["responses"])
+    mask = out["response_mask"].bool()
+    assert (lp[mask] - out["rollout_log_probs"][mask]).abs().max() < 1e-4
+    del vllm.llm  # free the engine (and its KV cache) before the next test
