@@ -259,11 +259,14 @@ def sampler_for(rollout, temperature: float, top_p: float = 1.0, top_k: int = 0)
 
 class AgentPolicy:
     """A policy worker group whose `generate` runs the turn loop (training and validation); every other call
-    goes to the group. In-process backend only (--trainer.backend local): the tools run here."""
+    goes to the group. In-process backend only (--trainer.backend local): the turn loop and the tools run here, on
+    the local worker's rollout (hf or vllm)."""
 
     def __init__(self, policy, tools: Tools, agent_cfg: AgentConfig, rollout_cfg, max_response_length: int, parse=parse_hermes):
-        if not hasattr(policy, "rollout"):
-            raise ConfigError("multi-turn tool rollouts run with --trainer.backend local")
+        if agent_cfg.max_turns < 1 or agent_cfg.max_tool_calls < 0:
+            raise ConfigError(
+                f"--agent.max-turns must be >= 1 and --agent.max-tool-calls >= 0, got {agent_cfg.max_turns}, {agent_cfg.max_tool_calls}"
+            )
         self.policy, self.tools, self.agent_cfg, self.rollout_cfg = policy, tools, agent_cfg, rollout_cfg
         self.max_response_length, self.parse = max_response_length, parse
 

@@ -391,3 +391,20 @@ def test_vllm_backend_turn_loop_matches_hf_and_the_trainer():
     mask = out["response_mask"].bool()
     assert (lp[mask] - out["rollout_log_probs"][mask]).abs().max() < 1e-4
     del vllm.llm  # free the engine (and its KV cache) before the next test
+
+
+def test_grpo_tools_rejects_bad_limits_and_the_ray_backend():
+    import importlib.util
+    from pathlib import Path
+
+    from rlkit.errors import ConfigError
+
+    spec = importlib.util.spec_from_file_location("recipe_grpo_tools", Path(__file__).resolve().parents[1] / "recipes" / "grpo_tools.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = recipe.Config()
+    cfg.trainer.backend = "ray"
+    with pytest.raises(ConfigError, match="--trainer.backend local"):
+        recipe.main(cfg)
+    with pytest.raises(ConfigError, match="--agent.max-turns"):
+        agent.AgentPolicy(None, tools.Tools([]), AgentConfig(max_turns=0), None, 8)
