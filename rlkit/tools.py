@@ -251,22 +251,19 @@ def run_code_subprocess(code: str, timeout_s: float = 5.0, memory_mb: int = 512,
         return read(out_path), read(err_path), timed_out
 
 
-def run_code(code: str, timeout_s: float = 5.0) -> tuple[str, str, bool]:
+def run_code(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> tuple[str, str, bool]:
     """Run Python `code` with limits: (stdout, stderr, timed_out).
 
-    Uses rlkit.sandbox (the hardened sandbox) when that module is installed, else run_code_subprocess.
+    Uses the hardened sandbox, `rlkit.sandbox.Sandbox(Limits(...)).run_code(code)` (one fresh sandboxed
+    worker per call), when that module is installed; else run_code_subprocess.
     """
     if importlib.util.find_spec("rlkit.sandbox") is not None:
         from rlkit import sandbox
 
-        if hasattr(sandbox, "run_code"):
-            res = sandbox.run_code(code, timeout_s=timeout_s)
-        else:
-            res = sandbox.Sandbox().run_code(code)
-        if isinstance(res, tuple):
-            return res
+        with sandbox.Sandbox(sandbox.Limits(timeout_s=timeout_s, memory_mb=memory_mb, output_bytes=1 << 16)) as box:
+            res = box.run_code(code)
         return res.stdout, res.stderr, res.timed_out
-    return run_code_subprocess(code, timeout_s)
+    return run_code_subprocess(code, timeout_s, memory_mb)
 
 
 PYTHON_TIMEOUT_S = 5.0

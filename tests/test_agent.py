@@ -408,3 +408,43 @@ def test_grpo_tools_rejects_bad_limits_and_the_ray_backend():
         recipe.main(cfg)
     with pytest.raises(ConfigError, match="--agent.max-turns"):
         agent.AgentPolicy(None, tools.Tools([]), AgentConfig(max_turns=0), None, 8)
+
+
+def test_python_tool_uses_rlkit_sandbox_when_present(monkeypatch):
+    """The interface the python tool expects of rlkit.sandbox: Sandbox(Limits(...)) as a context manager whose
+    run_code(code) returns a result with stdout, stderr, timed_out."""
+    import importlib.util
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    seen = {}
+
+    @dataclass
+    class Limits:
+        timeout_s: float = 10.0
+        memory_mb: int = 2048
+        output_bytes: int = 1 << 20
+
+    class Sandbox:
+        def __init__(self, limits):
+            seen["limits"] = limits
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            seen["closed"] = True
+
+        def run_code(self, code):
+            seen["code"] = code
+            return types.SimpleNamespace(stdout="42\n", stderr="", timed_out=False)
+
+    fake = types.ModuleType("rlkit.sandbox")
+    fake.Sandbox, fake.Limits = Sandbox, Limits
+    monkeypatch.setitem(sys.modules, "rlkit.sandbox", fake)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "rlkit.sandbox" else real(name, *a))
+    monkeypatch.setattr("rlkit.sandbox", fake, raising=False)
+    assert tools.python("print(6*7)") == "42\n"
+    assert seen["code"] == "print(6*7)" and seen["closed"] and seen["limits"].timeout_s == tools.PYTHON_TIMEOUT_S
