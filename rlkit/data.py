@@ -47,8 +47,10 @@ def load_parquet(files: list[str], prompt_key: str = "prompt"):
     return ds
 
 
-def render_prompts(tokenizer, prompts: list) -> list[str]:
-    """Chat messages -> text with the tokenizer's chat template (plain strings pass through)."""
+def render_prompts(tokenizer, prompts: list, tools: list | None = None) -> list[str]:
+    """Chat messages -> text with the tokenizer's chat template (plain strings pass through).
+
+    tools: JSON schemas of tools to offer (rlkit.tools.render_prompt: the template's own tool format, or a system message)."""
     if all(isinstance(p, str) for p in prompts):
         return list(prompts)
     if not getattr(tokenizer, "chat_template", None):
@@ -56,6 +58,10 @@ def render_prompts(tokenizer, prompts: list) -> list[str]:
             f"the tokenizer ({tokenizer.name_or_path}) has no chat template, but the prompts are chat messages. "
             "Use an instruct/chat model, set tokenizer.chat_template in its tokenizer_config.json, or store plain-string prompts"
         )
+    if tools:
+        from rlkit.tools import render_prompt
+
+        return [render_prompt(tokenizer, list(p), tools) for p in prompts]
     return [tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in prompts]
 
 
@@ -133,11 +139,13 @@ def task_columns(cfg, split: str) -> dict[str, list]:
     return tasks.columns(rows)
 
 
-def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1, split: str | None = None) -> PromptSet:
+def build_prompts(
+    files: list[str], tokenizer, cfg, max_samples: int = -1, split: str | None = None, tools: list | None = None
+) -> PromptSet:
     """Load parquet (or generate cfg.task), render + tokenize prompts, apply truncation / overlong filtering (cfg: DataConfig).
 
     With cfg.task set the files are ignored; the split is `split`, or 'val' when `files` is cfg.val_files itself
-    (what recipes pass), else 'train'.
+    (what recipes pass), else 'train'. tools: JSON schemas of tools the prompts offer (see render_prompts).
     """
     if getattr(cfg, "task", None):
         cols = task_columns(cfg, split or ("val" if files is cfg.val_files else "train"))
@@ -156,7 +164,7 @@ def build_prompts(files: list[str], tokenizer, cfg, max_samples: int = -1, split
 
             tasks.register(str(source)[len("reasoning_gym/") :])
     prompts = cols[cfg.prompt_key]
-    texts = render_prompts(tokenizer, prompts)
+    texts = render_prompts(tokenizer, prompts, tools)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     keep = list(range(len(ids)))
     if cfg.filter_overlong_prompts:

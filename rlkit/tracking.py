@@ -170,7 +170,8 @@ def rolling_mean(xs: list[float], window: int) -> list[float]:
 
 
 def plot_learning_curve(metrics_jsonl: str | Path, out_png: str | Path, title: str = "") -> Path:
-    """Plot reward (left) and held-out accuracy (right; response length if no val/acc) to out_png."""
+    """Plot reward (left; with the tool-call rate of a tool-use run) and held-out accuracy (right; response length if
+    no val/acc) to out_png."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, never needs a display
 
     rows, out_png = read_metrics(metrics_jsonl), Path(out_png)
@@ -196,6 +197,9 @@ def plot_learning_curve(metrics_jsonl: str | Path, out_png: str | Path, title: s
         left.plot(steps, score, color="C0", alpha=0.35 if window > 1 else 1, marker="" if len(steps) > 10 else "o", label="per step")
         if window > 1:
             left.plot(steps, rolling_mean(score, window), color="C0", lw=2, label=f"mean of the last {window} steps")
+        tsteps, rate = series("agent/tool_call_rate")  # tool-use runs (recipes/grpo_tools.py)
+        if tsteps:
+            left.plot(tsteps, rate, color="C3", ls="--", label="tool-call rate")
         left.legend(loc="lower right")
     left.set(title="reward (training batch)", xlabel="step", ylabel="critic/score/mean")
 

@@ -1,0 +1,167 @@
+"""GRPO with tools: multi-turn rollouts in which the model calls tools, then GRPO as in grpo.py.
+
+The only differences from grpo.py: the prompts offer the tools (--agent.tools), the rollout is the
+turn loop `rlkit.agent.run_turns` (generate -> parse <tool_call> -> run the tools -> append their
+ids with mask 0 -> generate again, until an answer or a limit), and the metrics add tool use.
+The tool responses are holes in the response mask: they are context for the later turns but never
+trained on (docs/agents.md).
+
+The default run is the embedded demo (rlkit/embedded_tools.py): two-digit multiplication, which the
+tiny model cannot do alone, and a calculator, which it was warm-started to call only sometimes.
+
+GRPO itself:
+
+For each prompt, sample a group of n responses, score each with a verifiable reward, and use the
+response's reward relative to its group as the advantage -- no value model:
+
+    A_i = (r_i - mean(r_group)) / (std(r_group) + eps)          (Dr.GRPO: no division by std)
+
+Then maximise the PPO clipped surrogate with a KL penalty to the reference (starting) policy:
+
+    L = -mean_t min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A) + beta * KL(pi || pi_ref),
+    rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+
+Run it:
+
+    python recipes/grpo_tools.py                    # embedded tool model + multiplication, CPU
+    python recipes/grpo_tools.py --help             # every option, documented
+    python recipes/grpo_tools.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 --agent.tools calculator,python \
+        --data.train-files my/train.parquet --data.val-files my/test.parquet \
+        --data.max-prompt-length 512 --data.max-response-length 1024 --actor.lr 1e-5
+
+Batch-size arithmetic, per training step:
+
+    data.train_batch_size prompts            B   = 32
+    x rollout.n samples each                 n   = 8      -> B*n = 256 trajectories
+    split into mini-batches of               M   = actor.ppo_mini_batch_size prompts (M*n trajectories)
+                                                          -> B/M optimizer steps per epoch, x actor.ppo_epochs
+    each mini-batch is accumulated over micro-batches of actor.ppo_micro_batch_size trajectories
+    (micro-batches change memory use, never the result: losses are normalised by mini-batch totals).
+
+With B == M and ppo_epochs == 1 the update is exactly on-policy (one optimizer step, rho = 1).
+"""
+
+from dataclasses import dataclass, field
+
+from rlkit import agent, algos, embedded_tools, loop
+from rlkit.agent import AgentConfig
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.errors import ConfigError
+from rlkit.rewards import token_level_rewards
+from rlkit.tools import tools_from_names
+from rlkit.workers import build_policy, build_reward
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=str(embedded_tools.MODEL_DIR)))
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(
+            train_files=[str(embedded_tools.DATA_DIR / "train.parquet")],
+            val_files=[str(embedded_tools.DATA_DIR / "val.parquet")],
+            max_response_length=64,  # sampled + tool tokens, all turns
+            val_max_samples=256,
+        )
+    )
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(total_training_steps=40, test_freq=10, experiment_name="grpo-tools-embedded")
+    )
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    norm_adv_by_std_in_grpo: bool = True
+    """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.ppo_clip_loss(
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            clip_ratio_low=a.clip_ratio_low or a.clip_ratio,
+            clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=mode,
+            **norm,
+        )
+        loss = pg_loss
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+        if a.use_kl_loss:
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
+            kl_loss = algos.agg_loss(kl, mask, mode, **norm)
+            loss = loss + a.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.item()
+        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = pg_loss.item()
+        return loss, metrics
+
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.rollout.n < 2:
+        raise ConfigError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
+    if cfg.trainer.backend != "local":
+        raise ConfigError("grpo_tools.py runs the turn loop in this process: use --trainer.backend local (ray is not supported yet)")
+    tools = tools_from_names(cfg.agent.tools, cfg.agent.max_tool_response_chars)  # rlkit/tools.py: calculator, python
+    # actor + rollout + reference, whose generate() runs the turn loop (agent.run_turns) with these tools
+    policy = agent.AgentPolicy(build_policy(cfg), tools, cfg.agent, cfg.rollout, cfg.data.max_response_length)
+    tok = policy.tokenizer
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data, tools=tools.schemas),  # the prompts offer the tools
+        cfg.data.train_batch_size,
+        tok.pad_token_id,
+        cfg.data.shuffle,
+        cfg.trainer.seed,
+    )
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples, tools=tools.schemas) if cfg.data.val_files else None
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
+            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
+
+            with loop.timer("gen", timings):  # rollout: the turn loop, one multi-turn episode per row (holes: tool tokens)
+                batch = policy.generate(batch)
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
+                    batch = batch.union(policy.compute_log_prob(batch))
+
+            # ALGO LOGIC: group-relative advantage, the same for every token of a response
+            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+
+            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        metrics.update(agent.agent_metrics(batch))  # turns, tool calls / errors / timeouts / time, stopped by a limit, tokens
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

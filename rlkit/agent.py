@@ -1,0 +1,282 @@
+"""Multi-turn tool-use rollouts, token in / token out.
+
+One episode, `run_turns`::
+
+    context = prompt ids
+    repeat:
+        ids = sample(context)                       # one assistant turn, up to and including its EOS   mask 1
+        calls = parse(decode(ids))                  # <tool_call>{json}</tool_call> (rlkit.tools.parse_hermes)
+        no call              -> done (the answer)
+        over a limit         -> done, stopped_by_limit
+        results = tools.call(each call)             # errors come back as text, counted
+        suffix = tool_suffix_ids(results)           # ONLY the new messages, rendered by the chat template   mask 0
+        context = context + ids + suffix
+
+The ids the trainer scores are the ids the policy sampled plus the tool segments, concatenated: the
+conversation is never decoded and encoded again (BPE is not a bijection: re-encoding changes ids,
+and then the trainer scores tokens the policy never sampled). The output is the layout of
+`rlkit.rollout.assemble` with holes in the response mask::
+
+    responses       | sampled turn 1 | tool response + next prompt | sampled turn 2 | pad
+    response_mask   | 1 1 1 ... 1    | 0 0 0 ... 0                 | 1 1 ... 1      | 0
+    attention_mask  | 1 1 1 ... 1    | 1 1 1 ... 1                 | 1 1 ... 1      | 0
+    rollout_log_probs| log pi(y_t)   | 0                           | log pi(y_t)    | 0
+
+Limits (AgentConfig): assistant turns, tool calls, and the response budget (sampled + tool tokens,
+--data.max-response-length, as verl's response_length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rlkit.errors import ConfigError
+from rlkit.protocol import DataProto
+from rlkit.tools import Tools, parse_hermes
+
+
+@dataclass
+class AgentConfig:
+    tools: str = "calculator"
+    """comma-separated tools from rlkit.tools offered to the model (calculator, python)"""
+    max_turns: int = 3
+    """assistant turns per episode; a turn that still calls a tool at the limit ends the episode (stopped by limit)"""
+    max_tool_calls: int = 2
+    """tool calls per episode; a turn that would go over ends the episode (stopped by limit)"""
+    max_tool_response_chars: int = 256
+    """a tool's output is cut in the middle to this many characters"""
+
+
+@dataclass
+class Episode:
+    """One trajectory as it grows: response ids, their mask (1 sampled, 0 tool) and rollout log-probs."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_time: float = 0.0
+    stopped_by_limit: bool = False
+    done: bool = False
+
+    def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+    def finish(self, by_limit: bool) -> None:
+        self.done, self.stopped_by_limit = True, by_limit
+
+
+# sample(contexts, max_new_tokens) -> per context (sampled ids ending with an EOS if the turn ended, their log-probs)
+Sampler = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]
+
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], eos_text: str) -> list[int]:
+    """The ids that follow an assistant turn ending in `eos_text`: the tool messages and the next generation prompt.
+
+    Renders a fixed probe conversation with and without the tool messages (TRL's method) and keeps the
+    difference after the probe's last `eos_text`; only that text is tokenized. Raises ConfigError when
+    the template does not simply append (it rewrites earlier turns).
+    """
+    before = tokenizer.apply_chat_template(_PROBE, tokenize=False)
+    after = tokenizer.apply_chat_template(_PROBE + tool_messages, tokenize=False, add_generation_prompt=True)
+    cut = before.rfind(eos_text)
+    if cut < 0 or after[: cut + len(eos_text)] != before[: cut + len(eos_text)]:
+        raise ConfigError(
+            f"the chat template of {tokenizer.name_or_path} does not end an assistant turn with {eos_text!r} and append "
+            "the tool messages after it; multi-turn rollouts need an append-only template"
+        )
+    return tokenizer(after[cut + len(eos_text) :], add_special_tokens=False)["input_ids"]
+
+
+def run_turns(
+    sample: Sampler,
+    prompts: list[list[int]],
+    tokenizer,
+    tools: Tools,
+    cfg: AgentConfig,
+    max_response_tokens: int,
+    eos: list[int],
+    parse=parse_hermes,
+) -> list[Episode]:
+    """The turn loop (module docstring) for a batch of prompts; every active episode samples its turn together."""
+    episodes = [Episode(list(p)) for p in prompts]
+    while active := [e for e in episodes if not e.done]:
+        outs = sample([e.prompt + e.ids for e in active], [max_response_tokens - len(e.ids) for e in active])
+        for e, (ids, log_probs) in zip(active, outs):
+            e.append(ids, True, log_probs)
+            e.turns += 1
+            if not ids or ids[-1] not in eos:  # the token budget ran out inside the turn
+                e.finish(by_limit=True)
+                continue
+            calls = parse(tokenizer.decode(ids[:-1]))
+            if not calls:  # the answer
+                e.finish(by_limit=False)
+            elif e.turns >= cfg.max_turns or e.tool_calls + len(calls) > cfg.max_tool_calls:
+                e.finish(by_limit=True)
+            else:
+                results = [tools.call(c) for c in calls]
+                e.tool_calls += len(calls)
+                e.tool_errors += sum(r.error for r in results)
+                e.tool_timeouts += sum(r.timed_out for r in results)
+                e.tool_time += sum(r.seconds for r in results)
+                messages = [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(calls, results)]
+                suffix = tool_suffix_ids(tokenizer, messages, tokenizer.convert_ids_to_tokens(ids[-1]))
+                if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the results
+                    e.finish(by_limit=True)
+                else:
+                    e.append(suffix, False)
+    return episodes
+
+
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "stopped_by_limit")
+
+
+def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, pad_id: int) -> DataProto:
+    """Episodes -> the rollout layout (rlkit.rollout.assemble) with holes, rollout_log_probs and per-row stats `agent_*`."""
+    B = len(episodes)
+    responses = torch.full((B, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.long)
+    real = torch.zeros((B, width), dtype=torch.long)  # 1 on every response token, sampled or tool
+    log_probs = torch.zeros((B, width))
+    for i, e in enumerate(episodes):
+        n = len(e.ids)
+        responses[i, :n] = torch.tensor(e.ids, dtype=torch.long)
+        mask[i, :n] = torch.tensor(e.mask)
+        real[i, :n] = 1
+        log_probs[i, :n] = torch.tensor(e.log_probs)
+    attn = torch.cat([prompts["attention_mask"], real], dim=1)
+    out = prompts.select(tensor_keys=[])
+    out["prompts"] = prompts["input_ids"]
+    out["responses"] = responses  # (B, R) sampled and tool ids
+    out["response_mask"] = mask  # (B, R) 1 sampled, 0 tool tokens and padding
+    out["input_ids"] = torch.cat([prompts["input_ids"], responses], dim=1)
+    out["attention_mask"] = attn
+    out["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
+    out["rollout_log_probs"] = log_probs * mask
+    out["agent_tool_tokens"] = (real - mask).sum(-1).float()  # (B,)
+    for key in EPISODE_STATS:
+        out[f"agent_{key}"] = torch.tensor([float(getattr(e, key)) for e in episodes])
+    return out
+
+
+def generate_multi_turn(
+    sample: Sampler,
+    prompts: DataProto,
+    tokenizer,
+    tools: Tools,
+    cfg: AgentConfig,
+    max_response_tokens: int,
+    eos: list[int],
+    parse=parse_hermes,
+) -> DataProto:
+    """run_turns on a DataProto of left-padded prompts; returns assemble_episodes' layout (width max_response_tokens)."""
+    contexts = [ids[m.bool()].tolist() for ids, m in zip(prompts["input_ids"], prompts["attention_mask"])]
+    episodes = run_turns(sample, contexts, tokenizer, tools, cfg, max_response_tokens, eos, parse)
+    return assemble_episodes(prompts, episodes, max_response_tokens, tokenizer.pad_token_id)
+
+
+def agent_metrics(batch: DataProto) -> dict:
+    """Per-step tool-use metrics from the rows' agent_* stats."""
+    mask = batch["response_mask"].float()
+    calls = batch["agent_tool_calls"]
+    return {
+        "agent/turns/mean": batch["agent_turns"].mean().item(),
+        "agent/turns/max": batch["agent_turns"].max().item(),
+        "agent/tool_calls/mean": calls.mean().item(),
+        "agent/tool_call_rate": (calls > 0).float().mean().item(),  # share of episodes that call a tool
+        "agent/tool_errors/mean": batch["agent_tool_errors"].mean().item(),
+        "agent/tool_timeouts/mean": batch["agent_tool_timeouts"].mean().item(),
+        "agent/tool_time_s": batch["agent_tool_time"].sum().item(),
+        "agent/stopped_by_limit": batch["agent_stopped_by_limit"].mean().item(),
+        "agent/sampled_tokens/mean": mask.sum(-1).mean().item(),
+        "agent/tool_tokens/mean": batch["agent_tool_tokens"].mean().item(),
+    }
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def left_pad(contexts: list[list[int]], pad_id: int) -> DataProto:
+    """Token-id lists -> a DataProto of left-padded prompts (input_ids, attention_mask, position_ids)."""
+    width = max(map(len, contexts))
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for i, c in enumerate(contexts):
+        ids[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
+        mask[i, width - len(c) :] = 1
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
+
+
+def hf_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Sampler:
+    """A Sampler on rlkit.rollout.HFRollout: the contexts go in as ids, the sampled ids and log-probs come out."""
+
+    def sample(contexts, max_new_tokens):
+        out = rollout.generate(
+            left_pad(contexts, rollout.tokenizer.pad_token_id), max(max_new_tokens), temperature, top_p, top_k, return_log_probs=True
+        )
+        res = []
+        for i, budget in enumerate(max_new_tokens):
+            n = min(int(out["response_mask"][i].sum()), budget)
+            res.append((out["responses"][i, :n].tolist(), out["rollout_log_probs"][i, :n].tolist()))
+        return res
+
+    return sample
+
+
+def vllm_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Sampler:
+    """A Sampler on rlkit.vllm_rollout.VLLMRollout: ids in (`prompt_token_ids`), ids and log-probs out, no text."""
+
+    def sample(contexts, max_new_tokens):
+        params = [rollout.sampling_params(n, temperature, top_p, top_k) for n in max_new_tokens]  # a budget per row
+        outs = rollout.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+        res = []
+        for out in outs:
+            s = out.outputs[0]
+            ids = list(s.token_ids)
+            res.append((ids, [s.logprobs[j][t].logprob for j, t in enumerate(ids)] if s.logprobs is not None else [0.0] * len(ids)))
+        return res
+
+    return sample
+
+
+def sampler_for(rollout, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Sampler:
+    """The Sampler of a rollout backend: VLLMRollout (vllm, has an engine `llm`) or HFRollout (hf)."""
+    if hasattr(rollout, "llm"):
+        return vllm_sampler(rollout, temperature, top_p, top_k)
+    return hf_sampler(rollout, temperature, top_p, top_k)
+
+
+class AgentPolicy:
+    """A policy worker group whose `generate` runs the turn loop (training and validation); every other call
+    goes to the group. In-process backend only (--trainer.backend local): the turn loop and the tools run here, on
+    the local worker's rollout (hf or vllm)."""
+
+    def __init__(self, policy, tools: Tools, agent_cfg: AgentConfig, rollout_cfg, max_response_length: int, parse=parse_hermes):
+        if agent_cfg.max_turns < 1 or agent_cfg.max_tool_calls < 0:
+            raise ConfigError(
+                f"--agent.max-turns must be >= 1 and --agent.max-tool-calls >= 0, got {agent_cfg.max_turns}, {agent_cfg.max_tool_calls}"
+            )
+        self.policy, self.tools, self.agent_cfg, self.rollout_cfg = policy, tools, agent_cfg, rollout_cfg
+        self.max_response_length, self.parse = max_response_length, parse
+
+    def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
+        r = self.rollout_cfg
+        rollout = self.policy.rollout
+        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k)
+        return generate_multi_turn(
+            sample, prompts, self.policy.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse
+        )
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)

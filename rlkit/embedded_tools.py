@@ -1,0 +1,165 @@
+"""The embedded tool-use demo: two-digit multiplication, which a tiny model cannot do alone but can with a calculator.
+
+`python recipes/grpo_tools.py` with no arguments runs on 2 CPU cores with no network. It uses
+(in `rlkit/assets/`):
+
+- `mult/train.parquet`, `mult/val.parquet`: "What is 23*58?" -> "1334" (operands 10..99), disjoint
+  train and held-out problems, data_source `rlkit/mult`;
+- `tiny-calc/`: a ~0.5M-parameter Llama-shaped model whose chat template renders the tools it is
+  offered (one line, "Tools: calculator"). It was warm-started by a short supervised pass on a mix
+  of two kinds of answers to the train problems: mostly a direct guess, "=1334" (wrong most of
+  the time: it cannot multiply), and sometimes (`--tool-share`, 15 %) a calculator call,
+  ``<tool_call>{"name": "calculator", "arguments": {"expression": "23*58"}}</tool_call>``, then the
+  tool's result copied, "=1334". So it calls the tool some of the time, and RL can learn to call it always.
+
+The supervised examples are built token in / token out, like the rollouts: the tool segment comes
+from `rlkit.agent.tool_suffix_ids`. Rebuild everything, deterministically, with::
+
+    python -m rlkit.embedded_tools        # ~2 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+from pathlib import Path
+
+from rlkit.embedded import ASSETS, build_model, build_tokenizer
+from rlkit.rewards import register_scorer
+
+MODEL_DIR = ASSETS / "tiny-calc"
+DATA_DIR = ASSETS / "mult"
+DATA_SOURCE = "rlkit/mult"
+
+# ChatML plus the names of the offered tools in a first system turn (the template "supports tools").
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t['function']['name'] if 'function' in t else t['name'] }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def mult_problems(seed: int = 0, n_val: int = 512) -> tuple[list, list]:
+    """All a*b with 10 <= a, b <= 99, shuffled with `seed`, split into (train, val)."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[n_val:], pairs[:n_val]
+
+
+def mult_row(a: int, b: int, split: str, index: int) -> dict:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"What is {a}*{b}?"}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def final_answer(text: str) -> str:
+    """The text after the last tool call, without the leading '='."""
+    text = re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL).strip()
+    return text[1:].strip() if text.startswith("=") else text
+
+
+@register_scorer(DATA_SOURCE)
+def mult_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """The tool demo: the final answer (after any tool call) must be '=<product>'; 'tool' says whether a call was made."""
+    s = 1.0 if final_answer(solution_str) == str(ground_truth) else 0.0
+    return {"score": s, "acc": s, "tool": float("<tool_call>" in solution_str)}
+
+
+def call_text(a: int, b: int) -> str:
+    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}) + "</tool_call>"
+
+
+def sft_example(tok, a: int, b: int, use_tool: bool) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one trajectory: labels -100 on the prompt and on the tool segment."""
+    from rlkit import agent, tools
+
+    schemas = tools.Tools([tools.calculator]).schemas
+    prompt = tok(tools.render_prompt(tok, mult_row(a, b, "", 0)["prompt"], schemas), add_special_tokens=False)["input_ids"]
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    answer = enc(f"={a * b}")
+    if not use_tool:
+        return prompt + answer, [-100] * len(prompt) + answer
+    call = enc(call_text(a, b))
+    suffix = agent.tool_suffix_ids(tok, [{"role": "tool", "name": "calculator", "content": str(a * b)}], tok.eos_token)
+    return prompt + call + suffix + answer, [-100] * len(prompt) + call + [-100] * len(suffix) + answer
+
+
+def sft(model, examples, steps: int, batch_size: int = 64, lr: float = 2e-3, warmup: int = 50, seed: int = 0, pad_id: int = 0):
+    """Teacher-forced training on (ids, labels) examples (AdamW, linear warm-up, clip 1), right-padded."""
+    import torch
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in tqdm(range(steps), desc="SFT of the tool model", leave=False):
+        batch = rng.sample(examples, batch_size)
+        width = max(len(x) for x, _ in batch)
+        ids = torch.tensor([x + [pad_id] * (width - len(x)) for x, _ in batch])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
+        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / warmup)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.eval()
+    return model
+
+
+def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
+    """Write the task parquet files and train + save the tool model."""
+    import datasets
+    import torch
+
+    torch.manual_seed(seed)
+    train, val = mult_problems(seed)
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for split, pairs in (("train", train), ("val", val)):
+        datasets.Dataset.from_list([mult_row(a, b, split, i) for i, (a, b) in enumerate(pairs)]).to_parquet(
+            str(data_dir / f"{split}.parquet")
+        )
+    corpus = [f"What is {a}*{b}? ={a * b} {call_text(a, b)}" for a, b in train[:2000]] + ["user assistant system tool Tools: calculator"]
+    tok = build_tokenizer(corpus)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # one token each, as in Qwen2.5 (not special: decode keeps them)
+    model = build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
+    rng = random.Random(seed)
+    examples = [sft_example(tok, a, b, rng.random() < tool_share) for a, b in train]
+    sft(model, examples, steps, seed=seed, pad_id=tok.pad_token_id)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(
+        f"rlkit's embedded tool-use model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps on "
+        f"two-digit multiplication, {tool_share:.0%} of the examples calling the calculator (seed {seed}). "
+        "Rebuild with `python -m rlkit.embedded_tools`.\n"
+    )
+    return out_dir
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=600, help="SFT steps")
+    ap.add_argument("--tool-share", type=float, default=0.15, help="share of SFT examples that call the calculator")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
+    print(json.dumps({"saved": str(build(args.steps, args.tool_share, args.seed, args.out))}))

@@ -1,0 +1,450 @@
+"""Multi-turn tool rollouts (rlkit/agent.py, rlkit/tools.py): token in / token out, masks with holes, limits, tools."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlkit import agent, embedded, tools
+from rlkit.agent import AgentConfig
+from rlkit.algos import logprobs_from_logits
+from rlkit.rollout import HFRollout
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+
+
+def chars(tok, text: str) -> list[int]:
+    """`text` as one byte-level token per character: valid ids the tokenizer would never produce itself."""
+    return [i for c in text for i in tok(c, add_special_tokens=False)["input_ids"]]
+
+
+def call_text(expression: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "</tool_call>"
+
+
+class Scripted:
+    """A Sampler that plays fixed turns (ids + made-up log-probs) and records the contexts it was given."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.contexts, self.budgets = list(turns), [], []
+
+    def __call__(self, contexts, max_new_tokens):
+        self.contexts.append(contexts[0])
+        self.budgets.append(max_new_tokens[0])
+        ids = self.turns.pop(0)[: max_new_tokens[0]]
+        return [(ids, [-0.5] * len(ids))]
+
+
+def run(tok, turns, cfg=None, budget=200, tool_fns=(tools.calculator,), prompt=(5, 6, 7)):
+    sampler = Scripted(turns)
+    eos = [tok.eos_token_id]
+    ep = agent.run_turns(sampler, [list(prompt)], tok, tools.Tools(list(tool_fns)), cfg or AgentConfig(), budget, eos)[0]
+    return ep, sampler
+
+
+def test_trained_ids_are_sampled_ids_plus_tool_ids_never_re_tokenised(tok):
+    eos = tok.eos_token_id
+    turn1 = chars(tok, call_text("12*34")) + [eos]
+    turn2 = chars(tok, "What is 408") + [eos]
+    # the premise: these sampled ids do not survive decode -> encode (a re-tokenising loop would change them)
+    assert tok(tok.decode(turn1[:-1]), add_special_tokens=False)["input_ids"] != turn1[:-1]
+    assert tok(tok.decode(turn2[:-1]), add_special_tokens=False)["input_ids"] != turn2[:-1]
+
+    ep, sampler = run(tok, [turn1, turn2])
+    suffix = tok("\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert ep.ids == turn1 + suffix + turn2
+    assert ep.mask == [1] * len(turn1) + [0] * len(suffix) + [1] * len(turn2)
+    assert ep.log_probs == [-0.5] * len(turn1) + [0.0] * len(suffix) + [-0.5] * len(turn2)
+    # turn by turn, the policy was fed exactly the ids that are trained
+    assert sampler.contexts == [[5, 6, 7], [5, 6, 7] + turn1 + suffix]
+    assert (ep.turns, ep.tool_calls, ep.tool_errors, ep.stopped_by_limit) == (2, 1, 0, False)
+
+
+def test_tool_suffix_renders_only_the_new_messages_with_the_template(tok):
+    msgs = [{"role": "tool", "name": "calculator", "content": "7"}, {"role": "tool", "name": "calculator", "content": "8"}]
+    ids = agent.tool_suffix_ids(tok, msgs, "<|im_end|>")
+    assert tok.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>tool\n8<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tool_suffix_rejects_a_template_that_rewrites_history(tok):
+    class Rewriting:
+        name_or_path = "rewriter"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            return "".join(f"[{m['role']}{len(messages)}]{m['content']}<|im_end|>" for m in messages)
+
+    with pytest.raises(agent.ConfigError, match="append-only"):
+        agent.tool_suffix_ids(Rewriting(), [{"role": "tool", "content": "1"}], "<|im_end|>")
+
+
+def test_assemble_episodes_layout_with_holes(tok):
+    eos = tok.eos_token_id
+    turn1 = chars(tok, call_text("2+2")) + [eos]
+    turn2 = chars(tok, "4") + [eos]
+    ep, _ = run(tok, [turn1, turn2])
+    plain = agent.Episode([9], ids=[3, eos], mask=[1, 1], log_probs=[-1.0, -2.0], turns=1, done=True)
+    prompts = agent.left_pad([[5, 6, 7], [9]], tok.pad_token_id)
+    width = len(ep.ids) + 2
+    out = agent.assemble_episodes(prompts, [ep, plain], width, tok.pad_token_id)
+    n = len(ep.ids)
+    assert out["responses"][0, :n].tolist() == ep.ids and out["responses"][0, n:].tolist() == [tok.pad_token_id] * 2
+    assert out["response_mask"][0].tolist() == ep.mask + [0, 0]
+    assert out["attention_mask"][0].tolist() == [1, 1, 1] + [1] * n + [0, 0]  # tool tokens are attended to
+    assert out["attention_mask"][1].tolist() == [0, 0, 1] + [1, 1] + [0] * (width - 2)
+    assert out["position_ids"][1, 2:5].tolist() == [0, 1, 2]
+    assert out["input_ids"].shape == (2, 3 + width)
+    assert out["rollout_log_probs"][1, :3].tolist() == [-1.0, -2.0, 0.0]
+    assert out["agent_tool_tokens"].tolist() == [n - len(turn1) - len(turn2), 0.0]
+    assert out["agent_turns"].tolist() == [2.0, 1.0] and out["agent_tool_calls"].tolist() == [1.0, 0.0]
+    m = agent.agent_metrics(out)
+    assert m["agent/tool_call_rate"] == 0.5 and m["agent/turns/max"] == 2.0
+    assert m["agent/sampled_tokens/mean"] == (len(turn1) + len(turn2) + 2) / 2
+
+
+def test_limits_turns_tool_calls_and_token_budget(tok):
+    eos = tok.eos_token_id
+    call = chars(tok, call_text("1+1")) + [eos]
+    # max_turns 2: the second turn still calls -> stopped by the limit, its call not run
+    ep, _ = run(tok, [call, call, call], AgentConfig(max_turns=2, max_tool_calls=5))
+    assert (ep.turns, ep.tool_calls, ep.stopped_by_limit) == (2, 1, True)
+    # max_tool_calls 1: two calls in one turn are over the limit
+    ep, _ = run(tok, [chars(tok, call_text("1+1") + call_text("2+2")) + [eos]], AgentConfig(max_turns=5, max_tool_calls=1))
+    assert (ep.turns, ep.tool_calls, ep.stopped_by_limit) == (1, 0, True)
+    # the token budget counts sampled and tool tokens; each turn gets what is left of it
+    budget = len(call) + 20
+    ep, sampler = run(tok, [call, call], AgentConfig(max_turns=5, max_tool_calls=5), budget=budget)
+    suffix = len(agent.tool_suffix_ids(tok, [{"role": "tool", "content": "2"}], "<|im_end|>"))
+    assert sampler.budgets == [budget, budget - len(call) - suffix]
+    assert ep.stopped_by_limit and len(ep.ids) == budget and ep.ids[-1] != eos  # cut inside the second turn
+    # a tool result that leaves no room to sample is not appended
+    ep, _ = run(tok, [call], AgentConfig(max_turns=5), budget=len(call) + suffix)
+    assert ep.stopped_by_limit and ep.ids == call
+
+
+def test_tool_errors_go_back_to_the_model_and_are_counted(tok):
+    eos = tok.eos_token_id
+
+    def broken(x: int) -> str:
+        """Always fails.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("boom")
+
+    bad = '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call><tool_call>not json</tool_call>'
+    bad += '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>'
+    turn1 = chars(tok, bad) + [eos]
+    ep, sampler = run(tok, [turn1, [eos]], AgentConfig(max_tool_calls=4), budget=1000, tool_fns=(tools.calculator, broken))
+    assert (ep.tool_calls, ep.tool_errors, ep.stopped_by_limit) == (4, 4, False)
+    shown = tok.decode(sampler.contexts[1][3 + len(turn1) :])
+    assert "error: RuntimeError: boom" in shown
+    assert "error: malformed tool call" in shown
+    assert "error: unknown tool 'nope'" in shown
+    assert "unexpected keyword argument 'x'" in shown
+
+
+def test_hf_backend_rollout_log_probs_match_a_forward_pass_across_holes(tok):
+    """Every turn calls the tool (a parser that always finds a call); the log-probs a plain forward pass gives the
+    assembled rows equal the sampler's on every sampled token: holes, positions and attention are consistent."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    rollout = HFRollout(model, tok, "cpu")
+    prompts = agent.left_pad([tok("What is 3+4?", add_special_tokens=False)["input_ids"], [5, 6]], tok.pad_token_id)
+    always_call = lambda text: [tools.ToolCall("calculator", {"expression": "1+1"})]  # noqa: E731
+    cfg = AgentConfig(max_turns=3, max_tool_calls=3)
+    out = agent.generate_multi_turn(
+        agent.hf_sampler(rollout, temperature=1.5), prompts, tok, tools.Tools([tools.calculator]), cfg, 40, rollout.eos, always_call
+    )
+    assert out["agent_tool_tokens"].min() > 0 and out["agent_turns"].max() >= 2
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+    P = out["prompts"].shape[1]
+    lp = logprobs_from_logits(logits[:, P - 1 : -1] / 1.5, out["responses"])  # rollout log-probs are at the sampling temperature
+    mask = out["response_mask"].bool()
+    assert torch.allclose(lp[mask], out["rollout_log_probs"][mask], atol=1e-4)
+    assert (out["rollout_log_probs"][~mask] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "expr, expected", [("123*456", "56088"), ("(2+3)**2", "25"), ("-7//2", "-4"), ("1/4", "0.25"), (" 10 % 3 ", "1"), ("6/3", "2")]
+)
+def test_calculator(expr, expected):
+    assert tools.calculator(expr) == expected
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "x+1", "[1]*3", "'a'*3", "9**9**9", "2**5000*2**5000", "1" * 300])
+def test_calculator_rejects_anything_but_bounded_arithmetic(expr):
+    with pytest.raises((ValueError, SyntaxError)):
+        tools.calculator(expr)
+
+
+def test_calculator_schema_comes_from_type_hints_and_docstring():
+    (schema,) = tools.Tools([tools.calculator]).schemas
+    assert schema["function"]["name"] == "calculator"
+    assert schema["function"]["parameters"]["properties"]["expression"]["type"] == "string"
+    assert schema["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_python_tool_runs_isolated_with_a_time_limit(monkeypatch):
+    out, err, timed_out = tools.run_code_subprocess("import os; print(6*7, sorted(os.environ), os.listdir('.'))", timeout_s=10)
+    assert (out, timed_out) == ("42 ['LC_CTYPE'] []\n", False)  # empty environment (python sets the locale), empty working dir
+    out, err, timed_out = tools.run_code_subprocess("import time; time.sleep(30)", timeout_s=0.5)
+    assert timed_out
+    out, err, _ = tools.run_code_subprocess("x = bytearray(2 << 30)", timeout_s=10, memory_mb=256)
+    assert "MemoryError" in err
+    monkeypatch.setattr(tools, "PYTHON_TIMEOUT_S", 0.5)
+    res = tools.Tools([tools.python]).call(tools.ToolCall("python", {"code": "while True: pass"}))
+    assert (res.error, res.timed_out) == (True, True) and res.text.startswith("error: timed out")
+
+
+def test_a_template_without_tool_support_gets_the_tools_in_the_system_message(tok):
+    schemas = tools.Tools([tools.calculator]).schemas
+    text = tools.render_prompt(tok, [{"role": "user", "content": "What is 2*3?"}], schemas)
+    assert text.startswith("<|im_start|>system\nYou can call tools.")
+    assert '"name": "calculator"' in text and text.endswith("<|im_start|>user\nWhat is 2*3?<|im_end|>\n<|im_start|>assistant\n")
+    assert tools.render_prompt(tok, [{"role": "user", "content": "Hi"}], []) == tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_parse_hermes():
+    text = (
+        'a<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>b<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    )
+    assert tools.parse_hermes(text) == [tools.ToolCall("f", {"x": 1}), tools.ToolCall("g", {"y": 2})]
+    assert tools.parse_hermes("no call") == []
+    (bad,) = tools.parse_hermes('<tool_call>{"arguments": {}}</tool_call>')
+    assert bad.error.startswith("malformed tool call")
+
+
+# ----------------------------------------------------------------------------- holes downstream (fixed values)
+# Row 0 is [turn 1: 2 tokens | tool: 2 tokens | turn 2: 1 token | pad]; row 1 is one sampled token then padding.
+HOLES = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]])
+VALID = HOLES.bool()
+
+
+def test_token_level_rewards_and_grpo_advantages_skip_holes():
+    from rlkit import algos
+    from rlkit.rewards import token_level_rewards
+
+    rewards = token_level_rewards(torch.tensor([1.0, 0.0]), HOLES)
+    assert rewards.tolist() == [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]]  # on the last sampled token, not in the hole
+    adv = algos.grpo_advantage(torch.tensor([1.0, 0.0]), ["g", "g"])[:, None] * HOLES
+    # mean 0.5, unbiased std sqrt(0.5) = 0.707107 -> +-0.5 / 0.707107 = +-0.707106 on sampled tokens, 0 elsewhere
+    a = 0.707106
+    assert torch.allclose(adv, torch.tensor([[a, a, 0, 0, a, 0], [-a, 0, 0, 0, 0, 0]]), atol=1e-5)
+
+
+def test_reinforce_pp_return_carries_across_a_tool_span():
+    from rlkit import algos
+
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = algos.reinforce_pp_advantage(rewards, HOLES[:1], gamma=0.5)
+    # backwards: t4 G=1; holes t3, t2 carry G=1 (no discount, no reward); t1 G=0.5*1=0.5; t0 G=0.25
+    assert ret[0, VALID[0]].tolist() == [0.25, 0.5, 1.0]
+    # the same trajectory without the tool span gives the same returns and advantages on its sampled tokens
+    adv_c, ret_c = algos.reinforce_pp_advantage(torch.tensor([[0.0, 0.0, 1.0]]), torch.ones(1, 3), gamma=0.5)
+    assert ret_c[0].tolist() == [0.25, 0.5, 1.0]
+    assert torch.allclose(adv[0, VALID[0]], adv_c[0]) and (adv[0, ~VALID[0]] == 0).all()
+
+
+def test_gae_skips_holes():
+    from rlkit import algos
+
+    values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.4, 9.0]])  # values inside the hole must not matter
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = algos.gae_advantage(rewards, values, HOLES[:1].float(), gamma=1.0, lam=1.0)
+    # compact [0.1, 0.2, 0.4], reward 1 at the end, gamma = lam = 1: A_t = 1 - V_t -> 0.9, 0.8, 0.6; returns = 1
+    assert torch.allclose(ret[0, VALID[0]], torch.ones(3))
+    adv_c, _ = algos.gae_advantage(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.1, 0.2, 0.4]]), torch.ones(1, 3))
+    assert torch.allclose(adv[0, VALID[0]], adv_c[0]) and (adv[0, ~VALID[0]] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 10 / 4),
+        ("seq-mean-token-sum", (6 + 4) / 2),
+        ("seq-mean-token-mean", (2 + 4) / 2),
+        ("seq-mean-token-sum-norm", 10 / 12),
+    ],
+)
+def test_agg_loss_modes_ignore_tool_tokens(mode, expected):
+    from rlkit import algos
+
+    loss = torch.tensor([[1.0, 2.0, 99.0, 99.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0, 99.0, 99.0]])
+    assert algos.agg_loss(loss, HOLES, mode).item() == pytest.approx(expected)
+
+
+def test_policy_loss_and_kl_see_only_sampled_tokens():
+    from rlkit import algos
+
+    torch.manual_seed(0)
+    lp, old, ref = torch.randn(3, 2, 6).unbind(0)
+    adv = torch.randn(2, 6)
+    junk = ~VALID  # change everything in the holes and the padding: nothing may move
+    lp2, old2, ref2, adv2 = (torch.where(junk, torch.full_like(x, 5.0), x) for x in (lp, old, ref, adv))
+    for mode in algos.LOSS_AGG_MODES:
+        a, ma = algos.ppo_clip_loss(lp, old, adv, HOLES, loss_agg_mode=mode)
+        b, mb = algos.ppo_clip_loss(lp2, old2, adv2, HOLES, loss_agg_mode=mode)
+        assert a.item() == pytest.approx(b.item()) and ma == pytest.approx(mb)
+        for kind in ("kl", "low_var_kl", "mse", "abs"):
+            k1 = algos.agg_loss(algos.kl_penalty(lp, ref, kind), HOLES, mode)
+            k2 = algos.agg_loss(algos.kl_penalty(lp2, ref2, kind), HOLES, mode)
+            assert k1.item() == pytest.approx(k2.item())
+
+
+def test_batch_metrics_count_sampled_tokens_and_entropy_over_them():
+    from rlkit import loop
+    from rlkit.protocol import DataProto
+
+    batch = DataProto.from_dict(
+        tensors={
+            "response_mask": HOLES,
+            "prompts": torch.zeros(2, 2, dtype=torch.long),
+            "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0, 0]]),
+            "entropys": torch.tensor([[1.0, 2.0, 50.0, 50.0, 3.0, 50.0], [6.0, 50.0, 50.0, 50.0, 50.0, 50.0]]),
+        }
+    )
+    m = loop.batch_metrics(batch, torch.tensor([1.0, 0.0]), max_response_length=6)
+    assert (m["response_length/mean"], m["response_length/max"]) == (2.0, 3.0)  # sampled tokens only
+    assert m["actor/entropy"] == pytest.approx((1 + 2 + 3 + 6) / 4)
+
+
+# ----------------------------------------------------------------------------- the recipe and the demo
+
+
+def test_mult_scorer_reads_the_answer_after_the_tool_call():
+    from rlkit import embedded_tools
+
+    call = embedded_tools.call_text(12, 34)
+    assert embedded_tools.mult_score("rlkit/mult", call + "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 1.0}
+    assert embedded_tools.mult_score("rlkit/mult", "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 0.0}
+    assert embedded_tools.mult_score("rlkit/mult", call, "408")["score"] == 0.0  # stopped before answering
+    assert embedded_tools.mult_score("rlkit/mult", "=407", "408")["score"] == 0.0
+
+
+def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("recipe_grpo_tools", Path(__file__).resolve().parents[1] / "recipes" / "grpo_tools.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = recipe.Config()
+    cfg.data.train_batch_size, cfg.data.val_max_samples, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 4, 16, 4, 4
+    cfg.trainer.total_training_steps, cfg.trainer.default_local_dir = 2, str(tmp_path)
+    summary = recipe.main(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    last = rows[-1]
+    for key in ("agent/turns/mean", "agent/turns/max", "agent/tool_call_rate", "agent/tool_errors/mean", "agent/tool_timeouts/mean"):
+        assert key in last
+    assert last["agent/tool_time_s"] >= 0 and 0 <= last["agent/stopped_by_limit"] <= 1
+    assert last["agent/sampled_tokens/mean"] == last["response_length/mean"]  # response length counts sampled tokens only
+    # the warm-started model calls the tool ~10% of the time (seeded: this run calls it)
+    assert sum(r["agent/tool_calls/mean"] for r in rows[1:]) > 0 and sum(r["agent/tool_tokens/mean"] for r in rows[1:]) > 0
+    assert "val_acc_after" in summary
+
+
+def test_vllm_backend_turn_loop_matches_hf_and_the_trainer():
+    """One vLLM engine: greedy multi-turn episodes equal the hf backend's id for id (holes included), and sampled
+    episodes' vLLM log-probs equal a plain forward pass on the assembled rows. Skipped without vllm."""
+    from rlkit.vllm_rollout import VLLMRollout, vllm_available
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
+    from rlkit import embedded_tools
+    from rlkit.config import RolloutConfig
+
+    path = str(embedded_tools.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), max_model_len=128)
+    hf = HFRollout(model, tok, "cpu")
+    tool_set = tools.Tools([tools.calculator])
+    texts = [
+        tools.render_prompt(tok, [{"role": "user", "content": f"What is {a}*{b}?"}], tool_set.schemas) for a, b in [(12, 34), (56, 78)]
+    ]
+    prompts = agent.left_pad(tok(texts, add_special_tokens=False)["input_ids"], tok.pad_token_id)
+    always_call = lambda text: [tools.ToolCall("calculator", {"expression": "6*7"})]  # noqa: E731
+    cfg = AgentConfig(max_turns=3, max_tool_calls=3)
+
+    def episodes(sampler):
+        return agent.generate_multi_turn(sampler, prompts, tok, tool_set, cfg, 48, vllm.eos, always_call)
+
+    a, b = episodes(agent.vllm_sampler(vllm, temperature=0.0)), episodes(agent.hf_sampler(hf, temperature=0.0))
+    assert a["agent_turns"].tolist() == [3.0, 3.0] and a["agent_tool_tokens"].min() > 0
+    for key in ("responses", "response_mask", "attention_mask", "position_ids"):
+        assert torch.equal(a[key], b[key]), key
+
+    out = episodes(agent.sampler_for(vllm, temperature=1.0))
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+    lp = logprobs_from_logits(logits[:, out["prompts"].shape[1] - 1 : -1], out["responses"])
+    mask = out["response_mask"].bool()
+    assert (lp[mask] - out["rollout_log_probs"][mask]).abs().max() < 1e-4
+    del vllm.llm  # free the engine (and its KV cache) before the next test
+
+
+def test_grpo_tools_rejects_bad_limits_and_the_ray_backend():
+    import importlib.util
+    from pathlib import Path
+
+    from rlkit.errors import ConfigError
+
+    spec = importlib.util.spec_from_file_location("recipe_grpo_tools", Path(__file__).resolve().parents[1] / "recipes" / "grpo_tools.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = recipe.Config()
+    cfg.trainer.backend = "ray"
+    with pytest.raises(ConfigError, match="--trainer.backend local"):
+        recipe.main(cfg)
+    with pytest.raises(ConfigError, match="--agent.max-turns"):
+        agent.AgentPolicy(None, tools.Tools([]), AgentConfig(max_turns=0), None, 8)
+
+
+def test_python_tool_uses_rlkit_sandbox_when_present(monkeypatch):
+    """The interface the python tool expects of rlkit.sandbox: Sandbox(Limits(...)) as a context manager whose
+    run_code(code) returns a result with stdout, stderr, timed_out."""
+    import importlib.util
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    seen = {}
+
+    @dataclass
+    class Limits:
+        timeout_s: float = 10.0
+        memory_mb: int = 2048
+        output_bytes: int = 1 << 20
+
+    class Sandbox:
+        def __init__(self, limits):
+            seen["limits"] = limits
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            seen["closed"] = True
+
+        def run_code(self, code):
+            seen["code"] = code
+            return types.SimpleNamespace(stdout="42\n", stderr="", timed_out=False)
+
+    fake = types.ModuleType("rlkit.sandbox")
+    fake.Sandbox, fake.Limits = Sandbox, Limits
+    monkeypatch.setitem(sys.modules, "rlkit.sandbox", fake)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "rlkit.sandbox" else real(name, *a))
+    monkeypatch.setattr("rlkit.sandbox", fake, raising=False)
+    assert tools.python("print(6*7)") == "42\n"
+    assert seen["code"] == "print(6*7)" and seen["closed"] and seen["limits"].timeout_s == tools.PYTHON_TIMEOUT_S
