@@ -23,10 +23,10 @@ Then maximise the PPO clipped surrogate with a KL penalty to the reference (star
 
 Run it:
 
-    python recipes/grpo_tools.py                    # embedded tool model + multiplication, CPU
+    python recipes/grpo_tools.py                    # embedded tool model + multiplication, CPU, ~7 min
     python recipes/grpo_tools.py --help             # every option, documented
-    python recipes/grpo_tools.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 --agent.tools calculator,python \
-        --data.train-files my/train.parquet --data.val-files my/test.parquet \
+    python recipes/grpo_tools.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 --agent.tools calculator,python \\
+        --data.train-files my/train.parquet --data.val-files my/test.parquet \\
         --data.max-prompt-length 512 --data.max-response-length 1024 --actor.lr 1e-5
 
 Batch-size arithmetic, per training step:
@@ -48,9 +48,8 @@ from rlkit.agent import AgentConfig
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
-from rlkit.rewards import token_level_rewards
+from rlkit.placement import build_policy, build_reward
 from rlkit.tools import tools_from_names
-from rlkit.workers import build_policy, build_reward
 
 
 @dataclass
@@ -67,9 +66,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32))
     reward: RewardConfig = field(default_factory=RewardConfig)
-    trainer: TrainerConfig = field(
-        default_factory=lambda: TrainerConfig(total_training_steps=40, test_freq=10, experiment_name="grpo-tools-embedded")
-    )
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(total_training_steps=40, test_freq=10))
     agent: AgentConfig = field(default_factory=AgentConfig)
     norm_adv_by_std_in_grpo: bool = True
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
@@ -79,31 +76,20 @@ class Config:
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob,
-            mb["old_log_probs"],
-            mb["advantages"],
-            mask,
-            clip_ratio_low=a.clip_ratio_low or a.clip_ratio,
-            clip_ratio_high=a.clip_ratio_high or a.clip_ratio,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=mode,
-            **norm,
+            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, mode, norm=norm
         )
-        loss = pg_loss
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * algos.agg_loss(entropy, mask, mode, **norm)
+            parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
-            kl_loss = algos.agg_loss(kl, mask, mode, **norm)
-            loss = loss + a.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss.item()
-        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = pg_loss.item()
-        return loss, metrics
+            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+        return loss, parts, metrics
 
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
     return actor_loss
 
 
@@ -133,25 +119,24 @@ def main(cfg: Config) -> dict:
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()
+            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
             batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
             batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
 
             with loop.timer("gen", timings):  # rollout: the turn loop, one multi-turn episode per row (holes: tool tokens)
-                batch = policy.generate(batch)
+                batch = policy.generate(batch)  # + responses (sampled and tool ids), response_mask (0 on tool ids): (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
-                    batch = batch.union(policy.compute_ref_log_prob(batch))
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
-                    batch = batch.union(policy.compute_log_prob(batch))
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
-            batch["token_level_rewards"] = token_level_rewards(scores, batch["response_mask"])
-            batch["advantages"] = advantages[:, None] * batch["response_mask"]
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
             with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
                 actor_metrics = policy.update(batch, actor_loss)

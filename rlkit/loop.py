@@ -159,20 +159,19 @@ def load_state_into(obj, state: dict) -> None:
 
 def run_name(cfg) -> str:
     """The default --trainer.experiment-name: the recipe's file name (the module of its Config), then the model and
-    the data when they are not the embedded ones. grpo.py on the defaults -> "grpo"; with --model
+    the data when they are not the recipe's defaults. grpo.py on the defaults -> "grpo"; with --model
     Qwen/Qwen2.5-0.5B-Instruct and --data.train-files gsm8k/train.parquet -> "grpo-qwen2.5-0.5b-instruct-gsm8k"."""
     import sys
 
-    from rlkit.config import DataConfig, ModelConfig
-
+    defaults = type(cfg)()  # the recipe's own defaults (grpo_tools.py's model and data are not grpo.py's)
     module = sys.modules.get(type(cfg).__module__)
     parts = [Path(getattr(module, "__file__", None) or "run").stem]
-    if cfg.model.path != ModelConfig().path:
+    if cfg.model.path != defaults.model.path:
         parts.append(Path(cfg.model.path.rstrip("/")).name)
     d = cfg.data
     if d.task:
         parts.append(d.task.split(":")[-1])
-    elif d.train_files != DataConfig().train_files and d.train_files:
+    elif d.train_files != defaults.data.train_files and d.train_files:
         f = Path(d.train_files[0])
         parts.append(f.parent.name if f.stem in ("train", "training") and f.parent.name else f.stem)
     return "-".join(parts).lower()

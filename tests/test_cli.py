@@ -50,8 +50,8 @@ def test_rlkit_traceback_shows_a_user_errors_traceback(monkeypatch):
 
 
 def test_each_recipe_names_its_runs_after_itself_and_what_it_trains_on():
-    names = {name: loop.run_name(load_recipe(name).Config()) for name in ("grpo", "rloo", "dapo", "ppo", "reinforce_pp")}
-    assert names == {"grpo": "grpo", "rloo": "rloo", "dapo": "dapo", "ppo": "ppo", "reinforce_pp": "reinforce_pp"}
+    recipes = ("grpo", "rloo", "dapo", "ppo", "reinforce_pp", "grpo_tools")  # grpo_tools: its own default model and data
+    assert {name: loop.run_name(load_recipe(name).Config()) for name in recipes} == {name: name for name in recipes}
     cfg = load_recipe("grpo").Config()
     cfg.model.path = "Qwen/Qwen2.5-0.5B-Instruct"
     cfg.data.train_files = ["data/gsm8k/train.parquet"]
