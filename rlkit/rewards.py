@@ -25,8 +25,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from rlkit.errors import ConfigError, MissingFile, MissingPackage, RunFailed
 
 logger = logging.getLogger(__name__)
@@ -179,7 +177,7 @@ def _describe(fn) -> str:
 
 def _as_number(value, what: str) -> float:
     """A finite float from a scorer's output, or ValueError explaining what was wrong with it."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:  # a one-element tensor
         value = value.item()
     if not isinstance(value, numbers.Real):
         raise ValueError(f"{what} is {value!r} ({type(value).__name__}); expected a number")
@@ -321,6 +319,8 @@ class RewardFn:
             metrics["reward/errors"] = float(len(errors))
             if errors:
                 logger.warning("%d/%d reward calls failed and scored 0.0; first: %s", len(errors), n, errors[0])
+        import torch  # here, not at the top: sandbox workers import this module and never need torch
+
         scores = torch.tensor(scores, dtype=torch.float32)
         if model_scores is not None:
             metrics["reward/model_score"] = model_scores.mean().item()
@@ -328,7 +328,7 @@ class RewardFn:
         return scores, metrics
 
 
-def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def token_level_rewards(scores, response_mask):
     """(B,) scores -> (B, T) zeros with each score on its row's last valid response token.
 
     For the usual right-padded mask that token is at index mask.sum(-1) - 1 (verl's convention);
@@ -336,6 +336,8 @@ def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     """
     if scores.dim() != 1 or scores.shape[0] != response_mask.shape[0]:
         raise ValueError(f"scores must have shape (B,) = ({response_mask.shape[0]},), got {tuple(scores.shape)}")
+    import torch
+
     dtype = scores.dtype if scores.is_floating_point() else torch.float32
     out = torch.zeros(response_mask.shape, dtype=dtype, device=response_mask.device)
     positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
