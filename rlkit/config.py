@@ -171,7 +171,17 @@ class RewardConfig:
     on_error: Literal["raise", "zero"] = "raise"
     """when a scoring function raises, hangs or returns a non-number: stop (raise) or score 0 and count it (zero)"""
     timeout_s: float = 30.0
-    """time limit per call of --reward.custom-fn (0 = none); a call that takes longer counts as failing"""
+    """wall-clock limit per scorer call (0 = none); in the sandbox the call's whole process group is killed, and the call counts as failing"""
+    sandbox: Literal["auto", "all", "off"] = "auto"
+    """where scorers run: auto = --reward.custom-fn, reasoning-gym and math-verify scorers in sandboxed processes, plain string scorers (gsm8k, the embedded task) here; all = every scorer sandboxed; off = all in this process (only for code and data you trust). See docs/sandbox.md"""
+    sandbox_level: Literal["process", "network", "strict"] = "process"
+    """the least isolation to accept, else stop before training: process (own process, limits, temp dir), network (+ no network), strict (+ no writes outside its temp dir)"""
+    sandbox_workers: int = 0
+    """sandboxed scorer processes working in parallel (0 = one per CPU core, at most 8)"""
+    sandbox_fresh: bool = False
+    """start a new sandbox process for every scorer call (strictest, slower); default: a fork of a long-lived worker per call"""
+    sandbox_memory_mb: int = 2048
+    """address-space limit of each sandboxed scorer process, MiB"""
     model_path: str | None = None
     """a reward model (AutoModelForSequenceClassification, 1 output) scoring prompt + response with its own tokenizer and chat template"""
     combine: Literal["replace", "add"] = "replace"

@@ -148,6 +148,7 @@ class _Worker:
             "tmp": self.tmp,
             "limits": asdict(pool.limits),
             "preload": pool.preload,
+            "warm": pool.warm,
             "cgroup": self.cgroup,
             "network": pool.network,
         }
@@ -229,6 +230,8 @@ def _close_all(workers: list) -> None:
 class SandboxPool:
     """`workers` sandboxed processes running jobs in parallel; see the module docstring.
 
+    preload: functions each worker imports at start; warm: jobs ({"fn", "args", "kwargs"}, trusted input only) each
+    worker runs once at start, so that what they cache (a parsed task, a lazy import) is there in every job's fork.
     min_level: refuse (ConfigError) to run below this isolation level. max_jobs: recycle a worker after
     this many jobs (fresh=True: after every job, one new process per call). network=False denies it.
     """
@@ -238,6 +241,7 @@ class SandboxPool:
         limits: Limits | None = None,
         workers: int = 1,
         preload: list[str] | tuple = (),
+        warm: list[dict] | tuple = (),
         min_level: str = "process",
         max_jobs: int = 1000,
         fresh: bool = False,
@@ -250,6 +254,7 @@ class SandboxPool:
         if sys.platform != "linux":
             raise ConfigError(f"the sandbox needs Linux (this is {sys.platform}); run scorers in-process with --reward.sandbox off")
         self.limits, self.n, self.preload = limits or Limits(), max(int(workers), 1), [function_spec(p) for p in preload]
+        self.warm = json.loads(json.dumps(list(warm), default=_jsonable))
         self.min_level, self.max_jobs, self.network, self.flag = min_level, 1 if fresh else max(max_jobs, 1), network, flag
         self.start_timeout_s = start_timeout_s
         self.level, self.layers = None, []
@@ -486,6 +491,11 @@ def _worker_main(cfg: dict) -> None:
             layers.append("netns")
         for spec in cfg["preload"]:  # imports happen once, here, before the restrictions
             _resolve(spec)
+        for job in cfg["warm"]:  # trusted calls that fill the functions' caches, inherited by every job's fork
+            try:
+                _resolve(job["fn"])(*job.get("args", ()), **job.get("kwargs", {}))
+            except Exception:
+                pass
         layers += _set_limits(cfg["limits"])
         layers += landlock_restrict([cfg["tmp"]])
     except Exception as e:
