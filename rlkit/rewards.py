@@ -101,6 +101,9 @@ def math_score(data_source, solution_str, ground_truth, extra_info=None) -> floa
     return 1.0 if verify(gold, answer, timeout_seconds=seconds) else 0.0
 
 
+math_score.sandbox_warm = True  # sandbox workers call it once on an empty answer at start: math-verify's imports
+
+
 @register_scorer("rlkit/arith")
 def arith_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
     """rlkit's embedded arithmetic task: the whole response (whitespace aside) must be the integer answer."""
@@ -328,15 +331,18 @@ class RewardFn:
                 )
             return None
 
-    def _pool(self, jobs: list[dict]):
+    def _pool(self, jobs: list[dict], fns: list):
         """The sandbox pool, its workers warmed up on each (function, data_source) of `jobs` with an empty response
         (so a verifier's lazy imports and parsed task are ready in every fork); restarted when new ones appear."""
         from rlkit.sandbox import Limits, SandboxPool
 
         warm = {}
-        for job in jobs:
+        for job, fn in zip(jobs, fns):
             key = (job["fn"], str(job["kwargs"]["data_source"]))
-            warm.setdefault(key, {"fn": job["fn"], "kwargs": {**job["kwargs"], "solution_str": ""}})
+            if getattr(fn, "sandbox_warm", False):  # built-in verifiers only: never call a user's function for nothing
+                warm.setdefault(key, {"fn": job["fn"], "kwargs": {**job["kwargs"], "solution_str": ""}})
+            else:
+                warm.setdefault(key, None)
         if self.pool is not None and not set(warm) <= self._warm_keys:
             warm = {**self._warm, **warm}
             self.close()
@@ -347,7 +353,7 @@ class RewardFn:
                 limits,
                 self.sandbox_workers,
                 preload=sorted({fn for fn, _ in warm}),
-                warm=list(warm.values()),
+                warm=[job for job in warm.values() if job is not None],
                 min_level=self.sandbox_level,
                 fresh=self.sandbox_fresh,
             )
@@ -392,7 +398,7 @@ class RewardFn:
         specs = [self.sandbox_spec(fn) for fn in fns]
         boxed = [i for i in range(n) if specs[i] is not None]
         jobs = [{"fn": specs[i], "kwargs": kwargs[i]} for i in boxed]
-        results = dict(zip(boxed, self._pool(jobs).map(jobs))) if boxed else {}  # sample index -> sandbox Result
+        results = dict(zip(boxed, self._pool(jobs, [fns[i] for i in boxed]).map(jobs))) if boxed else {}  # sample index -> sandbox Result
         scores, extras, errors, timeouts = [], {}, [], 0
         for i in range(n):
             try:

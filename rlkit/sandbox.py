@@ -476,6 +476,10 @@ def _set_limits(lim: dict) -> list[str]:
     return layers
 
 
+def _on_alarm(signum, frame):
+    raise TimeoutError("warm-up call over the time limit")
+
+
 def _worker_main(cfg: dict) -> None:
     """Entry point of a worker process (started by _BOOT): set up, say hello, then run jobs until stdin ends."""
     sys.dont_write_bytecode = True
@@ -491,11 +495,15 @@ def _worker_main(cfg: dict) -> None:
             layers.append("netns")
         for spec in cfg["preload"]:  # imports happen once, here, before the restrictions
             _resolve(spec)
+        signal.signal(signal.SIGALRM, _on_alarm)
         for job in cfg["warm"]:  # trusted calls that fill the functions' caches, inherited by every job's fork
+            signal.setitimer(signal.ITIMER_REAL, cfg["limits"]["timeout_s"])
             try:
                 _resolve(job["fn"])(*job.get("args", ()), **job.get("kwargs", {}))
             except Exception:
                 pass
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
         layers += _set_limits(cfg["limits"])
         layers += landlock_restrict([cfg["tmp"]])
     except Exception as e:
