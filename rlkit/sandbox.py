@@ -272,7 +272,9 @@ class SandboxPool:
             self._spawn()
         t_timeout = self.limits.timeout_s
         while pending or any(w.state == "busy" for w in self._workers):
-            for w in self._workers:
+            for w in [w for w in self._workers if w.state == "idle" and w.proc.poll() is not None]:
+                self._replace(w)  # died between jobs (killed from outside): its successor takes the next job
+            for w in list(self._workers):
                 if w.state == "idle" and pending:
                     i = pending.pop()
                     w.send({"id": i, **jobs[i]}, i, t_timeout)
