@@ -166,7 +166,7 @@ def test_real_reasoning_gym_verifiers_cannot_run_the_models_code_in_the_trainer(
     assert not marker.exists() and scores.tolist() == [pytest.approx(0.0, abs=0.06)]
 
 
-def test_countdown_power_tower_times_out_instead_of_hanging_the_run():
+def test_countdown_power_tower_fails_within_the_limit_instead_of_hanging_the_run():
     pytest.importorskip("reasoning_gym")
     from rlkit import tasks
 
@@ -180,7 +180,8 @@ def test_countdown_power_tower_times_out_instead_of_hanging_the_run():
         seconds = time.monotonic() - start
     finally:
         reward.close()
-    assert scores.tolist() == [0.0] and metrics["reward/timeouts"] == 1.0 and seconds < 6, (metrics, seconds)
+    # (sympy either runs past the 1 s limit or, on a fast moment, reaches 9**(9**9) and runs out of memory)
+    assert scores.tolist() == [0.0] and metrics["reward/errors"] == 1.0 and seconds < 6, (metrics, seconds)
 
 
 @pytest.mark.parametrize(
