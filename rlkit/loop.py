@@ -150,6 +150,7 @@ class Run:
                     load_state_into(obj, state[name])
             train_loader.load_state_dict(state["loader"])
             self.start_step = state["step"]
+            checkpoint.set_aside_later(self.ckpt_dir, self.start_step)  # an older step: the later branch moves aside
             self.val_history = state.get("val_history", [])
         elif t.resume == "disable" and checkpoint.list_checkpoints(self.ckpt_dir):
             raise RunExists(
