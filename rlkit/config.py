@@ -134,6 +134,8 @@ class ActorConfig:
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); append '+' for the straight-through k2 gradient"""
     nan_policy: Literal["error", "skip"] = "error"
     """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
+    max_skipped_steps: int = 3
+    """with --actor.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
 
 
 @dataclass
@@ -162,6 +164,8 @@ class CriticConfig:
     """how per-token value losses are averaged into one number"""
     nan_policy: Literal["error", "skip"] = "error"
     """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
+    max_skipped_steps: int = 3
+    """with --critic.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
 
 
 @dataclass
@@ -236,3 +240,44 @@ class TrainerConfig:
     """a running Ray cluster to join (e.g. 127.0.0.1:6379, or set RAY_ADDRESS); default: start a local one"""
     num_threads: int = 0
     """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
+
+
+def check_flags(cfg) -> None:
+    """Refuse flag values that cannot train, each with one line naming the flag and the fix (cfg: any recipe's Config)."""
+    from rlkit.errors import ConfigError
+
+    d, a, r = cfg.data, cfg.actor, cfg.rollout
+    positive = {
+        "--data.max-prompt-length": d.max_prompt_length,
+        "--data.max-response-length": d.max_response_length,
+        "--data.val-batch-size": d.val_batch_size,
+        "--actor.ppo-epochs": a.ppo_epochs,
+    }
+    non_negative = {
+        "--actor.ppo-micro-batch-size": a.ppo_micro_batch_size,
+        "--rollout.log-prob-micro-batch-size": r.log_prob_micro_batch_size,
+        "--reward.model-micro-batch-size": cfg.reward.model_micro_batch_size,
+        "--actor.max-skipped-steps": a.max_skipped_steps,
+    }
+    lrs = {"--actor.lr": a.lr}
+    critic = getattr(cfg, "critic", None)
+    if critic is not None:
+        positive["--critic.ppo-epochs"] = critic.ppo_epochs
+        non_negative["--critic.ppo-micro-batch-size"] = critic.ppo_micro_batch_size
+        lrs["--critic.lr"] = critic.lr
+    for flag, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    for flag, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{flag} {value}: must be 0 (auto) or a positive number")
+    for flag, value in lrs.items():
+        if not 0 < value < 1:
+            raise ConfigError(
+                f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)"
+            )
+    if r.temperature <= 0:
+        raise ConfigError(
+            f"--rollout.temperature {r.temperature}: training samples responses, which needs a temperature > 0 (1.0 is usual); "
+            "greedy decoding (0) is only for --rollout.val-temperature"
+        )

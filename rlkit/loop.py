@@ -240,6 +240,19 @@ def setup(cfg) -> None:
     b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     if b <= 0 or m <= 0 or b % m:
         raise ConfigError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
+    preflight(cfg)
+
+
+def preflight(cfg) -> None:
+    """Flags, data files and the reward function, checked in seconds before any model loads (rlkit/errors.py messages)."""
+    from rlkit.config import check_flags
+    from rlkit.data import check_files
+    from rlkit.rewards import load_function
+
+    check_flags(cfg)
+    check_files(cfg.data)
+    if cfg.reward.custom_fn:
+        load_function(cfg.reward.custom_fn)
 
 
 def expand_aliases(argv: list[str]) -> list[str]:

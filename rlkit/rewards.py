@@ -144,9 +144,14 @@ def load_function(spec: str) -> ScoreFn:
         sys.modules[module_name] = module  # so dataclasses, pickle-by-reference etc. can find it
         try:
             module_spec.loader.exec_module(module)
-        except BaseException:
+        except BaseException as e:
             del sys.modules[module_name]
-            raise
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise ConfigError(
+                f"the reward file {path} (--reward.custom-fn {spec}) failed while importing: {type(e).__name__}: {e}; "
+                "fix that file (its own imports and top-level code run when it loads)"
+            ) from e
         where = str(path)
     else:
         try:
