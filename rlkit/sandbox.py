@@ -60,7 +60,7 @@ _logged_level: set[str] = set()
 
 @dataclass
 class Limits:
-    """What one job may use. cpu_s defaults to ceil(timeout_s) + 1."""
+    """What one job may use. cpu_s defaults to int(timeout_s) + 1."""
 
     timeout_s: float = 10.0
     """wall-clock seconds per job; the job's whole process group is killed after it"""
