@@ -149,6 +149,8 @@ class ActorConfig:
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); append '+' for the straight-through k2 gradient"""
     nan_policy: Literal["error", "skip"] = "error"
     """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
+    max_skipped_steps: int = 3
+    """with --actor.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
 
     # The clip range, resolved in one place. (Properties, not __post_init__: tyro builds the command line's
     # defaults from a default instance, so a field filled in there would hide a later --actor.clip-ratio.)
@@ -189,6 +191,8 @@ class CriticConfig:
     """how per-token value losses are averaged into one number"""
     nan_policy: Literal["error", "skip"] = "error"
     """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
+    max_skipped_steps: int = 3
+    """with --critic.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
 
 
 @dataclass
@@ -198,7 +202,17 @@ class RewardConfig:
     on_error: Literal["raise", "zero"] = "raise"
     """when a scoring function raises, hangs or returns a non-number: stop (raise) or score 0 and count it (zero)"""
     timeout_s: float = 30.0
-    """time limit per call of --reward.custom-fn (0 = none); a call that takes longer counts as failing"""
+    """wall-clock limit per scorer call (0 = none); in the sandbox the call's whole process group is killed, and the call counts as failing"""
+    sandbox: Literal["auto", "all", "off"] = "auto"
+    """where scorers run: auto = --reward.custom-fn, reasoning-gym and math-verify scorers in sandboxed processes, plain string scorers (gsm8k, the embedded task) here; all = every scorer sandboxed; off = all in this process (only for code and data you trust). See docs/sandbox.md"""
+    sandbox_level: Literal["process", "network", "strict"] = "process"
+    """the least isolation to accept, else stop before training: process (own process, limits, temp dir), network (+ no network), strict (+ no writes outside its temp dir)"""
+    sandbox_workers: int = 0
+    """sandboxed scorer processes working in parallel (0 = one per CPU core, at most 8)"""
+    sandbox_fresh: bool = False
+    """start a new sandbox process for every scorer call (strictest, slower); default: a fork of a long-lived worker per call"""
+    sandbox_memory_mb: int = 2048
+    """address-space limit of each sandboxed scorer process, MiB"""
     model_path: str | None = None
     """a reward model (AutoModelForSequenceClassification, 1 output) scoring prompt + response with its own tokenizer and chat template"""
     combine: Literal["replace", "add"] = "replace"
@@ -253,3 +267,44 @@ class TrainerConfig:
     """a running Ray cluster to join (e.g. 127.0.0.1:6379, or set RAY_ADDRESS); default: start a local one"""
     num_threads: int = 0
     """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
+
+
+def check_flags(cfg) -> None:
+    """Refuse flag values that cannot train, each with one line naming the flag and the fix (cfg: any recipe's Config)."""
+    from rlkit.errors import ConfigError
+
+    d, a, r = cfg.data, cfg.actor, cfg.rollout
+    positive = {
+        "--data.max-prompt-length": d.max_prompt_length,
+        "--data.max-response-length": d.max_response_length,
+        "--data.val-batch-size": d.val_batch_size,
+        "--actor.ppo-epochs": a.ppo_epochs,
+    }
+    non_negative = {
+        "--actor.ppo-micro-batch-size": a.ppo_micro_batch_size,
+        "--rollout.log-prob-micro-batch-size": r.log_prob_micro_batch_size,
+        "--reward.model-micro-batch-size": cfg.reward.model_micro_batch_size,
+        "--actor.max-skipped-steps": a.max_skipped_steps,
+    }
+    lrs = {"--actor.lr": a.lr}
+    critic = getattr(cfg, "critic", None)
+    if critic is not None:
+        positive["--critic.ppo-epochs"] = critic.ppo_epochs
+        non_negative["--critic.ppo-micro-batch-size"] = critic.ppo_micro_batch_size
+        lrs["--critic.lr"] = critic.lr
+    for flag, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    for flag, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{flag} {value}: must be 0 (auto) or a positive number")
+    for flag, value in lrs.items():
+        if not 0 < value < 1:
+            raise ConfigError(
+                f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)"
+            )
+    if r.temperature <= 0:
+        raise ConfigError(
+            f"--rollout.temperature {r.temperature}: training samples responses, which needs a temperature > 0 (1.0 is usual); "
+            "greedy decoding (0) is only for --rollout.val-temperature"
+        )

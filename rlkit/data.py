@@ -29,8 +29,17 @@ def load_parquet(files: list[str], prompt_key: str = "prompt"):
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         raise MissingFile(f"data file not found: {', '.join(missing)} (pass existing parquet files to --data.train-files/--data.val-files)")
-    if sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0:  # `datasets` fails obscurely on these
-        raise ConfigError(f"{files}: the dataset is empty")
+    rows = {}
+    for f in files:
+        try:
+            rows[f] = pq.ParquetFile(f).metadata.num_rows
+        except Exception as e:  # pyarrow's ArrowInvalid and friends
+            raise ConfigError(
+                f"{f} is not a parquet file ({str(e).splitlines()[0][:100]}); rlkit reads verl-format parquet "
+                "(see scripts/ for converters, or datasets.Dataset.to_parquet)"
+            ) from e
+    if sum(rows.values()) == 0:  # `datasets` fails obscurely on these
+        raise ConfigError(f"{', '.join(files)}: the dataset is empty (0 rows); pass a file with prompts")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     datasets.disable_progress_bars()
     ds = datasets.load_dataset("parquet", data_files=list(files), split="train")
@@ -45,6 +54,49 @@ def load_parquet(files: list[str], prompt_key: str = "prompt"):
     if not isinstance(rm, dict) or "ground_truth" not in rm:
         raise ConfigError(f"{files}: column 'reward_model' must be a struct with a 'ground_truth' field, got {rm}")
     return ds
+
+
+def check_rows(cols: dict, files, prompt_key: str = "prompt") -> None:
+    """Each row has a ground truth and its prompt is a list of chat messages (or, in every row, a string)."""
+    where = ", ".join(map(str, files)) if isinstance(files, (list, tuple)) else str(files)
+    null = [i for i, rm in enumerate(cols["reward_model"]) if rm is None or rm.get("ground_truth") is None]
+    if null:
+        more = f" and {len(null) - 10} more" if len(null) > 10 else ""
+        raise ConfigError(
+            f"{where}: reward_model.ground_truth is null in row(s) {', '.join(map(str, null[:10]))}{more}; "
+            "fill them in or drop those rows (a null would be compared with the string 'None')"
+        )
+    kinds = {type(p).__name__ for p in cols[prompt_key]}
+    if len(kinds) > 1 or not kinds <= {"list", "str"}:
+        bad = next(i for i, p in enumerate(cols[prompt_key]) if not isinstance(p, list))
+        raise ConfigError(
+            f"{where}: column {prompt_key!r} mixes {' and '.join(sorted(kinds))} values (row {bad}: {str(cols[prompt_key][bad])[:60]!r}); "
+            'every prompt must be a list of chat messages [{"role": "user", "content": ...}]'
+        )
+
+
+def check_files(cfg) -> None:
+    """Read the train and val files (cfg: DataConfig) and check their rows, before any model loads."""
+    if getattr(cfg, "task", None):
+        return
+    for files in (cfg.train_files, cfg.val_files):
+        if files:
+            ds = load_parquet(files, cfg.prompt_key)
+            check_rows(ds.select_columns([cfg.prompt_key, "reward_model"]).to_dict(), files, cfg.prompt_key)
+
+
+def model_context(path: str) -> int | None:
+    """The model's context length (max_position_embeddings) from its config, or None if unknown."""
+    try:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception:
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return None
 
 
 def render_prompts(tokenizer, prompts: list, tools: list | None = None) -> list[str]:
@@ -65,7 +117,7 @@ def render_prompts(tokenizer, prompts: list, tools: list | None = None) -> list[
     return [tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in prompts]
 
 
-def truncate(ids: list[int], max_len: int, mode: str, row: int) -> list[int]:
+def truncate(ids: list[int], max_len: int, mode: str, row: int, where: str = "") -> list[int]:
     """Fit one prompt's token ids into max_len: keep its end (left), start (right) or both ends (middle)."""
     if len(ids) <= max_len:
         return ids
@@ -77,7 +129,7 @@ def truncate(ids: list[int], max_len: int, mode: str, row: int) -> list[int]:
         head = max_len // 2
         return ids[:head] + ids[len(ids) - (max_len - head) :]
     raise ConfigError(
-        f"prompt in row {row} has {len(ids)} tokens, over --data.max-prompt-length {max_len}. Fix: raise "
+        f"prompt in row {row}{' of ' + where if where else ''} has {len(ids)} tokens, over --data.max-prompt-length {max_len}. Fix: raise "
         f"--data.max-prompt-length to at least {len(ids)}, drop such rows with --data.filter-overlong-prompts, "
         "or cut them with --data.truncation left|right|middle"
     )
@@ -163,7 +215,14 @@ def build_prompts(
             from rlkit import tasks
 
             tasks.register(str(source)[len("reasoning_gym/") :])
+    where = cfg.task or ", ".join(map(str, files))
+    check_rows(cols, [where], cfg.prompt_key)
     prompts = cols[cfg.prompt_key]
+    if isinstance(prompts[0], str) and getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{where}: column {cfg.prompt_key!r} holds strings ({prompts[0][:40]!r}), but the model is a chat model: store each prompt as "
+            '[{"role": "user", "content": "..."}] so that its chat template applies (strings are only for models without one)'
+        )
     texts = render_prompts(tokenizer, prompts, tools)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     keep = list(range(len(ids)))
@@ -172,7 +231,16 @@ def build_prompts(
         if not keep:
             raise ConfigError(f"{files}: every prompt is over --data.max-prompt-length {cfg.max_prompt_length}; raise it")
     else:
-        ids = [truncate(x, cfg.max_prompt_length, cfg.truncation, i) for i, x in enumerate(ids)]
+        ids = [truncate(x, cfg.max_prompt_length, cfg.truncation, i, where) for i, x in enumerate(ids)]
+    context = model_context(tokenizer.name_or_path)
+    longest = max(len(ids[i]) for i in keep)
+    if context is not None and longest + cfg.max_response_length > context:
+        raise ConfigError(
+            f"{where}: the longest prompt ({longest} tokens) + --data.max-response-length {cfg.max_response_length} = "
+            f"{longest + cfg.max_response_length} tokens, over the model's context of {context} (max_position_embeddings). "
+            f"Lower --data.max-prompt-length to {max(context - cfg.max_response_length, 1)} with --data.truncation left or "
+            "--data.filter-overlong-prompts, or lower --data.max-response-length"
+        )
     extra = cols.get("extra_info", [None] * len(prompts))
     rm = cols["reward_model"]
     return PromptSet(

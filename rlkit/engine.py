@@ -375,6 +375,17 @@ class TorchEngine:
             for m in flagged:
                 m.training = False
 
+    def _skipped(self, what: str) -> None:
+        """Count a skipped optimizer step (nan_policy skip); too many in a row stop the run."""
+        self.skips_in_a_row = getattr(self, "skips_in_a_row", 0) + 1
+        limit = getattr(self.actor_cfg, "max_skipped_steps", 0)
+        if limit and self.skips_in_a_row >= limit:
+            raise NonFinite(
+                f"{self.skips_in_a_row} optimizer steps in a row skipped for a non-finite {what} in the {self.role} update "
+                f"(--{self.role}.max-skipped-steps {limit}): the run no longer trains. Lower --{self.role}.lr, check rewards for NaN/inf, "
+                f"or resume from an earlier checkpoint"
+            )
+
     def update(
         self,
         batch: DataProto,
@@ -427,6 +438,7 @@ class TorchEngine:
                         if not all_finite(loss):
                             if cfg.nan_policy == "skip":
                                 add("skipped_steps", 1)
+                                self._skipped("loss")
                                 break
                             raise NonFinite(
                                 f"non-finite loss ({loss.item()}) in the {role} update; no step was taken and no checkpoint written. "
@@ -444,6 +456,7 @@ class TorchEngine:
                         if not all_finite(grad_norm):
                             if cfg.nan_policy == "skip":
                                 add("skipped_steps", 1)
+                                self._skipped("gradient norm")
                                 self.optimizer.zero_grad(set_to_none=True)
                                 continue
                             raise NonFinite(
@@ -453,6 +466,7 @@ class TorchEngine:
                         add("lr", self.optimizer.param_groups[0]["lr"])
                         self.optimizer.step()
                         self.scheduler.step()
+                        self.skips_in_a_row = 0
                         add("loss", total)
                         for k, v in part_sums.items():
                             add(k, v)

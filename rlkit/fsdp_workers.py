@@ -197,7 +197,9 @@ class FSDPMixin:
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(strict=False),
         )
-        extra = torch.load(folder / "extra_state.pt", map_location="cpu", weights_only=False)
+        from rlkit.checkpoint import load_file
+
+        extra = load_file(folder / "extra_state.pt")  # weights_only: a shared checkpoint cannot run code
         self.engine.scheduler.load_state_dict(extra.pop("scheduler"))
         return extra
 

@@ -216,6 +216,7 @@ class Run:
                     load_state_into(obj, state[name])
             train_loader.load_state_dict(state["loader"])
             self.start_step = state["step"]
+            checkpoint.set_aside_later(self.ckpt_dir, self.start_step)  # an older step: the later branch moves aside
             self.val_history = state.get("val_history", [])
         elif t.resume == "disable" and checkpoint.list_checkpoints(self.ckpt_dir):
             raise RunExists(
@@ -307,6 +308,19 @@ def setup(cfg) -> None:
     b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     if b <= 0 or m <= 0 or b % m:
         raise ConfigError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
+    preflight(cfg)
+
+
+def preflight(cfg) -> None:
+    """Flags, data files and the reward function, checked in seconds before any model loads (rlkit/errors.py messages)."""
+    from rlkit.config import check_flags
+    from rlkit.data import check_files
+    from rlkit.rewards import load_function
+
+    check_flags(cfg)
+    check_files(cfg.data)
+    if cfg.reward.custom_fn:
+        load_function(cfg.reward.custom_fn)
 
 
 def expand_aliases(argv: list[str]) -> list[str]:

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import math
 import numbers
+import os
 import re
 import signal
 import sys
@@ -24,8 +25,6 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
 
 from rlkit.errors import ConfigError, MissingFile, MissingPackage, RunFailed
 
@@ -152,11 +151,18 @@ def math_score(data_source, solution_str, ground_truth, extra_info=None) -> floa
     return 1.0 if verify(gold, answer, timeout_seconds=seconds) else 0.0
 
 
+math_score.sandbox_warm = True  # sandbox workers call it once on an empty answer at start: math-verify's imports
+
+
 @register_scorer("rlkit/arith")
 def arith_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
     """rlkit's embedded arithmetic task: the whole response (whitespace aside) must be the integer answer."""
     s = 1.0 if solution_str.strip() == str(ground_truth) else 0.0
     return {"score": s, "acc": s}
+
+
+# A string compare and a regex cannot execute or explode: these run in the trainer unless --reward.sandbox all.
+gsm8k_score.in_process = arith_score.in_process = True
 
 
 # ----------------------------------------------------------------------------- user functions
@@ -188,9 +194,14 @@ def load_function(spec: str) -> ScoreFn:
         sys.modules[module_name] = module  # so dataclasses, pickle-by-reference etc. can find it
         try:
             module_spec.loader.exec_module(module)
-        except BaseException:
+        except BaseException as e:
             del sys.modules[module_name]
-            raise
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise ConfigError(
+                f"the reward file {path} (--reward.custom-fn {spec}) failed while importing: {type(e).__name__}: {e}; "
+                "fix that file (its own imports and top-level code run when it loads)"
+            ) from e
         where = str(path)
     else:
         try:
@@ -229,7 +240,7 @@ def _describe(fn) -> str:
 
 def _as_number(value, what: str) -> float:
     """A finite float from a scorer's output, or ValueError explaining what was wrong with it."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:  # a one-element tensor
         value = value.item()
     if not isinstance(value, numbers.Real):
         raise ValueError(f"{what} is {value!r} ({type(value).__name__}); expected a number")
@@ -274,30 +285,68 @@ def time_limit(seconds: float | None):
 
 
 class RewardFn:
-    """Scores a batch of decoded responses: one scalar per trajectory."""
+    """Scores a batch of decoded responses: one scalar per trajectory.
 
-    def __init__(self, custom_fn: str | ScoreFn | None = None, on_error: str = "raise", timeout_s: float | None = None):
+    Scorers that parse model text with something that can execute or explode (reasoning-gym verifiers,
+    math-verify, any --reward.custom-fn) run in a `rlkit.sandbox.SandboxPool`; plain string scorers marked
+    `in_process = True` (gsm8k, the embedded arithmetic task) run here, unless sandbox="all".
+    """
+
+    def __init__(
+        self,
+        custom_fn: str | ScoreFn | None = None,
+        on_error: str = "raise",
+        timeout_s: float | None = None,
+        sandbox: str = "auto",
+        sandbox_level: str = "process",
+        sandbox_workers: int = 0,
+        sandbox_fresh: bool = False,
+        sandbox_memory_mb: int = 2048,
+    ):
         """custom_fn: "path.py:fn" (or a callable) used for every data_source; None looks up `SCORERS`.
 
-        on_error: "raise" turns a failing or invalid score into a RuntimeError naming the function,
-        sample and data_source; "zero" scores such samples 0.0 and counts them in metrics["reward/errors"].
-        timeout_s: time limit per call of the custom function (a call that hangs counts as failing).
+        on_error: "raise" turns a failing, hanging, exiting or invalid score into a RunFailed naming the function,
+        sample and response; "zero" scores such samples 0.0 and counts them in metrics["reward/errors"] (of which
+        metrics["reward/timeouts"] ran out of time). timeout_s: wall-clock limit per scorer call.
+        sandbox: auto | all | off (off: every scorer in this process, only for code and data you trust).
+        sandbox_level: the least isolation to accept (rlkit.sandbox.LEVELS); sandbox_workers: 0 = one per core (at most 8);
+        sandbox_fresh: a new process for every call.
         """
         if on_error not in ("raise", "zero"):
             raise ConfigError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+        if sandbox not in ("auto", "all", "off"):
+            raise ConfigError(f"--reward.sandbox {sandbox!r}: choose auto, all or off")
+        self.spec = custom_fn if isinstance(custom_fn, str) else None
         if custom_fn is None or callable(custom_fn):
             self.custom_fn = custom_fn
         else:
             self.custom_fn = load_function(custom_fn)
         self.on_error = on_error
         self.timeout_s = timeout_s
+        self.sandbox, self.sandbox_level, self.sandbox_fresh, self.sandbox_memory_mb = (
+            sandbox,
+            sandbox_level,
+            sandbox_fresh,
+            sandbox_memory_mb,
+        )
+        self.sandbox_workers = sandbox_workers or min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8)
+        self.pool = None
         self.model, self.use_function = None, True  # a RewardModel, set by from_config
 
     @classmethod
     def from_config(cls, cfg, device: str = "auto", model=None) -> RewardFn:
         """The reward of a RewardConfig: the scoring function and, with cfg.model_path, a reward model
         (loaded here on `device`, unless `model` gives one: anything called as model(prompts, responses))."""
-        fn = cls(cfg.custom_fn, cfg.on_error, cfg.timeout_s or None)
+        fn = cls(
+            cfg.custom_fn,
+            cfg.on_error,
+            cfg.timeout_s or None,
+            cfg.sandbox,
+            cfg.sandbox_level,
+            cfg.sandbox_workers,
+            cfg.sandbox_fresh,
+            cfg.sandbox_memory_mb,
+        )
         if cfg.model_path:
             from rlkit.reward_model import RewardModel
 
@@ -322,12 +371,66 @@ class RewardFn:
             )
         return SCORERS[data_source]
 
+    def sandbox_spec(self, fn) -> str | None:
+        """How a sandbox worker imports `fn`, or None when `fn` runs in this process."""
+        if self.sandbox == "off" or (self.sandbox == "auto" and getattr(fn, "in_process", False)):
+            return None
+        if fn is self.custom_fn and self.spec:
+            return self.spec
+        from rlkit.sandbox import function_spec
+
+        try:
+            return function_spec(fn)
+        except ConfigError:
+            if self.sandbox == "all":
+                raise
+            if _describe(fn) not in _warned:
+                _warned.add(_describe(fn))
+                logger.warning(
+                    "reward function %s is not importable by name (a lambda or a local function): it runs in-process", _describe(fn)
+                )
+            return None
+
+    def _pool(self, jobs: list[dict], fns: list):
+        """The sandbox pool, its workers warmed up on each (function, data_source) of `jobs` with an empty response
+        (so a verifier's lazy imports and parsed task are ready in every fork); restarted when new ones appear."""
+        from rlkit.sandbox import Limits, SandboxPool
+
+        warm = {}
+        for job, fn in zip(jobs, fns):
+            key = (job["fn"], str(job["kwargs"]["data_source"]))
+            if getattr(fn, "sandbox_warm", False):  # built-in verifiers only: never call a user's function for nothing
+                warm.setdefault(key, {"fn": job["fn"], "kwargs": {**job["kwargs"], "solution_str": ""}})
+            else:
+                warm.setdefault(key, None)
+        if self.pool is not None and not set(warm) <= self._warm_keys:
+            warm = {**self._warm, **warm}
+            self.close()
+        if self.pool is None:
+            limits = Limits(timeout_s=self.timeout_s or 86400.0, memory_mb=self.sandbox_memory_mb)
+            self._warm, self._warm_keys = warm, set(warm)
+            self.pool = SandboxPool(
+                limits,
+                self.sandbox_workers,
+                preload=sorted({fn for fn, _ in warm}),
+                warm=[job for job in warm.values() if job is not None],
+                min_level=self.sandbox_level,
+                fresh=self.sandbox_fresh,
+            )
+        return self.pool
+
+    def close(self) -> None:
+        """Stop the sandbox workers (they also stop when this object is garbage-collected or the process exits)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
     def __call__(self, data_sources, responses: list[str], ground_truths, extra_infos=None, prompts=None):
         """Score B responses; returns (float32 tensor of shape (B,), metrics dict of floats).
 
         `data_sources` may be one string for the whole batch. Scorers are called with keyword arguments,
         as verl does. Metrics: "reward/<key>" = mean of each extra numeric key returned by dict scorers
-        (over the samples that returned it), and "reward/errors" when on_error="zero".
+        (over the samples that returned it), and "reward/errors", "reward/timeouts" when on_error="zero".
         """
         n = len(responses)
         if isinstance(data_sources, str):
@@ -347,21 +450,34 @@ class RewardFn:
             model_scores = self.model(prompts, responses)
             if not self.use_function:
                 return model_scores, {"reward/model_score": model_scores.mean().item()}
-        scores, extras, errors = [], {}, []
+        fns = [self.scorer_for(data_sources[i]) for i in range(n)]
+        kwargs = [
+            {"data_source": data_sources[i], "solution_str": responses[i], "ground_truth": ground_truths[i], "extra_info": extra_infos[i]}
+            for i in range(n)
+        ]
+        specs = [self.sandbox_spec(fn) for fn in fns]
+        boxed = [i for i in range(n) if specs[i] is not None]
+        jobs = [{"fn": specs[i], "kwargs": kwargs[i]} for i in boxed]
+        results = dict(zip(boxed, self._pool(jobs, [fns[i] for i in boxed]).map(jobs))) if boxed else {}  # sample index -> sandbox Result
+        scores, extras, errors, timeouts = [], {}, [], 0
         for i in range(n):
-            fn = self.scorer_for(data_sources[i])
             try:
-                with time_limit(self.timeout_s if fn is self.custom_fn else None):
-                    out = fn(
-                        data_source=data_sources[i], solution_str=responses[i], ground_truth=ground_truths[i], extra_info=extra_infos[i]
-                    )
+                if i in results:
+                    r = results[i]
+                    if not r.ok:
+                        timeouts += r.timed_out
+                        raise ScorerFailed(f"{r.error} (in the sandbox)")
+                    out = r.value
+                else:
+                    with time_limit(self.timeout_s if fns[i] is self.custom_fn else None):
+                        out = fns[i](**kwargs[i])
                 score, sample_extras = _parse_output(out)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # SystemExit: a scorer's sys.exit() must not end the run with status 0
                 response = str(responses[i])
                 short = response if len(response) <= 200 else response[:200] + "..."
+                why = str(e) if isinstance(e, ScorerFailed) else f"{type(e).__name__}: {e}"
                 message = (
-                    f"reward function {_describe(fn)} failed on sample {i} "
-                    f"(data_source={data_sources[i]!r}, response={short!r}): {type(e).__name__}: {e}"
+                    f"reward function {_describe(fns[i])} failed on sample {i} (data_source={data_sources[i]!r}, response={short!r}): {why}"
                 )
                 if self.on_error == "raise":
                     raise RunFailed(message + " - fix the function, or score such samples 0 with --reward.on-error zero") from e
@@ -374,8 +490,11 @@ class RewardFn:
         metrics = {f"reward/{k}": sum(v) / len(v) for k, v in extras.items()}
         if self.on_error == "zero":
             metrics["reward/errors"] = float(len(errors))
+            metrics["reward/timeouts"] = float(timeouts)
             if errors:
                 logger.warning("%d/%d reward calls failed and scored 0.0; first: %s", len(errors), n, errors[0])
+        import torch  # here, not at the top: sandbox workers import this module and never need torch
+
         scores = torch.tensor(scores, dtype=torch.float32)
         if model_scores is not None:
             metrics["reward/model_score"] = model_scores.mean().item()
@@ -383,7 +502,14 @@ class RewardFn:
         return scores, metrics
 
 
-def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+class ScorerFailed(RuntimeError):
+    """A sandboxed scorer call that returned no value (raised, timed out, crashed or exited)."""
+
+
+_warned: set[str] = set()
+
+
+def token_level_rewards(scores, response_mask):
     """(B,) scores -> (B, T) zeros with each score on its row's last valid response token.
 
     For the usual right-padded mask that token is at index mask.sum(-1) - 1 (verl's convention);
@@ -391,6 +517,8 @@ def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     """
     if scores.dim() != 1 or scores.shape[0] != response_mask.shape[0]:
         raise ValueError(f"scores must have shape (B,) = ({response_mask.shape[0]},), got {tuple(scores.shape)}")
+    import torch
+
     dtype = scores.dtype if scores.is_floating_point() else torch.float32
     out = torch.zeros(response_mask.shape, dtype=dtype, device=response_mask.device)
     positions = torch.arange(response_mask.shape[-1], device=response_mask.device)

@@ -189,6 +189,9 @@ def reasoning_gym_score(data_source, solution_str, ground_truth, extra_info=None
     return {"score": score, "acc": float(score >= 1.0)}
 
 
+reasoning_gym_score.sandbox_warm = True  # sandbox workers call it once on an empty answer: the task is built before the forks
+
+
 def register(name: str) -> str:
     """Register `reasoning_gym_score` for data_source reasoning_gym/NAME; returns the data_source."""
     source = DATA_SOURCE_PREFIX + name

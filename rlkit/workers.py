@@ -73,7 +73,9 @@ class CheckpointFiles:
         file = Path(folder) / "state.pt"
         if not file.is_file():
             raise MissingFile(f"{folder} holds no state.pt: was it saved with another --trainer.backend? Resume with the same backend")
-        self.load_state_dict(torch.load(file, map_location="cpu", weights_only=False))
+        from rlkit.checkpoint import load_file
+
+        self.load_state_dict(load_file(file))  # weights_only: a shared checkpoint cannot run code
 
 
 class ActorRolloutRefWorker(CheckpointFiles):

@@ -217,3 +217,140 @@ def test_hf_export_loads_with_from_pretrained(tmp_path, lora_rank):
     else:
         assert torch.equal(logits_of(exported, ids), expected)
     assert (path / "hf" / "tokenizer.json").is_file()
+
+
+# ----------------------------------------------------------------------------- safe loading, fsync, auto, branches
+
+
+def test_auto_picks_step_10_over_step_9(tmp_path):
+    save(tmp_path, 9)
+    save(tmp_path, 10)
+    assert ckpt.find_resume_path("auto", tmp_path) == tmp_path / "global_step_10"
+
+
+class Boom:
+    """A pickle that runs code when loaded."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.write_text, (pathlib.Path(self.marker), "ran")
+
+
+def test_a_checkpoint_with_a_pickle_in_it_is_refused_without_running_it(tmp_path):
+    path = save(tmp_path, 1)
+    marker = tmp_path / "ran.txt"
+    torch.save({"step": 1, "rng": ckpt.rng_state(), "loader": {}, "evil": Boom(marker)}, path / "state.pt")
+    with pytest.raises(ValueError, match=r"could run code.*python -m rlkit.checkpoint convert"):
+        ckpt.load(path)
+    assert not marker.exists()
+
+
+def test_an_older_checkpoint_with_numpy_rng_fails_with_one_line_and_converts(tmp_path):
+    np.random.seed(3)
+    path = save(tmp_path, 1)
+    state = torch.load(path / "state.pt", weights_only=True)
+    state["rng"]["numpy"] = np.random.get_state()  # how rlkit stored it before: a tuple holding an ndarray
+    torch.save(state, path / "state.pt")
+    with pytest.raises(ValueError) as info:
+        ckpt.load(path)
+    assert "\n" not in str(info.value) and f"python -m rlkit.checkpoint convert {path}" in str(info.value)
+    expected = np.random.rand(3).tolist()
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rlkit.checkpoint", "convert", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0 and "converted 1 file" in out.stdout, out.stderr
+    ckpt.load(path)
+    assert np.random.rand(3).tolist() == expected
+
+
+def test_files_and_folders_are_fsynced_before_the_rename(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    events = []
+    real_fsync, real_rename = os.fsync, Path.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    monkeypatch.setattr(Path, "rename", lambda self, target: events.append(("rename", str(self))) or real_rename(self, target))
+    save(tmp_path, 3)
+    renamed = events.index(("rename", str(tmp_path / ".tmp-global_step_3")))
+    synced = {path for kind, path in events[:renamed] if kind == "fsync"}
+    tmp = tmp_path / ".tmp-global_step_3"
+    assert {str(tmp / "state.pt"), str(tmp / "config.json"), str(tmp / "hf" / "model.txt"), str(tmp / "hf"), str(tmp)} <= synced
+    assert ("fsync", str(tmp_path)) in events[renamed:]  # the directory entry of the rename itself
+
+
+def test_latest_is_untouched_when_the_atomic_rename_fails(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    real_rename = Path.rename
+
+    def failing(self, target):
+        if self.name.startswith(".tmp-"):
+            raise OSError("rename failed")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(OSError, match="rename failed"):
+        save(tmp_path, 2)  # re-saving a step must not lose the one already there either
+    with pytest.raises(OSError, match="rename failed"):
+        save(tmp_path, 3)
+    assert (tmp_path / "latest").read_text() == "2"
+    assert ckpt.list_checkpoints(tmp_path) == [1, 2]
+    assert ckpt.load(tmp_path / "global_step_2")[0]["step"] == 2
+
+
+def test_a_full_disk_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
+    import errno
+
+    from rlkit.errors import RunFailed
+
+    save(tmp_path, 1)
+
+    def full(folder):
+        folder.mkdir()
+        (folder / "model.txt").write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(RunFailed) as info:
+        save(tmp_path, 2, save_hf=full)
+    msg = str(info.value)
+    assert str(tmp_path) in msg and "step 1 is kept" in msg and "--trainer.default-local-dir" in msg
+    assert ckpt.list_checkpoints(tmp_path) == [1] and (tmp_path / "latest").read_text() == "1"
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("damaged", ["state.pt", "policy/state.pt", "config.json"])
+def test_auto_skips_an_unreadable_newest_checkpoint_naming_it(tmp_path, caplog, damaged):
+    parts = {"policy": lambda f: f.mkdir() or torch.save({"model": {"w": torch.ones(64)}}, f / "state.pt")}
+    for step in (1, 2):
+        ckpt.save(tmp_path, step, {"loader": {}}, CONFIG, keep=3, parts=parts)
+    file = tmp_path / "global_step_2" / damaged
+    file.write_bytes(file.read_bytes()[: len(file.read_bytes()) // 2])  # cut short, as by a crash or a full disk
+    with caplog.at_level("WARNING"):
+        assert ckpt.find_resume_path("auto", tmp_path) == tmp_path / "global_step_1"
+    assert f"skipping {tmp_path / 'global_step_2'}" in caplog.text
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+
+
+def test_a_corrupt_worker_state_is_named(tmp_path):
+    from rlkit.workers import CheckpointFiles
+
+    (tmp_path / "state.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(ValueError, match=f"cannot read {tmp_path / 'state.pt'}: corrupt or cut short"):
+        type("Worker", (CheckpointFiles,), {"load_state_dict": lambda self, state: None})().load_checkpoint(tmp_path)
+
+
+def test_resuming_from_an_older_step_moves_the_later_checkpoints_aside(tmp_path):
+    for step in (2, 4, 6):
+        save(tmp_path, step, keep=0)
+    aside = ckpt.set_aside_later(tmp_path, 2)
+    assert ckpt.list_checkpoints(tmp_path) == [2] and (tmp_path / "latest").read_text() == "2"
+    assert aside.parent == tmp_path and sorted(p.name for p in aside.iterdir()) == ["global_step_4", "global_step_6"]
+    assert ckpt.set_aside_later(tmp_path, 2) is None

@@ -87,3 +87,25 @@ def test_resume_refuses_a_changed_config_and_keeps_the_checkpoint(tmp_path):
     assert out.returncode == 1
     assert "actor.lr" in out.stderr and "cannot resume" in out.stderr
     assert (out_dir / "checkpoints/global_step_1/state.pt").is_file()
+
+
+def test_resuming_from_an_older_step_moves_later_checkpoints_aside_and_cuts_the_metrics(tmp_path):
+    from test_grpo_recipe import load_recipe, small_config
+
+    grpo = load_recipe("grpo")
+    out = tmp_path / "run"
+    grpo.main(small_config(grpo, out, steps=4, max_ckpt_to_keep=5, val_before_train=False, test_freq=0))
+    ckpts = out / "checkpoints"
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    first_four = (ckpts / "global_step_4" / "hf" / "model.safetensors").read_bytes()
+
+    branch = small_config(grpo, out, steps=3, max_ckpt_to_keep=5, val_before_train=False, test_freq=0)
+    branch.trainer.resume = str(ckpts / "global_step_2")
+    branch.trainer.total_training_steps = 3
+    grpo.main(branch)
+    aside = list(ckpts.glob("abandoned-*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["global_step_4"]
+    assert (aside[0] / "global_step_4" / "hf" / "model.safetensors").read_bytes() == first_four  # moved, untouched
+    assert sorted(p.name for p in ckpts.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    assert (ckpts / "latest").read_text() == "3"
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]  # the old step 3 and 4 rows are gone

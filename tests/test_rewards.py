@@ -325,7 +325,9 @@ def test_raise_policy_names_function_sample_and_data_source():
     message = str(info.value)
     assert "raising_score" in message and "my_reward" in message  # module:qualname
     assert "sample 0" in message and "'ds/a'" in message and "'fine'" in message
-    assert "ZeroDivisionError: boom" in message
+    assert "ZeroDivisionError: boom (in the sandbox)" in message
+    with pytest.raises(RuntimeError) as info:  # in-process (trusted code only), the original error is the cause
+        RewardFn(custom_fn=spec("raising_score"), sandbox="off")(["ds/a"], ["fine"], ["1"])
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
@@ -366,13 +368,13 @@ def test_error_message_truncates_long_responses():
 def test_zero_policy_counts_errors():
     scores, metrics = RewardFn(custom_fn=spec("nan_score"), on_error="zero")(["ds"] * 3, ["ok", "nan", "nan"], [""] * 3)
     assert scores.tolist() == [1.0, 0.0, 0.0]
-    assert metrics == {"reward/errors": 2.0}
+    assert metrics == {"reward/errors": 2.0, "reward/timeouts": 0.0}
 
     scores, metrics = RewardFn(custom_fn=spec("raising_score"), on_error="zero")(["ds"] * 2, ["a", "b"], ["", ""])
     assert scores.tolist() == [0.0, 0.0] and metrics["reward/errors"] == 2.0
 
     _, metrics = RewardFn(on_error="zero")(["rlkit/arith"], ["1"], ["1"])
-    assert metrics == {"reward/acc": 1.0, "reward/errors": 0.0}
+    assert metrics == {"reward/acc": 1.0, "reward/errors": 0.0, "reward/timeouts": 0.0}
 
 
 def test_zero_policy_still_rejects_unknown_data_source():
@@ -415,9 +417,12 @@ def test_a_hanging_user_function_is_stopped_by_the_time_limit():
 
     fn = RewardFn(f"{FIXTURE}:hanging_score", timeout_s=0.2)
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match=r"hanging_score failed on sample 0 .*TimeoutError: no result after 0.2 s"):
+    with pytest.raises(RuntimeError, match=r"hanging_score failed on sample 0 .*no result after 0.2 s \(wall clock\)"):
         fn("rlkit/arith", ["12"], ["12"])
     assert time.perf_counter() - start < 2
     zero = RewardFn(f"{FIXTURE}:hanging_score", on_error="zero", timeout_s=0.1)
     scores, metrics = zero("rlkit/arith", ["1", "2"], ["1", "2"])
-    assert scores.tolist() == [0.0, 0.0] and metrics["reward/errors"] == 2.0
+    assert scores.tolist() == [0.0, 0.0] and metrics["reward/errors"] == 2.0 and metrics["reward/timeouts"] == 2.0
+    off = RewardFn(f"{FIXTURE}:hanging_score", timeout_s=0.2, sandbox="off")  # in-process: SIGALRM on the main thread
+    with pytest.raises(RuntimeError, match=r"TimeoutError: no result after 0.2 s"):
+        off("rlkit/arith", ["12"], ["12"])
