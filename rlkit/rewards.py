@@ -354,11 +354,6 @@ class RewardFn:
             fn.use_function = cfg.combine == "add"
         return fn
 
-    def close(self) -> None:
-        """Stop a reward model's Ray workers, if any (one in this process goes with this object)."""
-        if hasattr(self.model, "close"):
-            self.model.close()
-
     def scorer_for(self, data_source: str) -> ScoreFn:
         """The function that scores `data_source`: the custom one if given, else the registered one."""
         if self.custom_fn is not None:
@@ -420,10 +415,13 @@ class RewardFn:
         return self.pool
 
     def close(self) -> None:
-        """Stop the sandbox workers (they also stop when this object is garbage-collected or the process exits)."""
+        """Stop the sandbox workers (they also stop when this object is garbage-collected or the process exits) and a
+        reward model's Ray workers, if any (one in this process goes with this object)."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if hasattr(self.model, "close"):
+            self.model.close()
 
     def __call__(self, data_sources, responses: list[str], ground_truths, extra_infos=None, prompts=None):
         """Score B responses; returns (float32 tensor of shape (B,), metrics dict of floats).

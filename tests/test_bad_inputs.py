@@ -129,7 +129,7 @@ def test_nan_policy_skip_stops_after_k_skipped_steps(tmp_path, monkeypatch):
     cfg = tiny(grpo, tmp_path)
     cfg.trainer.total_training_steps = 5
     cfg.actor.nan_policy, cfg.actor.max_skipped_steps = "skip", 2
-    monkeypatch.setattr(grpo, "make_actor_loss", lambda cfg: lambda mb, logp, ent, norm: (logp.sum() * torch.nan, {}))
+    monkeypatch.setattr(grpo, "make_actor_loss", lambda cfg: lambda mb, logp, ent, norm: (logp.sum() * torch.nan, {}, {}))
     with pytest.raises(FloatingPointError, match=r"2 optimizer steps in a row skipped .*--actor.max-skipped-steps 2") as info:
         grpo.main(cfg)
     assert "\n" not in str(info.value)
