@@ -12,7 +12,7 @@ Then maximise the PPO clipped surrogate with a KL penalty to the reference (star
 
 Run it:
 
-    python recipes/grpo.py                          # embedded tiny model + arithmetic task, CPU, ~5 min
+    python recipes/grpo.py                          # embedded tiny model + arithmetic task, CPU, ~3 min
     python recipes/grpo.py --help                   # every option, documented
     python recipes/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \\

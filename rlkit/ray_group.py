@@ -162,7 +162,7 @@ class RayWorkerGroup:
         if own_pool:
             pool = ResourcePool(pool, cpus_per_worker, gpus_per_worker, name=worker_cls.__name__)
         self.pool, self.worker_cls, self.n, self.timeout_s = pool, worker_cls, pool.n, timeout_s
-        self.owned_pools = [pool] if own_pool else []  # removed by shutdown()
+        self.owned_pools = [pool] if own_pool else []  # removed by close()
         cpus, gpus = pool.cpus * share, pool.gpus * share
         master_addr, master_port = rendezvous(pool)
         remote = ray.remote(worker_cls)

@@ -73,3 +73,9 @@ def test_a_rerun_into_a_used_folder_names_both_ways_forward(tmp_path):
     msg = str(info.value)
     assert "\n" not in msg and str(tmp_path / "rloo/checkpoints") in msg
     assert "--trainer.resume auto" in msg and "--trainer.experiment-name" in msg
+
+
+def test_mean_metrics_weights_means_by_rows_and_sums_counts():
+    """DAPO's reward metrics over its generation batches: a mean per response, not per batch."""
+    got = loop.mean_metrics([({"reward/acc": 1.0, "reward/errors": 2.0}, 24), ({"reward/acc": 0.0, "reward/errors": 1.0}, 8)])
+    assert got == {"reward/acc": 0.75, "reward/errors": 3.0}
