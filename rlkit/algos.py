@@ -22,8 +22,12 @@ Contents
     masked statistics     masked_sum, masked_mean, masked_var, masked_whiten
     loss aggregation      agg_loss
     advantage estimators  grpo_advantage, rloo_advantage, reinforce_pp_advantage,
-                          reinforce_pp_baseline_advantage, gae_advantage
+                          reinforce_pp_baseline_advantage, gae_advantage, remax_advantage
     losses                ppo_clip_loss, value_loss, kl_penalty
+    new policy losses     gspo_loss (and GSPO-token), cispo_loss, gmpo_loss
+    off-policy            rollout_mismatch_metrics, token_tis_weights, token_mis_weights,
+                          seq_tis_weights, seq_mis_weights, geo_mask, is_weight_metrics,
+                          rollout_correction, decoupled_ppo_loss
     logit helpers         entropy_from_logits, logprobs_from_logits
     KL coefficient        FixedKLController, AdaptiveKLController
     DAPO pieces           overlong_reward_penalty, informative_groups
@@ -31,6 +35,7 @@ Contents
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +57,7 @@ __all__ = [
     "reinforce_pp_advantage",
     "reinforce_pp_baseline_advantage",
     "gae_advantage",
+    "remax_advantage",
     "ppo_clip_loss",
     "KL_KINDS",
     "kl_penalty",
@@ -62,6 +68,27 @@ __all__ = [
     "AdaptiveKLController",
     "overlong_reward_penalty",
     "informative_groups",
+    "GSPO_CLIP_RATIO_LOW",
+    "GSPO_CLIP_RATIO_HIGH",
+    "gspo_loss",
+    "CISPO_CLIP_RATIO_LOW",
+    "CISPO_CLIP_RATIO_HIGH",
+    "cispo_loss",
+    "GMPO_CLIP_LOG_LOW",
+    "GMPO_CLIP_LOG_HIGH",
+    "gmpo_loss",
+    "SAFETY_BOUND",
+    "rollout_mismatch_metrics",
+    "token_tis_weights",
+    "token_mis_weights",
+    "seq_tis_weights",
+    "seq_mis_weights",
+    "geo_mask",
+    "is_weight_metrics",
+    "CORRECTION_MODES",
+    "CORRECTION_DEFAULTS",
+    "rollout_correction",
+    "decoupled_ppo_loss",
 ]
 
 
@@ -133,7 +160,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
 # Loss aggregation
 # ---------------------------------------------------------------------------
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -163,6 +190,8 @@ def agg_loss(
 
         "token-mean"              sum_{i,t} L_it m_it / N
                                   (DAPO's token-level loss; N defaults to sum m)
+        "token-sum"               sum_{i,t} L_it m_it
+                                  (no normaliser: the gradient grows with the token count)
         "seq-mean-token-sum"      1/G sum_i sum_t L_it m_it
         "seq-mean-token-mean"     1/G sum_i [ sum_t L_it m_it / (sum_t m_it + 1e-8) ]
                                   (the original GRPO sample-level loss)
@@ -170,19 +199,22 @@ def agg_loss(
                                   (Dr.GRPO: divide by a constant length instead of
                                   each response's own length)
 
-    Defaults: N = sum m of *this* tensor (at least 1, so a fully-masked batch
-    gives 0), G = B, norm_len = T = loss_mat.shape[-1].
+    Defaults: N = sum m of *this* tensor, G = the number of rows of this tensor
+    with at least one valid token (both at least 1, so a fully-masked batch
+    gives 0), norm_len = T = loss_mat.shape[-1].  These defaults are verl 0.9's
+    local fallback (agg_loss without global batch info).
 
     Gradient accumulation: pass the token count N (or sequence count G) of the
     whole mini-batch, or both as `norm` (a Norm, as the engine gives it).  Then the losses of its micro-batches SUM to the loss of the
     mini-batch, and every token (or sequence) has the same weight no matter how
-    the mini-batch was split.
+    the mini-batch was split.  A passed G is used as given: verl's trainer passes
+    the mini-batch's row count, fully-masked rows included, and so does rlkit's
+    engine.  "token-sum" needs no count; under data parallelism (gradients
+    averaged over P processes) the caller multiplies it by P, as verl does with
+    dp_size.
 
-    Note on "seq-mean-token-sum-norm": verl divides by norm_len only.  We also
-    divide by G, as the Dr.GRPO paper does (1/G sum_i ...), so the loss scale
-    does not grow with the batch size.
-
-    Fully-masked rows contribute 0 in every mode.  Unknown mode -> ValueError.
+    Fully-masked rows contribute 0 to the numerator in every mode.  Unknown mode
+    -> ValueError.
     """
     if norm is not None:
         num_tokens, num_seqs = norm.num_tokens, norm.num_seqs
@@ -191,9 +223,11 @@ def agg_loss(
         if num_tokens is None:
             num_tokens = mask.sum().clamp_min(1)
         return masked_sum(loss_mat, mask) / num_tokens
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
 
     if num_seqs is None:
-        num_seqs = loss_mat.shape[0]
+        num_seqs = (mask.sum(-1) > 0).sum().clamp_min(1)  # rows with a valid token
     if mode == "seq-mean-token-sum":
         return masked_sum(loss_mat, mask, dim=-1).sum() / num_seqs
     if mode == "seq-mean-token-mean":
@@ -284,24 +318,28 @@ def rloo_advantage(scores: Tensor, uid) -> Tensor:
 def reinforce_pp_advantage(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0):
     """REINFORCE++ (Hu 2025): discounted return, whitened over the whole batch.
 
-        G_t = r_t + gamma * G_{t+1}      (computed backwards; G is reset to 0
-                                          after the end of the response, so
-                                          rewards on padding do not leak back)
-        returns_t    = G_t
-        advantages   = whiten_m(returns) * m
+    Backwards over t with a carry G = 0 (as verl 0.9, PR #7300):
 
-    Whitening uses the mean / unbiased variance of all valid tokens in the batch
-    (no per-prompt grouping, no critic).
+        m_t = 1:  returns_t = r_t + gamma * G,   G <- returns_t
+        m_t = 0:  returns_t = 0,                 G unchanged
+        advantages = whiten_m(returns) * m
+
+    so the return flows through holes in the mask (tool-output tokens of a
+    multi-turn response) and gamma is applied once per *action* token.  A reward
+    placed on an m = 0 token is dropped (put outcome rewards on the last valid
+    token).  Whitening uses the mean / unbiased variance of all valid tokens in
+    the batch (no per-prompt grouping, no critic).
 
     token_rewards, mask (B, T) -> (advantages, returns), both (B, T).
     """
     mask = mask.to(token_rewards.dtype)
     returns = torch.zeros_like(token_rewards)
-    running = torch.zeros_like(token_rewards[:, 0])
+    carry = torch.zeros_like(token_rewards[:, 0])  # (B,)
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]  # reset after EOS
+        m = mask[:, t]
+        ret = token_rewards[:, t] + gamma * carry
+        returns[:, t] = ret * m
+        carry = ret * m + carry * (1 - m)
     advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
 
@@ -330,29 +368,52 @@ def gae_advantage(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: fl
     past the last token):
 
         delta_t = r_t + gamma * V_next - V_t
-        A_t     = delta_t + gamma * lam * A_next
-        V_next  <- V_t if m_t else V_next       (masked tokens are skipped: they
-        A_next  <- A_t if m_t else A_next        neither give a value nor a TD error)
+        m_t = 1:  A_t = delta_t + gamma * lam * A_next,  V_next <- V_t,  A_next <- A_t
+        m_t = 0:  A_t = A_next (the carry),  V_next and A_next unchanged
 
-    returns = A + V (with A *before* whitening) is the critic's target;
-    advantages = whiten_m(A) * m (whole-batch statistics).  The final "* m"
-    zeroes padding (verl leaves whitened garbage there; losses mask it anyway).
+    Masked tokens are skipped: they neither give a value nor a TD error, so the
+    advantage flows through holes in the mask (as verl, PR #2337).  A reward on
+    an m = 0 token is dropped.
+
+    returns = A + V (with A *before* whitening, carries included, so at a masked
+    position returns_t = A_next + V_t, exactly verl's numbers) is the critic's
+    target; advantages = whiten_m(A) * m (whole-batch statistics).  The final
+    "* m" zeroes padding (verl leaves whitened garbage there; losses mask it
+    anyway).
 
     token_rewards, values, mask (B, T) -> (advantages, returns), both (B, T).
     """
     mask = mask.to(values.dtype)
     advantages = torch.zeros_like(values)
-    next_value = torch.zeros_like(values[:, 0])
-    next_adv = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])  # (B,)
+    next_adv = torch.zeros_like(values[:, 0])  # (B,)
     for t in reversed(range(values.shape[1])):
+        m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         adv = delta + gamma * lam * next_adv
-        advantages[:, t] = adv
-        m = mask[:, t]
         next_value = values[:, t] * m + (1 - m) * next_value
         next_adv = adv * m + (1 - m) * next_adv
+        advantages[:, t] = next_adv
     returns = advantages + values
     return masked_whiten(advantages, mask) * mask, returns
+
+
+def remax_advantage(token_rewards: Tensor, baseline: Tensor, mask: Tensor):
+    """ReMax (Li et al. 2023, arXiv 2310.10505): the greedy response's reward is the baseline.
+
+        returns_t = sum_{t' >= t} m_t' r_t'           (reverse cumulative sum)
+        A_t       = returns_t - b * m_t
+
+    b is the reward of one extra *greedy* response to the same prompt, shared
+    by all samples of that prompt.  For an outcome reward on the last valid
+    token, A_t = (s - b) m_t.  No whitening, no std normalisation.  As verl 0.9's
+    compute_remax_outcome_advantage.
+
+    token_rewards, mask (B, T), baseline (B,) -> (advantages, returns), both (B, T).
+    """
+    mask = mask.to(token_rewards.dtype)
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    return returns - baseline.to(token_rewards.dtype)[:, None] * mask, returns
 
 
 # ---------------------------------------------------------------------------
@@ -368,6 +429,7 @@ def ppo_clip_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
+    weights: Tensor | None = None,
     loss_agg_mode: str = "token-mean",
     num_tokens=None,
     num_seqs=None,
@@ -382,11 +444,14 @@ def ppo_clip_loss(
         C1 = max(L1, L2)                           (standard PPO, as a loss)
         C2 = min(-A c, C1)                         (dual-clip, Ye et al. 2020)
         loss_t = C2 if A < 0 else C1
+        loss_t = sg(w_t) * loss_t                  (only if `weights` w is given)
         loss = agg_loss(loss_t, mask, loss_agg_mode, ...)
 
     eps_high > eps_low is DAPO's "clip-higher".  Dual-clip bounds the loss of
     a negative-advantage token whose ratio has exploded at -A c; pass
     clip_ratio_c=None to disable it.  c must be > 1 (ValueError otherwise).
+    `weights` (B, T) are importance weights outside the clip (a rollout
+    correction, see rollout_correction); they are detached here.
 
     Returns (loss, metrics) with metrics as python floats (masked means over
     this tensor's valid tokens):
@@ -409,6 +474,8 @@ def ppo_clip_loss(
         negative = advantages < 0
         per_token = torch.where(negative, torch.minimum(loss3, clipped), clipped)
         dual_active = negative & (clipped > loss3)
+    if weights is not None:
+        per_token = per_token * weights.detach()
 
     loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
@@ -496,6 +563,187 @@ def value_loss(
     loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     clipfrac = masked_mean((loss2 > loss1).to(loss1.dtype), mask).item()
     return loss, clipfrac
+
+
+# ---------------------------------------------------------------------------
+# Sequence-level and clipped-IS policy losses (GSPO, CISPO, GMPO)
+# ---------------------------------------------------------------------------
+
+# GSPO (Zheng et al. 2025, arXiv 2507.18071) §5.1: the sequence ratio is a geometric mean
+# over tokens, so its clip range is two to three orders of magnitude below PPO's 0.2
+# (the values verl's examples/gspo_trainer and TRL's docs use; taken from the paper).
+GSPO_CLIP_RATIO_LOW = 3e-4
+GSPO_CLIP_RATIO_HIGH = 4e-4
+
+
+def gspo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_ratio_low: float = GSPO_CLIP_RATIO_LOW,
+    clip_ratio_high: float = GSPO_CLIP_RATIO_HIGH,
+    token_level: bool = False,
+    weights: Tensor | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    norm_len=None,
+):
+    """GSPO: PPO's clip on the sequence-level ratio (Zheng et al. 2025, arXiv 2507.18071).
+
+        log s_i = sum_t m_it (log pi_it - log pi_old_it) / max(|y_i|, 1)   (log of the geometric mean)
+
+        GSPO (token_level=False), A_i = mean_t A_it:
+            L_it = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high))     (same for every t)
+        GSPO-token (token_level=True), per-token A_it:
+            log s_it = sg(log s_i) + log pi_it - sg(log pi_it)                    (value s_i, gradient s_i grad log pi_it)
+            L_it = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
+
+        log s is clamped at <= 10 (as verl); then loss_t *= sg(w_t) if `weights`
+        w are given, and loss = agg_loss(L, mask, loss_agg_mode, ...).
+
+    The default seq-mean-token-mean makes the loss mean_i L_i, the paper's
+    objective.  With an advantage that is constant along each response (GRPO's)
+    both variants give the same value and the same gradient
+    s_i A_i mean_t grad log pi_it.  verl 0.9's compute_policy_loss_gspo is the
+    GSPO-token variant and always aggregates with seq-mean-token-mean.
+
+    Returns (loss, metrics): "pg_clipfrac" (fraction of tokens where the clip was
+    active) and "ppo_kl" (mean of log pi_old - log pi), python floats.
+    """
+    mask = mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob  # (B, T)
+    seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / mask.sum(-1).clamp_min(1)  # (B,)
+    if token_level:
+        log_s = seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach()  # (B, T)
+        adv = advantages  # (B, T)
+    else:
+        log_s = seq_log_ratio[:, None]  # (B, 1)
+        adv = masked_mean(advantages, mask, dim=-1)[:, None]  # (B, 1)
+    ratio = torch.exp(torch.clamp(log_s, max=10.0))
+    loss1 = (-adv * ratio).expand_as(log_prob)  # (B, T)
+    loss2 = (-adv * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)).expand_as(log_prob)
+    per_token = torch.maximum(loss1, loss2)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss2 > loss1).to(log_prob.dtype), mask).item(),
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        }
+    return loss, metrics
+
+
+# CISPO (MiniMax-M1, arXiv 2506.13585): the paper leaves the lower bound of the IS weight
+# open (eps_low large); 1.0 puts it at 0, below every ratio (verl's example uses 10, same
+# effect).  eps_high = 0.2 is verl's examples/cispo_trainer value; the paper's own is not
+# verified.  TRL instead reads epsilon_high as an absolute cap (5.0 recommended by ScaleRL).
+CISPO_CLIP_RATIO_LOW = 1.0
+CISPO_CLIP_RATIO_HIGH = 0.2
+
+
+def cispo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_ratio_low: float = CISPO_CLIP_RATIO_LOW,
+    clip_ratio_high: float = CISPO_CLIP_RATIO_HIGH,
+    weights: Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    norm_len=None,
+):
+    """CISPO: REINFORCE weighted by a clipped, stop-gradient IS ratio (MiniMax-M1, arXiv 2506.13585).
+
+        r_t  = exp(clamp(log pi_t - log pi_old_t, -20, 20))
+        L_t  = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi_t
+        loss = agg_loss(L * sg(w), mask, loss_agg_mode, ...)      (w = `weights`, if given)
+
+    Unlike PPO, no token loses its gradient when the ratio leaves the range:
+    only its weight is capped.  The loss *value* is not meaningful (it contains
+    log pi), its gradient is: -clip(r) A grad log pi.  As verl 0.9's
+    compute_policy_loss_cispo.
+
+    Returns (loss, metrics): "pg_clipfrac" (fraction of tokens whose weight was
+    clipped) and "ppo_kl", python floats.
+    """
+    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    per_token = -clipped.detach() * advantages * log_prob
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((ratio != clipped).to(ratio.dtype), mask).item(),
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        }
+    return loss, metrics
+
+
+# GMPO (Zhao et al. 2025, arXiv 2507.20673): token log-ratios clipped to (-0.4, 0.4), i.e.
+# ratios in (e^-0.4, e^0.4); the paper advises less for MoE models.  verl's
+# examples/gmpo_trainer and TRL's experimental GMPO use 0.4 too (verl's actor default 0.2 is not it).
+GMPO_CLIP_LOG_LOW = 0.4
+GMPO_CLIP_LOG_HIGH = 0.4
+
+
+def gmpo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_log_low: float = GMPO_CLIP_LOG_LOW,
+    clip_log_high: float = GMPO_CLIP_LOG_HIGH,
+    weights: Tensor | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    norm_len=None,
+):
+    """GMPO: maximise the geometric mean of the token ratios (Zhao et al. 2025, arXiv 2507.20673).
+
+        l_t  = log pi_t - log pi_old_t,            sigma_t = sign(A_t)
+        l~_t = sigma_t min(sigma_t l_t, sigma_t clip(l_t, -eps_low, eps_high))   (token clip, in log space)
+        r_i  = exp( sum_t m_t l~_t / (|y_i| + 1e-8) )                          (geometric mean of clipped ratios)
+        A_i  = sum_t m_t A_t / (|y_i| + 1e-8)                                  (sequence-level advantage)
+        L_i  = -A_i r_i * w_i,   w_i = exp(sum_t m_t log(w_t + 1e-10) / (|y_i| + 1e-8))  (if `weights` w)
+
+    The clip is pessimistic like PPO's: it only removes the incentive to move
+    l_t further past the bound in the direction A favours.  L_i is put on every
+    valid token of row i and reduced with agg_loss (seq-mean-token-mean, the
+    default, gives mean_i L_i).  As verl 0.9's compute_policy_loss_geo_mean,
+    which takes a plain mean over the micro-batch's rows instead.
+
+    Returns (loss, metrics): "pg_clipfrac" / "pg_clipfrac_lower" (fraction of
+    tokens with a clipped log-ratio and A > 0 / A < 0) and "ppo_kl".
+    """
+    mask = mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob  # (B, T)
+    sign = torch.sign(advantages)
+    log_ratio_clipped = torch.clamp(log_ratio, -clip_log_low, clip_log_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * log_ratio_clipped)  # (B, T)
+    length = mask.sum(-1) + 1e-8  # (B,)
+    ratio = torch.exp(masked_sum(pessimistic, mask, dim=-1) / length)  # (B,)
+    seq_adv = masked_sum(advantages, mask, dim=-1) / length  # (B,)
+    seq_loss = -seq_adv * ratio  # (B,)
+    if weights is not None:
+        seq_loss = seq_loss * torch.exp(masked_sum(torch.log(weights.detach() + 1e-10), mask, dim=-1) / length)
+    per_token = seq_loss[:, None].expand_as(log_prob)  # (B, T)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    with torch.no_grad():
+        clipped = (log_ratio != log_ratio_clipped).to(log_prob.dtype)
+        metrics = {
+            "pg_clipfrac": masked_mean(clipped * (advantages > 0), mask).item(),
+            "pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), mask).item(),
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        }
+    return loss, metrics
 
 
 # ---------------------------------------------------------------------------
@@ -618,3 +866,256 @@ def informative_groups(uid, metric) -> Tensor:
     group_min = metric.new_zeros(num_groups).scatter_reduce(0, g, metric, "amin", include_self=False)
     keep = (group_max > group_min) | (count == 1)
     return keep[g]
+
+
+# ---------------------------------------------------------------------------
+# Off-policy: rollout-vs-trainer mismatch, importance-sampling correction, decoupled PPO
+#
+# mu = the rollout (behaviour) policy whose log-probs the inference engine returned,
+# pi = the trainer's log-probs for the same sampled tokens,
+# Delta_t = log pi_t - log mu_t,  rho_t = exp(Delta_t).
+# ---------------------------------------------------------------------------
+
+# Log-ratios are clamped to +-20 before exp (e^20 ~ 4.9e8), as verl and slime do.
+SAFETY_BOUND = 20.0
+
+
+def _log_ratio(log_prob: Tensor, rollout_log_prob: Tensor) -> Tensor:
+    """Delta = log pi - log mu, detached and clamped to +-SAFETY_BOUND.  (B, T)"""
+    return torch.clamp((log_prob - rollout_log_prob).detach(), -SAFETY_BOUND, SAFETY_BOUND)
+
+
+def rollout_mismatch_metrics(
+    log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, threshold: float = 2.0, prefix: str = "rollout_corr/"
+) -> dict:
+    """How far the rollout engine's log-probs are from the trainer's, over the sampled tokens.
+
+    With Delta_t = log pi_t - log mu_t over tokens with m_t = 1 (metric names after `prefix`):
+
+        abs_diff_mean, abs_diff_max   mean_t and max_t |Delta_t|
+        kl                            mean_t (-Delta_t)                  naive KL(mu || pi), can be < 0
+        k3_kl                         mean_t (rho_t - Delta_t - 1)       >= 0, unbiased for KL(mu || pi)
+        log_ppl_diff                  mean_i (mean_t log mu - mean_t log pi) = log(PPL_train / PPL_rollout)
+        log_ppl_abs_diff              mean_i |...|
+        ppl_ratio                     mean_i exp(...)                    per-sequence PPL ratio, 1 when equal
+        chi2_token                    mean_t rho_t^2 - 1
+        ratio_fraction_high / _low    mean_t 1[rho_t > C] / mean_t 1[rho_t < 1/C]   (C = threshold)
+
+    Sequence means run over rows with at least one valid token.  Delta is
+    clamped to +-20 before exp.  Names and formulas follow verl 0.9's
+    rollout_corr/ metrics (compute_offpolicy_metrics) and TRL's
+    sampling_logp_difference.  All values are python floats; 0.0 when no
+    token is valid.  HF rollouts give all zeros (same model code).
+    """
+    mask = mask.to(log_prob.dtype)
+    delta = _log_ratio(log_prob, rollout_log_prob)  # (B, T)
+    rows = mask.sum(-1) > 0  # (B,)
+    log_ppl_diff = -masked_mean(delta, mask, dim=-1)[rows]  # (B',)
+    abs_diff = torch.where(mask > 0, delta.abs(), torch.zeros_like(delta))
+    log_c = torch.log(torch.tensor(float(threshold), dtype=delta.dtype))
+    metrics = {
+        "abs_diff_mean": masked_mean(delta.abs(), mask),
+        "abs_diff_max": abs_diff.max() if mask.any() else delta.new_zeros(()),
+        "kl": masked_mean(-delta, mask),
+        "k3_kl": masked_mean(torch.exp(delta) - delta - 1, mask),
+        "log_ppl_diff": log_ppl_diff.mean() if rows.any() else delta.new_zeros(()),
+        "log_ppl_abs_diff": log_ppl_diff.abs().mean() if rows.any() else delta.new_zeros(()),
+        "ppl_ratio": torch.exp(log_ppl_diff).mean() if rows.any() else delta.new_zeros(()),
+        "chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1 if mask.any() else delta.new_zeros(()),
+        "ratio_fraction_high": masked_mean((delta > log_c).to(delta.dtype), mask),
+        "ratio_fraction_low": masked_mean((delta < -log_c).to(delta.dtype), mask),
+    }
+    return {prefix + k: v.item() for k, v in metrics.items()}
+
+
+def token_tis_weights(log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
+    """Token-level truncated importance sampling (TIS):  w_t = min(rho_t, C) * m_t.
+
+    Caps the top only, as verl (rollout_is="token", threshold 2.0) and slime
+    (--tis-clip 2.0).  Detached: the weight rescales the gradient, it has none.
+    (B, T) -> (B, T).
+    """
+    rho = torch.exp(_log_ratio(log_prob, rollout_log_prob))
+    return torch.clamp(rho, max=cap) * mask.to(rho.dtype)
+
+
+def token_mis_weights(log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, low: float = 0.5, high: float = 2.0) -> Tensor:
+    """Token-level masked importance sampling (MIS, "IcePop"):  w_t = rho_t * 1[low <= rho_t <= high] * m_t.
+
+    A token whose ratio leaves [low, high] gets weight 0 (no gradient) but stays
+    in the loss denominator.  As TRL's token_mask, verl's "low_high" threshold,
+    slime's icepop.  Defaults 0.5 / 2.0 are slime's example bounds.  Detached.
+    (B, T) -> (B, T).
+    """
+    rho = torch.exp(_log_ratio(log_prob, rollout_log_prob))
+    keep = (rho >= low) & (rho <= high)
+    return torch.where(keep, rho, torch.zeros_like(rho)) * mask.to(rho.dtype)
+
+
+def _seq_ratio(log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor) -> Tensor:
+    """rho_seq_i = exp(clamp(sum_t m_t Delta_t, +-20)), the product of the token ratios.  (B, 1)"""
+    delta = (log_prob - rollout_log_prob).detach()
+    return torch.exp(torch.clamp(masked_sum(delta, mask, dim=-1), -SAFETY_BOUND, SAFETY_BOUND))[:, None]
+
+
+def seq_tis_weights(log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
+    """Sequence-level truncated IS:  w_it = min(prod_t rho_t, C) * m_it  (one weight per response).
+
+    Unbiased before truncation, but the product grows like e^{|y| mean Delta}:
+    long answers hit the cap.  As verl rollout_is="sequence" (cap 2.0).
+    Detached.  (B, T) -> (B, T).
+    """
+    rho_seq = _seq_ratio(log_prob, rollout_log_prob, mask)  # (B, 1)
+    return torch.clamp(rho_seq, max=cap) * mask.to(rho_seq.dtype)
+
+
+def seq_mis_weights(log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, low: float = 0.5, high: float = 2.0) -> Tensor:
+    """Sequence-level masked IS:  w_it = rho_seq_i * 1[low <= rho_seq_i <= high] * m_it,  rho_seq = prod_t rho_t.
+
+    A response whose product ratio leaves [low, high] gets weight 0.  As TRL's
+    sequence_mask (its default, with high 3.0 and no low) and SkyRL's product
+    mask [0.5, 2.0].  Beware the length trap: mean |Delta| ~ 0.012 over 100 tokens
+    already exceeds 3.0.  Detached.  (B, T) -> (B, T).
+    """
+    rho_seq = _seq_ratio(log_prob, rollout_log_prob, mask)  # (B, 1)
+    keep = (rho_seq >= low) & (rho_seq <= high)
+    return torch.where(keep, rho_seq, torch.zeros_like(rho_seq)) * mask.to(rho_seq.dtype)
+
+
+def geo_mask(log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, low: float = 0.999, high: float = 1.001) -> Tensor:
+    """Geometric-mean sequence mask (Geo-RS):  keep row i iff low <= exp(sum_t m_t Delta_t / |y_i|) <= high.
+
+    Returns the edited mask m_it * keep_i (B, T), a filter, not a weight.  The
+    per-token geometric mean does not grow with length, so the bounds are
+    tight: verl's decoupled_geo_rs preset uses 0.999 / 1.001 (the default here),
+    SkyRL 0.99 / 1.01.  Rows with no valid token stay all-zero.
+    """
+    mask = mask.to(log_prob.dtype)
+    delta = (log_prob - rollout_log_prob).detach()
+    mean_log = masked_sum(delta, mask, dim=-1) / mask.sum(-1).clamp_min(1)  # (B,)
+    keep = (mean_log >= math.log(low)) & (mean_log <= math.log(high))
+    return mask * keep[:, None].to(mask.dtype)
+
+
+def is_weight_metrics(weights: Tensor, mask: Tensor, prefix: str = "rollout_corr/") -> dict:
+    """Statistics of the importance weights w after correction, over valid tokens.
+
+        is_mean, is_max, is_min    mean / max / min of w_t
+        is_ess                     1 / mean_t (w_t / mean w)^2   (effective sample size fraction, 1 = uniform)
+        is_zero_fraction           mean_t 1[w_t = 0]             (tokens masked by MIS)
+
+    Python floats; 0.0 everywhere when no token is valid (is_ess 0 too).
+    """
+    mask = mask.to(weights.dtype)
+    if not mask.any():
+        return {prefix + k: 0.0 for k in ("is_mean", "is_max", "is_min", "is_ess", "is_zero_fraction")}
+    valid = weights[mask > 0]
+    mean = valid.mean()
+    ess = 1.0 / ((valid / mean) ** 2).mean() if mean > 0 else valid.new_zeros(())
+    return {
+        prefix + "is_mean": mean.item(),
+        prefix + "is_max": valid.max().item(),
+        prefix + "is_min": valid.min().item(),
+        prefix + "is_ess": ess.item(),
+        prefix + "is_zero_fraction": (valid == 0).to(weights.dtype).mean().item(),
+    }
+
+
+CORRECTION_MODES = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-mask")
+# Default caps / bounds per mode (see each function for the sources).
+CORRECTION_DEFAULTS = {"token-tis": 2.0, "token-mis": (0.5, 2.0), "seq-tis": 2.0, "seq-mis": (0.5, 2.0), "geo-mask": (0.999, 1.001)}
+
+
+def rollout_correction(
+    log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, mode: str = "none", threshold=None, prefix="rollout_corr/"
+):
+    """One flag for the correction of rollout-vs-trainer mismatch.
+
+        mode         weights w (B, T)                      mask
+        none         None                                  unchanged
+        token-tis    token_tis_weights(cap=threshold)      unchanged
+        token-mis    token_mis_weights(*threshold)         unchanged
+        seq-tis      seq_tis_weights(cap=threshold)        unchanged
+        seq-mis      seq_mis_weights(*threshold)           unchanged
+        geo-mask     None                                  geo_mask(*threshold)
+
+    threshold: a cap C for the -tis modes, a (low, high) pair for the others;
+    None takes CORRECTION_DEFAULTS[mode].  The weights multiply the per-token
+    policy loss, detached, outside any clip (the `weights` argument of the
+    losses); the mask replaces the response mask.  Returns (weights, mask,
+    metrics): the rollout_mismatch_metrics, plus is_weight_metrics of the weights
+    and "<prefix>masked_fraction" (valid tokens removed by geo-mask).
+    Unknown mode -> ConfigError.
+    """
+    if mode not in CORRECTION_MODES:
+        raise ConfigError(f"unknown rollout correction {mode!r}; valid: {', '.join(CORRECTION_MODES)}")
+    metrics = rollout_mismatch_metrics(log_prob, rollout_log_prob, mask, prefix=prefix)
+    if mode == "none":
+        return None, mask, metrics
+    threshold = CORRECTION_DEFAULTS[mode] if threshold is None else threshold
+    if mode == "geo-mask":
+        new_mask = geo_mask(log_prob, rollout_log_prob, mask, *threshold)
+        metrics[prefix + "masked_fraction"] = masked_mean(1 - new_mask, mask.to(new_mask.dtype)).item()
+        return None, new_mask, metrics
+    if mode.endswith("-tis"):
+        fn = token_tis_weights if mode == "token-tis" else seq_tis_weights
+        weights = fn(log_prob, rollout_log_prob, mask, threshold)
+    else:
+        fn = token_mis_weights if mode == "token-mis" else seq_mis_weights
+        weights = fn(log_prob, rollout_log_prob, mask, *threshold)
+    metrics.update(is_weight_metrics(weights, mask, prefix))
+    return weights, mask, metrics
+
+
+def decoupled_ppo_loss(
+    log_prob: Tensor,
+    prox_log_prob: Tensor,
+    behav_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    behav_cap: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    norm_len=None,
+):
+    """Decoupled PPO (Hilton et al. 2021, arXiv 2110.00641; AReaL, arXiv 2505.24298) for stale batches.
+
+        u_t    = pi_theta_t / pi_prox_t                       (the PPO ratio, anchored at the proximal policy)
+        w_t    = sg(pi_prox_t / mu_t), min(w_t, C) if behav_cap C   (behaviour weight, log-ratio clamped to +-20)
+        loss_t = w_t * ppo_clip_t(u_t, A_t)                   (ppo_clip_loss's per-token loss, dual clip included)
+        loss   = agg_loss(loss_t, mask, loss_agg_mode, ...)
+
+    pi_prox = the trainer's log-probs of the current weights before the update
+    (recomputed), mu = the policy that generated the batch (k steps stale in
+    asynchronous training, plus the engine's numeric mismatch).  The clip keeps
+    the update near pi_prox; w corrects the sample distribution from mu to
+    pi_prox.  With prox == behav the weight is 1 and this is ppo_clip_loss.
+
+    Returns (loss, metrics): ppo_clip_loss's metrics plus "behav_weight_mean" and
+    "behav_weight_max" (over valid tokens, after the cap).
+    """
+    weights = torch.exp(_log_ratio(prox_log_prob, behav_log_prob))
+    if behav_cap is not None:
+        weights = torch.clamp(weights, max=behav_cap)
+    loss, metrics = ppo_clip_loss(
+        log_prob,
+        prox_log_prob,
+        advantages,
+        mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        weights=weights,
+        loss_agg_mode=loss_agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_len=norm_len,
+    )
+    mask = mask.to(weights.dtype)
+    metrics["behav_weight_mean"] = masked_mean(weights, mask).item()
+    metrics["behav_weight_max"] = (weights * mask).max().item() if mask.any() else 0.0
+    return loss, metrics

@@ -58,8 +58,57 @@ def register_scorer(*data_sources: str):
 
 # ----------------------------------------------------------------------------- built-in scorers
 
-# "#### 1,234.5": optional minus, a digit, then digits/commas, then an optional decimal part.
-_GSM8K_ANSWER = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d*)?)")
+# verl's gsm8k.py (v0.9.0), re-implemented: only the last 300 characters are searched; "strict" takes the
+# last "#### <number>" (exactly one space after ####), "flexible" the last number anywhere that is not ".".
+_GSM8K_CLIP_CHARS = 300
+_GSM8K_STRICT = re.compile(r"#### (-?[0-9.,]+)")
+_GSM8K_NUMBER = re.compile(r"(-?[0-9.,]+)")
+
+
+def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
+    """The answer string verl's gsm8k scorer reads from a response, or None.
+
+    Both methods look at the last 300 characters only.
+    strict:   the last match of "#### (-?[0-9.,]+)", with "," removed ("#### 1,234" -> "1234").
+              "####18", "#### $18" and "#### 18." (-> "18.") therefore never equal "18".
+    flexible: the last match of "(-?[0-9.,]+)" anywhere that is not "." (commas kept: "1,234";
+              a sentence-final "18." stays "18.").
+    """
+    if method not in ("strict", "flexible"):
+        raise ConfigError(f"gsm8k method must be 'strict' or 'flexible', got {method!r}")
+    text = solution_str[-_GSM8K_CLIP_CHARS:]
+    if method == "strict":
+        matches = _GSM8K_STRICT.findall(text)
+        return matches[-1].replace(",", "") if matches else None
+    matches = _GSM8K_NUMBER.findall(text)
+    valid = [m for m in matches if m != "."]
+    if valid:
+        return valid[-1]
+    return matches[0] if matches else None  # only "." matches: verl's loop ends on the first one
+
+
+@register_scorer("openai/gsm8k", "gsm8k")
+def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """GSM8K as verl scores it (method "strict"): 1.0 if the LAST "#### <number>" in the last 300
+    characters equals the ground truth as a string, after removing commas from the answer; else 0.0.
+
+    The ground truth is compared as given (verl's preprocessing already removed its commas).
+    See gsm8k_flexible_score for verl's "flexible" method and gsm8k_lenient_score for rlkit's own reading.
+    """
+    return 1.0 if gsm8k_extract(solution_str, "strict") == str(ground_truth) else 0.0
+
+
+@register_scorer("rlkit/gsm8k-flexible")
+def gsm8k_flexible_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """GSM8K as verl scores it with method "flexible": 1.0 if the last number in the last 300 characters
+    (commas kept, "." alone skipped) equals the ground truth as a string. Select it with the data_source
+    "rlkit/gsm8k-flexible" or --reward.custom-fn rlkit.rewards:gsm8k_flexible_score.
+    """
+    return 1.0 if gsm8k_extract(solution_str, "flexible") == str(ground_truth) else 0.0
+
+
+# rlkit's lenient reading: "#### 1,234." with any spacing; commas and one trailing "." stripped on both sides.
+_GSM8K_LENIENT = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d*)?)")
 
 
 def _normalize_number(text: str) -> str:
@@ -67,14 +116,15 @@ def _normalize_number(text: str) -> str:
     return text.strip().replace(",", "").rstrip(".")
 
 
-@register_scorer("openai/gsm8k", "gsm8k")
-def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """GSM8K, strict format: 1.0 if the LAST "#### <number>" in the response equals the ground truth.
+@register_scorer("rlkit/gsm8k-lenient")
+def gsm8k_lenient_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """GSM8K, rlkit's lenient reading: 1.0 if the LAST "####<spaces><number>" anywhere in the response equals
+    the ground truth once commas and a trailing "." are removed from both ("#### 1,234." matches "1,234").
 
-    Commas are stripped from both sides and a trailing "." from the answer ("#### 1,234." -> "1234");
-    the comparison is on strings, so "72.0" does not match "72". No "####" answer scores 0.0.
+    More forgiving than verl's strict method ("####72", "#### 72." and a comma'd ground truth score 1.0);
+    the comparison is still on strings, so "72.0" does not match "72". No "####" answer scores 0.0.
     """
-    matches = _GSM8K_ANSWER.findall(solution_str)
+    matches = _GSM8K_LENIENT.findall(solution_str)
     if not matches:
         return 0.0
     return 1.0 if _normalize_number(matches[-1]) == _normalize_number(str(ground_truth)) else 0.0

@@ -93,6 +93,7 @@ M = t([[1, 1, 0], [1, 0, 0]])
         ("seq-mean-token-sum", 3.5),  # row sums 3, 4 -> (3+4)/2 = 3.5
         ("seq-mean-token-mean", 2.75),  # row means 1.5, 4 -> (1.5+4)/2 = 2.75
         ("seq-mean-token-sum-norm", 7.0 / 6.0),  # (3+4)/(G=2 * T=3) = 1.16667
+        ("token-sum", 7.0),  # 1+2+4 = 7, no normaliser
     ],
 )
 def test_agg_loss_modes(mode, expected):
@@ -125,14 +126,31 @@ def test_agg_loss_fully_masked_gives_zero():
         out = algos.agg_loss(loss, torch.zeros(2, 2), mode)
         assert torch.isfinite(out), mode
         assert_close(out, t(0.0), atol=ATOL, rtol=0)
-    # a fully masked row counts as a zero-loss sequence: (1.5 + 0)/2 = 0.75
-    out = algos.agg_loss(loss, t([[1, 1], [0, 0]]), "seq-mean-token-mean")
-    assert_close(out, t(0.75), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "mode, default, given",
+    [
+        # row 0 valid [1, 2], row 1 fully masked.  default G = rows with a valid token = 1 (verl 0.9's local
+        # fallback in agg_loss); a given G (verl's trainer passes the mini-batch's row count) is used as is.
+        ("seq-mean-token-mean", 1.5, 0.75),  # row means 1.5, 0 -> 1.5/1 ; 1.5/2
+        ("seq-mean-token-sum", 3.0, 1.5),  # row sums 3, 0 -> 3/1 ; 3/2
+        ("seq-mean-token-sum-norm", 1.5, 0.75),  # 3/(1*T=2) ; 3/(2*2)  (verl 0.9, PR #5417, divides by G too)
+        ("token-mean", 1.5, 1.5),  # 3/2 tokens either way
+        ("token-sum", 3.0, 3.0),
+    ],
+)
+def test_agg_loss_fully_masked_row_as_verl(mode, default, given):
+    # Mirrors verl v0.9.0 (483b8a0) core_algos.agg_loss: default = its fallback (global_batch_size=None),
+    # given = global_batch_size=2.
+    loss, mask = t([[1.0, 2.0], [3.0, 4.0]]), t([[1, 1], [0, 0]])
+    assert_close(algos.agg_loss(loss, mask, mode), t(default), atol=ATOL, rtol=0)
+    assert_close(algos.agg_loss(loss, mask, mode, num_seqs=2), t(given), atol=ATOL, rtol=0)
 
 
 def test_agg_loss_unknown_mode():
     with pytest.raises(ValueError, match="token-mean"):
-        algos.agg_loss(L, M, "token-sum")
+        algos.agg_loss(L, M, "token-median")
 
 
 # ---------------------------------------------------------------------------
@@ -192,16 +210,34 @@ def test_reinforce_pp_reset_after_eos_and_whitening():
     r = t([[0.0, 0.0, 1.0, 5.0], [0.0, 2.0, 0.0, 0.0]])
     m = t([[1, 1, 1, 0], [1, 1, 0, 0]])
     adv, ret = algos.reinforce_pp_advantage(r, m, gamma=0.5)
-    # row 0 backwards: t3: G=5 -> ret 5, then G*=m3=0 (reset: the 5 on padding does not leak)
+    # row 0 backwards: t3 (m=0): ret 0, carry stays 0 (the 5 on padding is dropped)
     #                  t2: G=1+0.5*0=1; t1: G=0+0.5*1=0.5; t0: G=0.25
-    # row 1 backwards: t3: 0; t2: 0 (reset); t1: G=2; t0: G=0+0.5*2=1
-    assert_close(ret, t([[0.25, 0.5, 1.0, 5.0], [1.0, 2.0, 0.0, 0.0]]), atol=ATOL, rtol=0)
+    # row 1 backwards: t3, t2 (m=0): 0, carry 0; t1: G=2; t0: G=0+0.5*2=1
+    assert_close(ret, t([[0.25, 0.5, 1.0, 0.0], [1.0, 2.0, 0.0, 0.0]]), atol=ATOL, rtol=0)
     # valid returns 0.25, 0.5, 1, 1, 2: mean=4.75/5=0.95
     # deviations -0.7, -0.45, 0.05, 0.05, 1.05; squares sum 0.49+0.2025+0.0025+0.0025+1.1025=1.8
     # unbiased var=1.8/4=0.45, std=0.670820
     # -0.7/0.67082=-1.043498, -0.45/0.67082=-0.670820, 0.05/0.67082=0.074536, 1.05/0.67082=1.565248
     expected = t([[-1.043498, -0.670820, 0.074536, 0.0], [0.074536, 1.565248, 0.0, 0.0]])
     assert_close(adv, expected, atol=ATOL, rtol=0)
+
+
+def test_reinforce_pp_carries_return_across_mask_holes():
+    # verl v0.9.0 (483b8a0) compute_reinforce_plus_plus_outcome_advantage, PR #7300 (issue #7278):
+    # [action, action, obs, obs, action, action]; the 7 sits on an observation token and is dropped.
+    r = t([[0.0, 0.0, 0.0, 7.0, 0.0, 1.0]])
+    m = t([[1, 1, 0, 0, 1, 1]])
+    _, ret = algos.reinforce_pp_advantage(r, m, gamma=1.0)
+    # gamma=1: the outcome 1 reaches every action token (the old reset gave [0, 0, 0, 0, 1, 1])
+    assert_close(ret, t([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]]), atol=ATOL, rtol=0)
+    adv, ret = algos.reinforce_pp_advantage(r, m, gamma=0.5)
+    # backwards: t5 G=1; t4 G=0.5; t3, t2 (obs): ret 0, carry 0.5; t1 G=0.5*0.5=0.25; t0 G=0.125
+    # (gamma applied once per action token, not per observation token)
+    assert_close(ret, t([[0.125, 0.25, 0.0, 0.0, 0.5, 1.0]]), atol=ATOL, rtol=0)
+    # whiten valid [0.125, 0.25, 0.5, 1]: mean 1.875/4=0.46875; squared deviations
+    # 0.1181640625+0.0478515625+0.0009765625+0.2822265625=0.44921875; unbiased var 0.1497396, std 0.3869620
+    # -0.34375/0.386962=-0.888330, -0.21875/0.386962=-0.565301, 0.03125/0.386962=0.080757, 0.53125/0.386962=1.372874
+    assert_close(adv, t([[-0.888330, -0.565301, 0.0, 0.0, 0.080757, 1.372874]]), atol=ATOL, rtol=0)
 
 
 def test_reinforce_pp_fully_masked_gives_zero():
@@ -232,11 +268,11 @@ def test_gae_masked_last_token():
     v = t([[0.5, 0.2, 3.0]])
     m = t([[1, 1, 0]])
     adv, ret = algos.gae_advantage(r, v, m, gamma=0.9, lam=0.8)
-    # t2 (masked): delta=5+0.9*0-3=2, A2=2; mask 0 -> next_value, next_adv stay 0
+    # t2 (masked): A2 = the carry 0 (verl stores the carry at masked tokens); next_value, next_adv stay 0
     # t1: delta=1+0.9*0-0.2=0.8, A1=0.8+0.72*0=0.8; next_value=0.2, next_adv=0.8
     # t0: delta=0+0.9*0.2-0.5=-0.32, A0=-0.32+0.72*0.8=0.256
-    # returns = A + V = [0.256+0.5, 0.8+0.2, 2+3] = [0.756, 1.0, 5.0]
-    assert_close(ret, t([[0.756, 1.0, 5.0]]), atol=ATOL, rtol=0)
+    # returns = A + V = [0.256+0.5, 0.8+0.2, 0+3] = [0.756, 1.0, 3.0]   (verl v0.9.0 compute_gae_advantage_return)
+    assert_close(ret, t([[0.756, 1.0, 3.0]]), atol=ATOL, rtol=0)
     # whiten over valid [0.256, 0.8]: mean 0.528, deviations ∓0.272,
     # unbiased var=2*0.272^2/1=0.147968, std=0.384666 -> ∓0.272/0.384666=∓0.707107; padding -> 0
     assert_close(adv, t([[-0.707107, 0.707107, 0.0]]), atol=ATOL, rtol=0)
@@ -248,10 +284,10 @@ def test_gae_skips_masked_middle_token():
     m = t([[1, 0, 1]])
     adv, ret = algos.gae_advantage(r, v, m, gamma=0.9, lam=0.8)
     # t2: delta=1+0-0.4=0.6, A2=0.6; next_value=0.4, next_adv=0.6
-    # t1 (masked): delta=0+0.9*0.4-0.2=0.16, A1=0.16+0.72*0.6=0.592; next_* unchanged (0.4, 0.6)
+    # t1 (masked): A1 = the carry 0.6; next_* unchanged (0.4, 0.6)
     # t0: delta=0+0.9*0.4-0.5=-0.14, A0=-0.14+0.72*0.6=0.292   (bypasses token 1)
-    # returns = [0.292+0.5, 0.592+0.2, 0.6+0.4] = [0.792, 0.792, 1.0]
-    assert_close(ret, t([[0.792, 0.792, 1.0]]), atol=ATOL, rtol=0)
+    # returns = [0.292+0.5, 0.6+0.2, 0.6+0.4] = [0.792, 0.8, 1.0]   (verl v0.9.0 compute_gae_advantage_return)
+    assert_close(ret, t([[0.792, 0.8, 1.0]]), atol=ATOL, rtol=0)
     # whiten over valid [0.292, 0.6]: two values -> ∓1/sqrt(2) = ∓0.707107
     assert_close(adv, t([[-0.707107, 0.0, 0.707107]]), atol=ATOL, rtol=0)
 
@@ -503,3 +539,274 @@ def test_informative_groups():
         True,
         True,
     ]
+
+
+# ---------------------------------------------------------------------------
+# ReMax
+# ---------------------------------------------------------------------------
+
+
+def test_remax_advantage():
+    # verl v0.9.0 (483b8a0) compute_remax_outcome_advantage: returns = reverse cumsum of r*m, A = returns - b*m
+    r = t([[0.0, 0.0, 1.0], [0.0, 0.5, 9.0]])  # the 9 sits on padding and is dropped
+    m = t([[1, 1, 1], [1, 1, 0]])
+    b = t([0.5, 1.0])  # each row's greedy-response reward
+    adv, ret = algos.remax_advantage(r, b, m)
+    assert_close(ret, t([[1.0, 1.0, 1.0], [0.5, 0.5, 0.0]]), atol=ATOL, rtol=0)
+    # row 0: 1 - 0.5 = 0.5 on every valid token; row 1: 0.5 - 1 = -0.5, padding 0
+    assert_close(adv, t([[0.5, 0.5, 0.5], [-0.5, -0.5, 0.0]]), atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# GSPO / CISPO / GMPO
+# ---------------------------------------------------------------------------
+
+
+def _gspo_case():
+    # row 0: log-ratios 0.3, -0.1 (+ padding 0.4): mean 0.1 -> s0 = e^0.1 = 1.105171
+    # row 1: log-ratios -0.2, 0.1, -0.5: mean -0.2 -> s1 = e^-0.2 = 0.818731
+    logp = t([[0.3, -0.1, 0.4], [-0.2, 0.1, -0.5]]).requires_grad_(True)
+    m = t([[1, 1, 0], [1, 1, 1]])
+    adv = t([[2.0, 2.0, 2.0], [-1.0, -1.0, -1.0]])
+    return logp, torch.zeros(2, 3), adv, m
+
+
+@pytest.mark.parametrize("token_level", [False, True])
+def test_gspo_unclipped_value_and_gradient(token_level):
+    # Value equals verl v0.9.0 (483b8a0) compute_policy_loss_gspo with clip_ratio 0.2 (GSPO-token, seq-mean-token-mean).
+    logp, old, adv, m = _gspo_case()
+    loss, metrics = algos.gspo_loss(logp, old, adv, m, 0.2, 0.2, token_level=token_level)
+    # row 0: A=2, s0 in [0.8, 1.2] -> L0 = -2*1.105171 = -2.210342; row 1: A=-1 -> L1 = 0.818731
+    # seq-mean-token-mean: (-2.210342 + 0.818731)/2 = -0.695806
+    assert_close(loss, t(-0.695806), atol=ATOL, rtol=0)
+    assert metrics["pg_clipfrac"] == 0.0
+    # ppo_kl = -mean(0.3, -0.1, -0.2, 0.1, -0.5) = 0.4/5 = 0.08
+    assert math.isclose(metrics["ppo_kl"], 0.08, abs_tol=ATOL)
+    loss.backward()
+    # d/dlogp_0t = 1/2 * (-2) * s0/2 = -s0/2 = -0.552585 ; d/dlogp_1t = 1/2 * (-1)*(-1) * s1/3 = s1/6 = 0.136455
+    expected = t([[-0.552585, -0.552585, 0.0], [0.136455, 0.136455, 0.136455]])
+    assert_close(logp.grad, expected, atol=ATOL, rtol=0)
+
+
+def test_gspo_clipped_sequences_have_no_gradient():
+    logp, old, adv, m = _gspo_case()
+    loss, metrics = algos.gspo_loss(logp, old, adv, m, 0.05, 0.05)
+    # row 0: A>0, s0=1.105171 > 1.05 -> max(-2.210342, -2*1.05=-2.1) = -2.1
+    # row 1: A<0, s1=0.818731 < 0.95 -> max(0.818731, 0.95) = 0.95 ; (-2.1+0.95)/2 = -0.575
+    assert_close(loss, t(-0.575), atol=ATOL, rtol=0)
+    assert metrics["pg_clipfrac"] == 1.0  # all 5 valid tokens
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(2, 3))
+
+
+def test_gspo_token_variant_differs_only_with_per_token_advantages():
+    logp, old, _, m = _gspo_case()
+    adv = t([[2.0, 0.0, 0.0], [-1.0, -1.0, -1.0]])  # row 0: A varies along the response
+    loss_tok, _ = algos.gspo_loss(logp, old, adv, m, 0.2, 0.2, token_level=True)
+    (grad_tok,) = torch.autograd.grad(loss_tok, logp)
+    loss_seq, _ = algos.gspo_loss(logp, old, adv, m, 0.2, 0.2, token_level=False)
+    (grad_seq,) = torch.autograd.grad(loss_seq, logp)
+    # values agree (linear in A): row 0 = mean(-2*s0, 0) = -1.105171, row 1 = 0.818731 -> -0.143220
+    assert_close(loss_tok, t(-0.143220), atol=ATOL, rtol=0)
+    assert_close(loss_seq, t(-0.143220), atol=ATOL, rtol=0)
+    # GSPO-token: token t gets 1/2 * 1/2 * (-A_t s0): [-0.552585, 0]; GSPO: A_0 = mean = 1, both tokens
+    # get 1/2 * (-1) * s0/2 = -0.276293
+    assert_close(grad_tok[0], t([-0.552585, 0.0, 0.0]), atol=ATOL, rtol=0)
+    assert_close(grad_seq[0], t([-0.276293, -0.276293, 0.0]), atol=ATOL, rtol=0)
+    assert_close(grad_tok[1], grad_seq[1], atol=1e-7, rtol=0)  # constant A: same gradient
+
+
+def test_new_loss_defaults_are_the_papers():
+    assert (algos.GSPO_CLIP_RATIO_LOW, algos.GSPO_CLIP_RATIO_HIGH) == (3e-4, 4e-4)  # GSPO §5.1
+    assert (algos.GMPO_CLIP_LOG_LOW, algos.GMPO_CLIP_LOG_HIGH) == (0.4, 0.4)  # GMPO: ratios in (e^-0.4, e^0.4)
+    assert (algos.CISPO_CLIP_RATIO_LOW, algos.CISPO_CLIP_RATIO_HIGH) == (1.0, 0.2)  # no lower bound; verl example
+
+
+def _cispo_case():
+    # ratios 1.5, 0.5, 1.1 (+ padding); log pi = -1, -2, -0.5; A = 1, -1, 2
+    logp = t([[-1.0, -2.0, -0.5, -3.0]]).requires_grad_(True)
+    old = logp.detach() - t([[1.5, 0.5, 1.1, 7.0]]).log()
+    return logp, old, t([[1.0, -1.0, 2.0, 1.0]]), t([[1, 1, 1, 0]])
+
+
+def test_cispo_value_gradient_and_clipfrac():
+    # Equals verl v0.9.0 (483b8a0) compute_policy_loss_cispo with the same clip ratios, token-mean.
+    logp, old, adv, m = _cispo_case()
+    loss, metrics = algos.cispo_loss(logp, old, adv, m)  # defaults: weight clipped to [0, 1.2]
+    # w = [1.2 (clipped), 0.5, 1.1]; L = -w A log pi = [1.2, -1.0, 1.1] -> (1.2-1.0+1.1)/3 = 0.433333
+    assert_close(loss, t(0.433333), atol=ATOL, rtol=0)
+    assert math.isclose(metrics["pg_clipfrac"], 1 / 3, abs_tol=ATOL)
+    # ppo_kl = -(ln1.5 + ln0.5 + ln1.1)/3 = -(0.405465-0.693147+0.095310)/3 = 0.064124
+    assert math.isclose(metrics["ppo_kl"], 0.064124, abs_tol=ATOL)
+    loss.backward()
+    # dL/dlog pi = -sg(w) A / 3: [-0.4, 0.166667, -0.733333]; the clipped token KEEPS its gradient
+    assert_close(logp.grad, t([[-0.4, 0.166667, -0.733333, 0.0]]), atol=ATOL, rtol=0)
+
+
+def test_cispo_lower_bound():
+    logp, old, adv, m = _cispo_case()
+    loss, metrics = algos.cispo_loss(logp, old, adv, m, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    # w = [1.2, 0.8 (clipped up), 1.1]: L = [1.2, -0.8*(-1)*(-2) = -1.6, 1.1] -> 0.7/3 = 0.233333
+    assert_close(loss, t(0.233333), atol=ATOL, rtol=0)
+    assert math.isclose(metrics["pg_clipfrac"], 2 / 3, abs_tol=ATOL)
+
+
+def test_gmpo_token_clip_in_log_space():
+    # Equals verl v0.9.0 (483b8a0) compute_policy_loss_geo_mean with clip_ratio_low = clip_ratio_high = 0.4.
+    logp = t([[0.5, -0.6, 0.1], [0.5, -0.6, 3.0]]).requires_grad_(True)
+    old = torch.zeros(2, 3)
+    adv = t([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    m = t([[1, 1, 1], [1, 1, 0]])
+    loss, metrics = algos.gmpo_loss(logp, old, adv, m)
+    # row 0, A>0: l~ = min(l, clip(l, -0.4, 0.4)) = [0.4, -0.6, 0.1] -> mean -0.1/3 -> r0 = e^-0.033333 = 0.967216
+    # row 1, A<0: l~ = max(l, clip(l)) = [0.5, -0.4] -> mean 0.05 -> r1 = e^0.05 = 1.051271
+    # L = [-1*0.967216, -(-2)*1.051271] = [-0.967216, 2.102542] -> mean 0.567663
+    assert_close(loss, t(0.567663), atol=ATOL, rtol=0)
+    # clipped log-ratios: row 0 tokens 0, 1 (A>0) and row 1 tokens 0, 1 (A<0), of 5 valid
+    assert math.isclose(metrics["pg_clipfrac"], 0.4, abs_tol=ATOL)
+    assert math.isclose(metrics["pg_clipfrac_lower"], 0.4, abs_tol=ATOL)
+    assert math.isclose(metrics["ppo_kl"], 0.02, abs_tol=ATOL)  # -(0.5-0.6+0.1+0.5-0.6)/5
+    loss.backward()
+    # only the un-clipped terms move: row 0 tokens 1, 2: 1/2 * (-1) * r0/3 = -0.161203
+    # row 1 token 0: 1/2 * 2 * r1/2 = 0.525636 ; token 1 sits at its clip value -0.4 -> 0
+    assert_close(logp.grad, t([[0.0, -0.161203, -0.161203], [0.525636, 0.0, 0.0]]), atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# rollout-vs-trainer mismatch and its correction
+# ---------------------------------------------------------------------------
+
+
+def _mismatch_case():
+    # Delta = log pi - log mu: row 0 [0.1, -0.2, 0.0]; row 1 [1.0, -1.0] + padding (Delta 5)
+    mu = t([[-1.0, -2.0, -0.5], [-1.5, -0.3, -4.0]])
+    pi = mu + t([[0.1, -0.2, 0.0], [1.0, -1.0, 5.0]])
+    return pi, mu, t([[1, 1, 1], [1, 1, 0]])
+
+
+def test_rollout_mismatch_metrics():
+    # Formulas of verl v0.9.0 (483b8a0) rollout_corr_helper.compute_offpolicy_metrics / compute_is_metrics.
+    pi, mu, m = _mismatch_case()
+    got = algos.rollout_mismatch_metrics(pi, mu, m, threshold=2.0)
+    expected = {
+        "abs_diff_mean": 0.46,  # (0.1+0.2+0+1+1)/5
+        "abs_diff_max": 1.0,  # padding's 5 ignored
+        "kl": 0.02,  # -(0.1-0.2+0+1-1)/5
+        # (e^0.1-1.1) + (e^-0.2-0.8) + 0 + (e-2) + (e^-1) = 0.005171+0.018731+0.718282+0.367879 -> /5
+        "k3_kl": 0.222013,
+        "log_ppl_diff": 1 / 60,  # rows: -mean Delta = 0.1/3 and 0 -> mean 0.016667
+        "log_ppl_abs_diff": 1 / 60,
+        "ppl_ratio": 1.016948,  # (e^(1/30) + e^0)/2
+        "chi2_token": 1.083223,  # (e^0.2 + e^-0.4 + 1 + e^2 + e^-2)/5 - 1
+        "ratio_fraction_high": 0.2,  # rho > 2: only e^1
+        "ratio_fraction_low": 0.2,  # rho < 1/2: only e^-1
+    }
+    assert set(got) == {"rollout_corr/" + k for k in expected}
+    for k, v in expected.items():
+        assert math.isclose(got["rollout_corr/" + k], v, abs_tol=ATOL), k
+
+
+def test_rollout_mismatch_metrics_zero_for_identical_log_probs():
+    pi, _, m = _mismatch_case()
+    got = algos.rollout_mismatch_metrics(pi, pi.clone(), m, prefix="mm/")
+    assert got["mm/ppl_ratio"] == 1.0
+    assert all(v == 0.0 for k, v in got.items() if k != "mm/ppl_ratio")
+
+
+def test_token_tis_and_mis_weights():
+    # verl v0.9.0 (483b8a0) compute_rollout_correction_weights(rollout_is="token", threshold 2.0 / "0.5_2.0")
+    pi, mu, m = _mismatch_case()
+    pi.requires_grad_(True)
+    w = algos.token_tis_weights(pi, mu, m, cap=2.0)
+    assert not w.requires_grad  # detached
+    # rho = [e^0.1, e^-0.2, 1 | e^1 -> capped 2, e^-1, padding 0]
+    assert_close(w, t([[1.105171, 0.818731, 1.0], [2.0, 0.367879, 0.0]]), atol=ATOL, rtol=0)
+    w = algos.token_mis_weights(pi, mu, m, low=0.5, high=2.0)
+    # e^1 > 2 and e^-1 < 0.5 are zeroed, the rest keep rho
+    assert_close(w, t([[1.105171, 0.818731, 1.0], [0.0, 0.0, 0.0]]), atol=ATOL, rtol=0)
+
+
+def test_sequence_is_weights_and_geo_mask():
+    pi, mu, m = _mismatch_case()
+    # product ratios: row 0 e^(0.1-0.2+0) = e^-0.1 = 0.904837; row 1 e^(1-1) = 1 (padding excluded)
+    w = algos.seq_tis_weights(pi, mu, m, cap=0.95)
+    assert_close(w, t([[0.904837] * 3, [0.95, 0.95, 0.0]]), atol=ATOL, rtol=0)
+    w = algos.seq_mis_weights(pi, mu, m, low=0.95, high=2.0)
+    assert_close(w, t([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]), atol=ATOL, rtol=0)
+    # geometric means: row 0 e^(-0.1/3) = 0.967216, row 1 e^0 = 1
+    assert torch.equal(algos.geo_mask(pi, mu, m), t([[0, 0, 0], [1, 1, 0]]))  # [0.999, 1.001]
+    assert torch.equal(algos.geo_mask(pi, mu, m, 0.95, 1.05), m)
+
+
+def test_is_weight_metrics():
+    pi, mu, m = _mismatch_case()
+    got = algos.is_weight_metrics(algos.token_tis_weights(pi, mu, m), m)
+    # valid w = e^0.1, e^-0.2, 1, 2, e^-1: mean 5.291781/5 = 1.058356
+    # ESS = mean^2 / mean(w^2) = 1.120118 / ((1.221403+0.670320+1+4+0.135335)/5 = 1.405412) = 0.797003
+    expected = {"is_mean": 1.058356, "is_max": 2.0, "is_min": 0.367879, "is_ess": 0.797003, "is_zero_fraction": 0.0}
+    for k, v in expected.items():
+        assert math.isclose(got["rollout_corr/" + k], v, abs_tol=ATOL), k
+    got = algos.is_weight_metrics(algos.token_mis_weights(pi, mu, m), m)
+    assert math.isclose(got["rollout_corr/is_zero_fraction"], 0.4, abs_tol=ATOL)  # 2 of 5 masked
+    assert math.isclose(got["rollout_corr/is_mean"], 0.584780, abs_tol=ATOL)  # (e^0.1 + e^-0.2 + 1)/5
+
+
+def test_rollout_correction_modes():
+    pi, mu, m = _mismatch_case()
+    w, mask, metrics = algos.rollout_correction(pi, mu, m, "none")
+    assert w is None and mask is m and "rollout_corr/k3_kl" in metrics and "rollout_corr/is_mean" not in metrics
+    w, mask, metrics = algos.rollout_correction(pi, mu, m, "token-tis")
+    assert torch.equal(w, algos.token_tis_weights(pi, mu, m, 2.0)) and mask is m
+    assert math.isclose(metrics["rollout_corr/is_max"], 2.0)
+    w, _, _ = algos.rollout_correction(pi, mu, m, "seq-mis", threshold=(0.95, 2.0))
+    assert torch.equal(w, algos.seq_mis_weights(pi, mu, m, 0.95, 2.0))
+    w, mask, metrics = algos.rollout_correction(pi, mu, m, "geo-mask")
+    assert w is None and torch.equal(mask, t([[0, 0, 0], [1, 1, 0]]))
+    assert math.isclose(metrics["rollout_corr/masked_fraction"], 0.6, abs_tol=ATOL)  # 3 of 5 valid tokens
+    with pytest.raises(ValueError, match="token-tis"):
+        algos.rollout_correction(pi, mu, m, "tis")
+
+
+# ---------------------------------------------------------------------------
+# decoupled PPO (proximal vs behaviour policy)
+# ---------------------------------------------------------------------------
+
+
+def test_decoupled_ppo_loss():
+    logp, prox, adv, m = _ppo_case()  # u = pi/pi_prox = [1.1, 1.5, 0.5, 5.0, 10.0]
+    logp.requires_grad_(True)
+    behav = prox - t([[2.0, 0.5, 1.0, 4.0, 1.0]]).log()  # behaviour weights pi_prox/mu = 2, 0.5, 1, 4
+    loss, metrics = algos.decoupled_ppo_loss(logp, prox, behav, adv, m, 0.2, 0.2, 3.0)
+    # per-token PPO losses (see test_ppo_clip_no_clip_clip_and_dual_clip): [-1.1, -1.2, 0.8, 3.0]
+    # times w: [-2.2, -0.6, 0.8, 12.0] -> 10/4 = 2.5
+    assert_close(loss, t(2.5), atol=ATOL, rtol=0)
+    assert math.isclose(metrics["behav_weight_mean"], 1.875, abs_tol=ATOL)  # (2+0.5+1+4)/4
+    (grad,) = torch.autograd.grad(loss, logp)
+    # only token a is unclipped: d/dlogp (-A u w)/4 = -1*1.1*2/4 = -0.55
+    assert_close(grad, t([[-0.55, 0.0, 0.0, 0.0, 0.0]]), atol=ATOL, rtol=0)
+    loss, metrics = algos.decoupled_ppo_loss(logp, prox, behav, adv, m, 0.2, 0.2, 3.0, behav_cap=3.0)
+    # w_d capped at 3: [-2.2, -0.6, 0.8, 9.0] -> 7/4 = 1.75
+    assert_close(loss, t(1.75), atol=ATOL, rtol=0)
+    assert metrics["behav_weight_max"] == 3.0
+
+
+def test_decoupled_ppo_is_ppo_when_behaviour_is_proximal():
+    logp, prox, adv, m = _ppo_case()
+    loss, _ = algos.decoupled_ppo_loss(logp, prox, prox.clone(), adv, m, 0.2, 0.28, 3.0)
+    ref, _ = algos.ppo_clip_loss(logp, prox, adv, m, 0.2, 0.28, 3.0)
+    assert torch.equal(loss, ref)
+
+
+def test_loss_weights_are_detached():
+    logp, old, adv, m = _ppo_case()
+    logp.requires_grad_(True)
+    w = t([[2.0, 1.0, 1.0, 1.0, 1.0]]).requires_grad_(True)
+    for loss_fn in (algos.ppo_clip_loss, algos.cispo_loss, algos.gspo_loss, algos.gmpo_loss):
+        loss, _ = loss_fn(logp, old, adv, m, weights=w)
+        loss.backward()
+        assert w.grad is None, loss_fn.__name__  # the weight rescales the gradient, it gets none
+    # and it rescales: token a (unclipped, A=+1, u=1.1) with w=2 -> d/dlogp = -2*1.1/4 = -0.55
+    logp.grad = None
+    loss, _ = algos.ppo_clip_loss(logp, old, adv, m, 0.2, 0.2, 3.0, weights=w)
+    loss.backward()
+    assert_close(logp.grad, t([[-0.55, 0.0, 0.0, 0.0, 0.0]]), atol=ATOL, rtol=0)

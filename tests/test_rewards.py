@@ -11,6 +11,9 @@ from rlkit.rewards import (
     SCORERS,
     RewardFn,
     arith_score,
+    gsm8k_extract,
+    gsm8k_flexible_score,
+    gsm8k_lenient_score,
     gsm8k_score,
     load_function,
     math_score,
@@ -26,6 +29,64 @@ def spec(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- gsm8k
+# Parity with verl v0.9.0 (tag 483b8a0) verl/utils/reward_score/gsm8k.py, compute_score(method="strict" | "flexible").
+# Each expected value was worked out from verl's two regexes by hand; the same table was run once against
+# verl's own compute_score (outside this repo) and agreed on every row.
+
+PAD = "x" * 300  # verl reads only the last 300 characters
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("She has 3 + 4 = 7 apples.\n#### 7", "7", 1.0),
+        ("#### 8", "7", 0.0),
+        ("The total is 1,234 dollars.\n#### 1,234", "1234", 1.0),  # "," removed from the answer
+        ("#### 1234", "1,234", 0.0),  # ... but not from the ground truth (verl's preprocessing did that)
+        ("#### -5", "-5", 1.0),
+        ("#### 3.5", "3.5", 1.0),
+        ("First guess #### 10, then corrected:\n#### 12", "12", 1.0),  # last match wins
+        ("#### 12 ... no wait #### 10", "12", 0.0),
+        ("The answer is 72.", "72", 0.0),  # no "#### " -> 0
+        ("", "72", 0.0),
+        ("#### 72.", "72", 0.0),  # captures "72." -> no match
+        ("####72", "72", 0.0),  # exactly one space after ####
+        ("####  72", "72", 0.0),
+        ("#### $72", "72", 0.0),  # "$" is never captured, so verl's "$" strip never applies
+        ("#### 72.0", "72", 0.0),  # string comparison, not numeric
+        ("#### 7" + PAD, "7", 0.0),  # the answer lies before the last 300 characters
+        ("#### 7" + PAD[:294], "7", 1.0),  # 6 + 294 = 300 characters: still read
+    ],
+)
+def test_gsm8k_strict_as_verl(response, truth, expected):
+    assert gsm8k_score("openai/gsm8k", response, truth) == expected
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("The answer is 72", "72", 1.0),
+        ("The answer is 72.", "72", 0.0),  # last number is "72." -> no match
+        ("so 1,234 apples", "1234", 0.0),  # commas kept
+        ("so 1,234 apples", "1,234", 1.0),
+        ("#### 7\nstep 2.", "7", 0.0),  # "2." is the last number, beats the earlier "#### 7"
+        ("I think 5 then 6 .", "6", 1.0),  # a lone "." is skipped
+        ("#### -5", "-5", 1.0),
+        ("no digits here", "1", 0.0),
+        ("7" + PAD, "7", 0.0),  # outside the last 300 characters
+    ],
+)
+def test_gsm8k_flexible_as_verl(response, truth, expected):
+    assert gsm8k_flexible_score("rlkit/gsm8k-flexible", response, truth) == expected
+
+
+def test_gsm8k_extract():
+    assert gsm8k_extract("a #### 1,234 b #### 5,6") == "56"
+    assert gsm8k_extract("nothing") is None
+    assert gsm8k_extract("3 and 4.", "flexible") == "4."
+    assert gsm8k_extract(". .", "flexible") == "."  # only dots: verl's loop ends on "."
+    with pytest.raises(ValueError, match="strict"):
+        gsm8k_extract("#### 1", "loose")
 
 
 @pytest.mark.parametrize(
@@ -40,15 +101,16 @@ def spec(name: str) -> str:
         ("#### 3.5", "3.5", 1.0),
         ("First guess #### 10, then corrected:\n#### 12", "12", 1.0),  # last match wins
         ("#### 12 ... no wait #### 10", "12", 0.0),
-        ("The answer is 72.", "72", 0.0),  # strict: no "####" -> 0
+        ("The answer is 72.", "72", 0.0),  # no "####" -> 0
         ("", "72", 0.0),
         ("#### 72.", "72", 1.0),  # trailing full stop stripped
         ("####72", "72", 1.0),
         ("#### 72.0", "72", 0.0),  # string comparison, not numeric
+        ("#### 7" + PAD, "7", 1.0),  # reads the whole response
     ],
 )
-def test_gsm8k_score(response, truth, expected):
-    assert gsm8k_score("openai/gsm8k", response, truth) == expected
+def test_gsm8k_lenient(response, truth, expected):
+    assert gsm8k_lenient_score("rlkit/gsm8k-lenient", response, truth) == expected
 
 
 # ----------------------------------------------------------------------------- math (math-verify)
@@ -111,6 +173,8 @@ def test_arith_score():
 def test_registry_contents():
     for name in ("openai/gsm8k", "gsm8k"):
         assert SCORERS[name] is gsm8k_score
+    assert SCORERS["rlkit/gsm8k-flexible"] is gsm8k_flexible_score
+    assert SCORERS["rlkit/gsm8k-lenient"] is gsm8k_lenient_score
     for name in ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
         assert SCORERS[name] is math_score
     assert SCORERS["rlkit/arith"] is arith_score
