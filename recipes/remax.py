@@ -86,6 +86,7 @@ def main(cfg: Config) -> dict:
             with loop.timer("gen_greedy", timings):
                 greedy = policy.generate(batch, validate=True)  # + responses, response_mask: (B, R), decoded greedily
                 greedy_scores, _ = loop.score(greedy, tok, reward_fn)  # b(x): (B,)
+
             batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
 
             with loop.timer("gen", timings):  # rollout: sample one response per row
