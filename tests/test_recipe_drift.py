@@ -152,6 +152,11 @@ def test_the_guard_sees_a_drifted_line(tmp_path, monkeypatch):
         test_recipes_on_the_ppo_clip_loss_share_make_actor_loss("rloo")
 
 
+def test_docs_algorithms_md_shows_the_current_drift_table():
+    doc = (RECIPES_DIR.parent / "docs" / "algorithms.md").read_text()
+    assert drift_table() in doc, "docs/algorithms.md: paste the output of `python tests/test_recipe_drift.py` into its drift table"
+
+
 def region(src: str) -> list[str]:
     """Each line's part of the file: header, imports + Config, make_actor_loss, main (ALGO LOGIC), main, other."""
     tree, lines = ast.parse(src), src.splitlines()
@@ -168,7 +173,10 @@ def region(src: str) -> list[str]:
             part = "losses"
         else:
             continue
-        for i in range(node.lineno, node.end_lineno + 1):
+        start = node.lineno
+        while start > 1 and lines[start - 2].lstrip().startswith("#"):  # the comment above a definition belongs to it
+            start -= 1
+        for i in range(start, node.end_lineno + 1):
             out[i - 1] = part
     if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
         for i in own_lines(src, function(src, "main")):
