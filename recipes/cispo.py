@@ -16,7 +16,7 @@ advantage; the cap bites with --actor.ppo-mini-batch-size < --data.train-batch-s
 
     python recipes/cispo.py                         # embedded tiny model + arithmetic task, CPU
     python recipes/cispo.py --help
-    python recipes/cispo.py --actor.ppo-mini-batch-size 8          # 4 off-policy steps per batch: the cap bites
+    python recipes/cispo.py --actor.ppo-mini-batch-size 8          # 4 optimizer steps per batch: the cap bites from the 2nd
 
 Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
 samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each

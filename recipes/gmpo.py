@@ -16,7 +16,7 @@ than PPO's (0.8, 1.2), which the geometric mean makes safe (the paper advises le
 
     python recipes/gmpo.py                          # embedded tiny model + arithmetic task, CPU
     python recipes/gmpo.py --help
-    python recipes/gmpo.py --actor.ppo-mini-batch-size 8           # 4 off-policy steps per batch: the clip bites
+    python recipes/gmpo.py --actor.ppo-mini-batch-size 8           # 4 optimizer steps per batch: the clip bites from the 2nd
 
 Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
 samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each

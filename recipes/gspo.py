@@ -16,7 +16,7 @@ advantage is constant along a response, as here (verl's loss_mode=gspo is this v
 
     python recipes/gspo.py                          # embedded tiny model + arithmetic task, CPU
     python recipes/gspo.py --help
-    python recipes/gspo.py --actor.ppo-mini-batch-size 8 --gspo-token     # 4 off-policy steps per batch
+    python recipes/gspo.py --actor.ppo-mini-batch-size 8 --gspo-token     # 4 optimizer steps per batch, 3 off-policy
 Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
 samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
 accumulated over micro-batches of actor.ppo_micro_batch_size trajectories.
