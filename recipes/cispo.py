@@ -1,0 +1,131 @@
+"""CISPO: Clipped IS-weight Policy Optimization (MiniMax-M1, 2025, arXiv 2506.13585), in one file.
+
+GRPO's group-relative advantage, but the loss is REINFORCE weighted by a clipped, stop-gradient
+importance weight. PPO's clip zeroes the gradient of every token whose ratio left the range (often
+the rare "fork" tokens of a reasoning chain); CISPO keeps every token's gradient and only caps its
+weight:
+
+    r_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t),    w_t = sg(clip(r_t, 1-eps_low, 1+eps_high))
+    L   = -1/N sum_{i,t} w_t A_i log pi(y_t | x, y_<t) + beta * KL(pi || pi_ref)      (N: tokens of the mini-batch)
+
+eps_low = 1.0 puts no lower bound on the weight (the paper leaves it open; verl's example uses 10,
+same effect), eps_high = 0.2 is verl's example value. With one optimizer step per batch (the
+default: mini-batch = batch) every w_t = 1 and the loss is token-level REINFORCE with GRPO's
+advantage; the cap bites with --actor.ppo-mini-batch-size < --data.train-batch-size or
+--actor.ppo-epochs > 1. The loss *value* contains log pi and is not comparable to PPO's; its gradient is.
+
+    python recipes/cispo.py                         # embedded tiny model + arithmetic task, CPU
+    python recipes/cispo.py --help
+    python recipes/cispo.py --actor.ppo-mini-batch-size 8          # 4 optimizer steps per batch: the cap bites from the 2nd
+
+Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
+samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
+accumulated over micro-batches of actor.ppo_micro_batch_size trajectories.
+"""
+
+from dataclasses import dataclass, field
+
+from rlkit import algos, loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.errors import ConfigError
+from rlkit.placement import build_policy, build_reward
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(
+            lr=1e-4,
+            ppo_mini_batch_size=32,
+            clip_ratio_low=algos.CISPO_CLIP_RATIO_LOW,  # 1.0: weights may fall to 0, no lower bound
+            clip_ratio_high=algos.CISPO_CLIP_RATIO_HIGH,  # 0.2: weights capped at 1.2
+            loss_agg_mode="token-mean",  # the paper's 1/sum_i |y_i|
+        )
+    )
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    norm_adv_by_std_in_grpo: bool = True
+    """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: clipped-IS-weighted REINFORCE - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.cispo_loss(  # -sg(clip(rho_t, 1-eps_low, 1+eps_high)) * A * log pi_t
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            a.clip_low,
+            a.clip_high,
+            loss_agg_mode=mode,
+            num_tokens=norm.num_tokens,
+            num_seqs=norm.num_seqs,
+        )
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        if a.entropy_coeff:
+            parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
+        if a.use_kl_loss:
+            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+        return loss, parts, metrics
+
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.rollout.n < 2:
+        raise ConfigError("CISPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
+    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
+    tok = policy.tokenizer
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
+            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
+
+            with loop.timer("gen", timings):  # rollout: sample one response per row
+                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+
+            # ALGO LOGIC: group-relative advantage, the same for every token of a response
+            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
+
+            with loop.timer("update", timings):  # ALGO LOGIC: clipped-IS-weighted REINFORCE + KL, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

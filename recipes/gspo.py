@@ -1,0 +1,134 @@
+"""GSPO: Group Sequence Policy Optimization (Zheng et al., 2025, arXiv 2507.18071), in one file.
+
+GRPO's group-relative advantage, but the importance ratio and its clip are per *sequence*: the
+ratio is the geometric mean of the token ratios, so every token of a response is kept or clipped
+together and long responses do not pile up token-level noise:
+
+    s_i = exp( 1/|y_i| * sum_t (log pi(y_it) - log pi_old(y_it)) )
+    L   = -mean_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)          (no KL: the paper's setup)
+
+The clip range is the paper's, eps_low = 3e-4 and eps_high = 4e-4 -- three orders of magnitude below
+GRPO's 0.2, because a sequence ratio moves far less than a token ratio. With one optimizer step per
+batch (the default: mini-batch = batch) s_i = 1 and the clip never bites; it does with
+--actor.ppo-mini-batch-size < --data.train-batch-size or --actor.ppo-epochs > 1. --gspo-token uses
+GSPO-token (per-token advantages, sequence-level ratio value): the same gradient as GSPO when the
+advantage is constant along a response, as here (verl's loss_mode=gspo is this variant).
+
+    python recipes/gspo.py                          # embedded tiny model + arithmetic task, CPU
+    python recipes/gspo.py --help
+    python recipes/gspo.py --actor.ppo-mini-batch-size 8 --gspo-token     # 4 optimizer steps per batch, 3 off-policy
+Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
+samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
+accumulated over micro-batches of actor.ppo_micro_batch_size trajectories.
+"""
+
+from dataclasses import dataclass, field
+
+from rlkit import algos, loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.errors import ConfigError
+from rlkit.placement import build_policy, build_reward
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(
+            lr=1e-4,
+            ppo_mini_batch_size=32,
+            clip_ratio_low=algos.GSPO_CLIP_RATIO_LOW,  # 3e-4, the paper's
+            clip_ratio_high=algos.GSPO_CLIP_RATIO_HIGH,  # 4e-4
+            loss_agg_mode="seq-mean-token-mean",  # mean over tokens, then over sequences: the paper's mean_i L_i
+            use_kl_loss=False,
+        )
+    )
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    norm_adv_by_std_in_grpo: bool = True
+    """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
+    gspo_token: bool = False
+    """GSPO-token: per-token advantages with the sequence ratio's value (sg(log s_i) + log pi_t - sg(log pi_t))"""
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: sequence-level clipped surrogate - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.gspo_loss(  # s_i = exp(mean_t log pi - log pi_old), clipped to [1-eps_low, 1+eps_high]
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            a.clip_low,
+            a.clip_high,
+            token_level=cfg.gspo_token,
+            loss_agg_mode=mode,
+            num_tokens=norm.num_tokens,
+            num_seqs=norm.num_seqs,
+        )
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        if a.entropy_coeff:
+            parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
+        if a.use_kl_loss:
+            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+        return loss, parts, metrics
+
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.rollout.n < 2:
+        raise ConfigError("GSPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
+    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
+    tok = policy.tokenizer
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
+            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
+
+            with loop.timer("gen", timings):  # rollout: sample one response per row
+                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+
+            # ALGO LOGIC: group-relative advantage, the same for every token of a response
+            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
+
+            with loop.timer("update", timings):  # ALGO LOGIC: sequence-level clipped surrogate, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

@@ -1,0 +1,119 @@
+"""ReMax: REINFORCE with the greedy response's reward as the baseline (Li et al., 2023, arXiv 2310.10505), in one file.
+
+For each prompt, decode one extra response *greedily* and score it like the samples; its reward is
+the baseline of every sample of that prompt -- no value model, and no group of samples needed:
+
+    b(x) = r(x, y_greedy),        A_i = r(x, y_i) - b(x)          (the same for every token of y_i)
+
+No std normalisation. The update is grpo.py's (clipped surrogate + k3 KL to the reference); with one
+optimizer step per batch (the default) the ratio is 1 and it is REINFORCE with baseline b. The cost
+is one greedy generation of B rows per step (timing/gen_greedy). The paper samples one response per
+prompt (--rollout.n 1); the default keeps grpo.py's n = 8 so that both see the same samples per step.
+The greedy decoding is the validation decoding (--rollout.val-temperature 0, the default).
+
+    python recipes/remax.py                         # embedded tiny model + arithmetic task, CPU
+    python recipes/remax.py --help
+    python recipes/remax.py --rollout.n 1           # the paper's setting: one sample + one greedy response per prompt
+
+Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
+samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
+accumulated over micro-batches of actor.ppo_micro_batch_size trajectories.
+"""
+
+from dataclasses import dataclass, field
+
+from rlkit import algos, loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.errors import ConfigError
+from rlkit.placement import build_policy, build_reward
+from rlkit.rewards import token_level_rewards
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+def make_actor_loss(cfg: Config):
+    a = cfg.actor
+
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
+        mask, mode = mb["response_mask"], a.loss_agg_mode
+        pg_loss, metrics = algos.ppo_clip_loss(
+            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, loss_agg_mode=mode, norm=norm
+        )
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        if a.entropy_coeff:
+            parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
+        if a.use_kl_loss:
+            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+        return loss, parts, metrics
+
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    return actor_loss
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.rollout.val_temperature != 0:
+        raise ConfigError("ReMax's baseline is the greedy response: keep --rollout.val-temperature 0 (greedy validation decoding)")
+    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
+    tok = policy.tokenizer
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = make_actor_loss(cfg)
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
+
+            # ALGO LOGIC: the baseline -- one greedy response per prompt, scored like the samples
+            with loop.timer("gen_greedy", timings):
+                greedy = policy.generate(batch, validate=True)  # + responses, response_mask: (B, R), decoded greedily
+                greedy_scores, _ = loop.score(greedy, tok, reward_fn)  # b(x): (B,)
+
+            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
+
+            with loop.timer("gen", timings):  # rollout: sample one response per row
+                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
+            with loop.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+
+            # ALGO LOGIC: score minus the greedy score of its prompt, the same for every token of a response
+            baseline = greedy_scores.repeat_interleave(cfg.rollout.n)  # (B,) -> (B*n,), in the order of batch.repeat(interleave=True)
+            mask = batch["response_mask"]  # (B*n, R)
+            batch["advantages"], _ = algos.remax_advantage(token_level_rewards(scores, mask), baseline, mask)  # (B*n, R)
+            reward_metrics["critic/greedy_score/mean"] = greedy_scores.mean().item()
+
+            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

@@ -1,0 +1,79 @@
+"""End-to-end: GSPO, CISPO, GMPO and ReMax (issue #13's forks of grpo.py) on the embedded model, a few steps each.
+
+Learning itself is measured by the default runs recorded in docs/results.md (minutes each, too slow for CI).
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_grpo_recipe import load_recipe, read_jsonl, small_config
+
+from rlkit import embedded, loop
+
+
+@pytest.mark.parametrize("name,extra", [("gspo", {}), ("gspo", {"gspo_token": True}), ("cispo", {}), ("gmpo", {})])
+def test_new_recipe_runs_and_updates_the_policy(tmp_path, name, extra):
+    recipe = load_recipe(name)
+    cfg = small_config(recipe, tmp_path, steps=2)  # 8 prompts, mini-batches of 4: the second optimizer step is off-policy
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    recipe.main(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {"critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "val/acc"} <= set(rows[2])
+    before = load_file(embedded.MODEL_DIR / "model.safetensors")
+    after = load_file(tmp_path / "checkpoints/global_step_2/hf/model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_new_recipes_default_to_the_papers_hyper_parameters():
+    gspo, cispo, gmpo = (load_recipe(n).Config().actor for n in ("gspo", "cispo", "gmpo"))
+    assert (gspo.clip_low, gspo.clip_high, gspo.loss_agg_mode, gspo.use_kl_loss) == (3e-4, 4e-4, "seq-mean-token-mean", False)
+    assert (cispo.clip_low, cispo.clip_high, cispo.loss_agg_mode) == (1.0, 0.2, "token-mean")
+    assert (gmpo.clip_low, gmpo.clip_high, gmpo.loss_agg_mode) == (0.4, 0.4, "seq-mean-token-mean")
+
+
+def test_remax_uses_one_greedy_response_per_prompt_as_the_baseline(tmp_path, monkeypatch):
+    remax = load_recipe("remax")
+    cfg = small_config(remax, tmp_path, steps=2)
+    B, n = cfg.data.train_batch_size, cfg.rollout.n
+    gens, scored, updates = [], [], []
+
+    real_score = loop.score
+
+    def score_spy(batch, tok, reward_fn):  # training rows carry a group id; validation rows do not
+        scores, metrics = real_score(batch, tok, reward_fn)
+        if "uid" in batch.non_tensors:
+            scored.append(scores.clone())
+        return scores, metrics
+
+    monkeypatch.setattr(loop, "score", score_spy)
+    build = remax.build_policy
+
+    def build_spy(*a, **k):
+        policy = build(*a, **k)
+        generate, update = policy.generate, policy.update
+
+        def generate_spy(batch, validate=False):
+            if "uid" in batch.non_tensors:
+                gens.append((validate, len(batch)))
+            return generate(batch, validate=validate)
+
+        def update_spy(batch, loss_fn):
+            updates.append((batch["advantages"].clone(), batch["response_mask"].clone()))
+            return update(batch, loss_fn)
+
+        policy.generate, policy.update = generate_spy, update_spy
+        return policy
+
+    monkeypatch.setattr(remax, "build_policy", build_spy)
+    remax.main(cfg)
+
+    assert gens == [(True, B), (False, B * n)] * 2  # per step: one greedy call with B rows, then the B*n samples
+    assert len(scored) == 4 and len(updates) == 2
+    for step, (adv, mask) in enumerate(updates):
+        greedy, samples = scored[2 * step], scored[2 * step + 1]  # (B,), (B*n,)
+        assert greedy.shape == (B,) and samples.shape == (B * n,)
+        expected = (samples - greedy.repeat_interleave(n))[:, None] * mask  # A = s - b(x) on every valid token
+        assert torch.equal(adv, expected.to(adv.dtype))
+    assert any(s.sum() > 0 for s in scored[::2]), "every greedy score was 0: the baseline check above proved little"
