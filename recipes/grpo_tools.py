@@ -79,7 +79,7 @@ def make_actor_loss(cfg: Config):
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, mode, norm=norm
+            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, loss_agg_mode=mode, norm=norm
         )
         parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:

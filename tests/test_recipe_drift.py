@@ -23,11 +23,16 @@ import pytest
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.py") if p.stem != "grpo")
 FORKS = ("cispo", "gmpo", "gspo", "remax", "rloo")
-PPO_CLIP = ("dapo", "ppo", "reinforce_pp", "remax", "rloo")
+PPO_CLIP = ("dapo", "grpo_tools", "ppo", "reinforce_pp", "remax", "rloo")
 DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why the recipe changes it}
     "dapo": {
         "train": "prompts come in generation batches of --gen-batch-size, filtered down to train_batch_size",
         "batch['uid']": "the group id names the generation batch too (several per step)",
+    },
+    "grpo_tools": {
+        "policy": "the worker group is wrapped so that generate() runs the multi-turn turn loop with the tools",
+        "train": "the prompts offer the tools (their JSON schemas go to the chat template)",
+        "val": "the validation prompts offer the tools too",
     },
     "reinforce_pp": {"policy": "the reference policy is also needed for the KL in the reward"},
     "ppo": {
