@@ -912,7 +912,7 @@ def rollout_mismatch_metrics(
     rows = mask.sum(-1) > 0  # (B,)
     log_ppl_diff = -masked_mean(delta, mask, dim=-1)[rows]  # (B',)
     abs_diff = torch.where(mask > 0, delta.abs(), torch.zeros_like(delta))
-    log_c = torch.log(torch.tensor(float(threshold), dtype=delta.dtype))
+    log_c = math.log(threshold)
     metrics = {
         "abs_diff_mean": masked_mean(delta.abs(), mask),
         "abs_diff_max": abs_diff.max() if mask.any() else delta.new_zeros(()),
