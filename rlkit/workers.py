@@ -98,12 +98,14 @@ class ActorRolloutRefWorker(CheckpointFiles):
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
         """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
         r = self.rollout_cfg
+        extra = {"return_log_probs": True} if r.log_probs and not validate and isinstance(self.rollout, HFRollout) else {}
         return self.rollout.generate(
             prompts,
             self.data_cfg.max_response_length,
             temperature=r.val_temperature if validate else r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
+            **extra,  # + rollout_log_probs (B, R): mu, for the mismatch metrics and the correction (vllm: always)
         )
 
     def is_on_policy(self) -> bool:
