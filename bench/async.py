@@ -2,7 +2,8 @@
 
 Each run is `recipes/grpo.py`'s main() for --warmup + --steps steps; its s/step is the median of the recipe's own
 `timing/step` over the timed steps (the step timer covers waiting for the batch, scoring, reference and old
-log-prob passes, and the update). Runs alternate k=0, k=1, k=0, k=1, ... so that load from other jobs on a shared
+log-prob passes, and the update; with k=1 `gen` is the wait for the worker's batch). The medians of the gen,
+ref and update phases are printed beside it. Runs alternate k=0, k=1, k=0, k=1, ... so that load from other jobs on a shared
 machine hits both alike; the reported s/step of an arm is the median over its runs. Workloads:
 
     random     bench/vs_trl.py's random-weight 4.3M Llama: 16 prompts x 8 samples, every response 32 tokens
@@ -34,8 +35,8 @@ WORKLOADS = {
 }
 
 
-def one_run(grpo, workload: str, k: int, steps: int, out: Path, model: str) -> list[float]:
-    """One run of the recipe; the timing/step of each step."""
+def one_run(grpo, workload: str, k: int, steps: int, out: Path, model: str) -> list[dict]:
+    """One run of the recipe; the timing/ metrics of each step."""
     import json
 
     w = WORKLOADS[workload]
@@ -49,7 +50,7 @@ def one_run(grpo, workload: str, k: int, steps: int, out: Path, model: str) -> l
     with common.quiet():
         grpo.main(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["timing/step"] for r in rows if r["step"] > 0]
+    return [{k.split("/")[1]: v for k, v in r.items() if k.startswith("timing/")} for r in rows if r["step"] > 0]
 
 
 def main() -> None:
@@ -71,11 +72,13 @@ def main() -> None:
             for rep in range(args.reps):
                 for k in (0, args.k):
                     start = time.perf_counter()
-                    steps = one_run(grpo, workload, k, args.warmup + args.steps, tmp / f"{workload}-{k}-{rep}", model)
-                    run_s = statistics.median(steps[args.warmup :])
+                    steps = one_run(grpo, workload, k, args.warmup + args.steps, tmp / f"{workload}-{k}-{rep}", model)[args.warmup :]
+                    run_s = statistics.median(s["step"] for s in steps)
                     times[k].append(run_s)
+                    phases = ", ".join(f"{p} {statistics.median(s.get(p, 0.0) for s in steps):.3f}" for p in ("gen", "ref", "update"))
                     print(
-                        f"{workload} k={k} run {rep + 1}: {run_s:.3f} s/step (median of {args.steps}), run {time.perf_counter() - start:.0f} s"
+                        f"{workload} k={k} run {rep + 1}: {run_s:.3f} s/step (median of {args.steps}; {phases}), "
+                        f"run {time.perf_counter() - start:.0f} s"
                     )
             s0, s1 = statistics.median(times[0]), statistics.median(times[args.k])
             print(f"== {workload}: k=0 {s0:.3f} s/step | k={args.k} {s1:.3f} s/step | ratio {s1 / s0:.2f}x (target <= 0.7x)")
