@@ -119,7 +119,7 @@ def main(cfg: Config) -> dict:
                         "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --no-filter-groups"
                     )
                 with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k batches ago)
-                    batch = rollouts.next()  # prompts(i) + responses, response_mask: (G*n, R)
+                    batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (G*n, R)
                 with loop.timer("reward", timings):  # one verifiable score per response
                     scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (G*n,)
                 gen_metrics.append((reward_metrics, len(batch)))

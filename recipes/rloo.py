@@ -88,7 +88,7 @@ def main(cfg: Config) -> dict:
         timings = {}
         with loop.timer("step", timings):
             with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
-                batch = rollouts.next()  # prompts(step) + responses, response_mask: (B*n, R)
+                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
