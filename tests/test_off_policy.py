@@ -216,3 +216,19 @@ def test_one_step_off_learns(tmp_path):
     assert summary["val_acc_after"] - summary["val_acc_before"] >= 0.10, summary
     rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
     assert max(r["async/staleness_max"] for r in rows) == 1 and not math.isnan(rows[-1]["actor/pg_loss"])
+
+
+def test_the_off_policy_lines_are_the_same_in_every_recipe():
+    """The correction block (every recipe) and the Rollouts block (the async loops) are copied verbatim."""
+    from test_grpo_recipe import ROOT
+
+    def block(name, first, last):
+        lines = (ROOT / "recipes" / f"{name}.py").read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if first in line)
+        end = next(i for i in range(start, len(lines)) if last in lines[i])
+        return [line.strip() for line in lines[start : end + 1]]
+
+    corr = {n: block(n, "weights, corr = None, {}", "metrics.update(corr)") for n in ("grpo", "dapo", "rloo", "ppo", "reinforce_pp")}
+    assert all(b == corr["grpo"] for b in corr.values()) and len(corr["grpo"]) == 8
+    ro = {n: block(n, "# ASYNC: --trainer.async-steps k", "rollouts = loop.Rollouts(") for n in ("grpo", "dapo", "rloo")}
+    assert all(b == ro["grpo"] for b in ro.values())
