@@ -17,8 +17,8 @@ for the oldest queued batch. A job is always generated with the weights sent wit
 ones before it), so a run is reproducible whatever the timing. Every batch comes back with
 `rollout_log_probs` (mu, as sampled), `ref_log_prob` (when the KL loss is on: the frozen reference
 pass leaves the trainer's critical path) and meta["policy_version"], the number of updates behind
-its weights. staleness = updates now - policy_version, 1 <= staleness <= k (0 for the first k batches,
-sampled by the starting weights); logged as async/staleness, async/staleness_max.
+its weights. staleness = updates now - policy_version = k once the pipeline is full (less for the first
+k batches, all sampled by the starting weights; never more than k); logged as async/staleness, _max.
 
 The loss corrects for it with the recipe's decoupled PPO: pi_old = the trainer's log-probs before the
 update (pi_prox), w = f(pi_prox / mu) (--actor.rollout-correction), see docs/off-policy.md.
