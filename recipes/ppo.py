@@ -83,9 +83,23 @@ def make_actor_loss(cfg: Config):
 
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
+        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
+        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
+            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
+            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, loss_agg_mode=mode, norm=norm
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            a.clip_low,
+            a.clip_high,
+            a.clip_ratio_c,
+            loss_agg_mode=mode,
+            norm=norm,
+            weights=weights,
         )
+        metrics.update(corr)
         parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)

@@ -109,6 +109,8 @@ class RolloutConfig:
     """vllm on a GPU: skip CUDA graphs (slower decoding, faster start); always on for CPU"""
     max_num_seqs: int = 0
     """vllm: most sequences decoded at once (0 = vLLM's default)"""
+    log_probs: bool = False
+    """hf: also keep the rollout's own log-probs of the sampled tokens (rollout_log_probs), for the rollout_corr/ mismatch metrics and --actor.rollout-correction (vllm and --trainer.async-steps > 0 always keep them)"""
 
 
 @dataclass
@@ -151,6 +153,23 @@ class ActorConfig:
     """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
     max_skipped_steps: int = 3
     """with --actor.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
+    rollout_correction: Literal["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-mask"] = "token-tis"
+    """when the batch has rollout log-probs mu (vllm, --rollout.log-probs, --trainer.async-steps > 0): weight (or mask) each token's policy loss by pi_old/mu, detached (docs/off-policy.md)"""
+    rollout_is_cap: float | None = None
+    """the correction's upper bound C: the -tis cap, the upper bound of -mis and geo-mask (default per mode: 2.0; geo-mask 1.001)"""
+    rollout_is_low: float | None = None
+    """the lower bound of -mis and geo-mask (default per mode: 0.5; geo-mask 0.999)"""
+
+    @property
+    def rollout_is_threshold(self):
+        """--actor.rollout-is-cap / -low resolved for algos.rollout_correction: C for -tis, (low, high) otherwise, None = defaults"""
+        from rlkit.algos import CORRECTION_DEFAULTS
+
+        default = CORRECTION_DEFAULTS.get(self.rollout_correction)
+        if default is None or isinstance(default, float):
+            return self.rollout_is_cap if self.rollout_is_cap is not None else default
+        low, high = default
+        return (low if self.rollout_is_low is None else self.rollout_is_low, high if self.rollout_is_cap is None else self.rollout_is_cap)
 
     # The clip range, resolved in one place. (Properties, not __post_init__: tyro builds the command line's
     # defaults from a default instance, so a field filled in there would hide a later --actor.clip-ratio.)
@@ -267,6 +286,8 @@ class TrainerConfig:
     """a running Ray cluster to join (e.g. 127.0.0.1:6379, or set RAY_ADDRESS); default: start a local one"""
     num_threads: int = 0
     """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
+    async_steps: int = 0
+    """asynchronous k-step off-policy training: a generation process with its own weight copy samples the batches of steps t+1..t+k while step t updates (0 = the synchronous loop; grpo, dapo, rloo; local backend, hf rollout)"""
 
 
 def check_flags(cfg) -> None:

@@ -59,7 +59,8 @@ from rlkit.protocol import DataProto
 #   loss      the scalar to backpropagate
 #   parts     {name: scalar tensor}: named terms of the loss, normalised like it; summed over the micro-batches
 #             of a mini-batch (the mini-batch's value), logged as actor/<name> (critic/<name>)
-#   metrics   {name: float}: diagnostics, averaged over micro-batches, logged as actor/<name> unless the name has a "/"
+#   metrics   {name: float}: diagnostics, averaged over micro-batches (a name ending in _max / _min: their max / min),
+#             logged as actor/<name> unless the name has a "/"
 Norm = algos.Norm
 LossFn = Callable[[DataProto, torch.Tensor, "torch.Tensor | None", Norm], "tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]"]
 
@@ -418,6 +419,9 @@ class TorchEngine:
 
         def add(key, value):
             key = key if "/" in key else f"{role}/{key}"
+            if key.endswith(("_max", "_min")) and key in sums:  # a max (min) over micro-batches and steps stays a max (min)
+                sums[key] = (max if key.endswith("_max") else min)(sums[key], float(value))
+                return
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlkit import checkpoint
+from rlkit.async_rollout import Rollouts  # noqa: F401  (recipes call loop.Rollouts)
 from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
 from rlkit.tracking import Tracker
@@ -188,6 +189,7 @@ class Run:
         t = cfg.trainer
         self.cfg, self.policy, self.loader, self.val_prompts, self.reward_fn = cfg, policy, train_loader, val_prompts, reward_fn
         self.stateful = dict(stateful or {})
+        self.rollouts = None  # the recipe's Rollouts (they register here): its async/ metrics are logged, it is closed with the loop
         if {"policy", "loader", "val_history", "step", "rng"} & set(self.stateful):
             raise ValueError(f"Run(stateful=...): names {sorted(self.stateful)} clash with the checkpoint's own entries")
         if not t.experiment_name:  # resolved once, before the config is saved: a resumed run finds the same folder
@@ -236,11 +238,18 @@ class Run:
         )
 
     def steps(self):
-        """Step numbers still to run (1-based); validates before the first when asked."""
+        """Step numbers still to run (1-based); validates before the first when asked. When the loop ends, or
+        stops on an error, the recipe's Rollouts are closed (no generation process outlives the loop)."""
         t = self.cfg.trainer
+        if getattr(t, "async_steps", 0) and self.rollouts is None:
+            raise ConfigError(f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (grpo, dapo and rloo have)")
         if self.start_step == 0 and t.val_before_train and self.val_prompts is not None:
             self.validate(0)
-        return range(self.start_step + 1, self.total_steps + 1)
+        try:
+            yield from range(self.start_step + 1, self.total_steps + 1)
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
 
     def validate(self, step: int) -> dict:
         """Run validation, print it, remember it for the final summary."""
@@ -258,6 +267,8 @@ class Run:
         if self.val_prompts is not None and ((t.test_freq > 0 and step % t.test_freq == 0) or last):
             metrics.update(self.validate(step))
         tokens = int(batch["attention_mask"].sum())
+        if self.rollouts is not None:
+            metrics.update(self.rollouts.metrics())  # async/staleness, ... (--trainer.async-steps > 0)
         metrics.update({(k if k.startswith("memory/") else f"timing/{k}"): v for k, v in timings.items()})
         metrics["perf/throughput"] = tokens / max(timings.get("step", 0.0), 1e-9)
         metrics["perf/max_rss_gb"] = max_rss_gb()
@@ -285,7 +296,12 @@ class Run:
         """Close the logs, draw the learning curve, close what the run was given (worker groups, the reward)
         and print the before/after summary."""
         png = self.tracker.finish()
-        for part in [*self.stateful.values(), self.reward_fn, self.policy]:  # worker groups: stop Ray workers, free pools, engines
+        for part in [
+            self.rollouts,
+            *self.stateful.values(),
+            self.reward_fn,
+            self.policy,
+        ]:  # worker groups: stop Ray workers, free pools, engines
             if hasattr(part, "close"):
                 part.close()
         summary = {"out_dir": str(self.out_dir), "learning_curve": str(png)}

@@ -105,6 +105,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
         """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
         r = self.rollout_cfg
+        extra = {"return_log_probs": True} if r.log_probs and not validate and isinstance(self.rollout, HFRollout) else {}
         return self.rollout.generate(
             prompts,
             self.data_cfg.max_response_length,
@@ -112,6 +113,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
             top_p=r.top_p,
             top_k=r.top_k,
             micro_batch_size=self.gen_micro_batch,
+            **extra,  # + rollout_log_probs (B, R): mu, for the mismatch metrics and the correction (vllm: always)
         )
 
     def _trainer_pass(self) -> None:

@@ -1,0 +1,89 @@
+"""s/step of one-step off-policy GRPO (--trainer.async-steps 1) vs the synchronous loop (0), whole runs alternated.
+
+Each run is `recipes/grpo.py`'s main() for --warmup + --steps steps; its s/step is the median of the recipe's own
+`timing/step` over the timed steps (the step timer covers waiting for the batch, scoring, reference and old
+log-prob passes, and the update; with k=1 `gen` is the wait for the worker's batch). The medians of the gen,
+ref and update phases are printed beside it. Runs alternate k=0, k=1, k=0, k=1, ... so that load from other jobs on a shared
+machine hits both alike; the reported s/step of an arm is the median over its runs. Workloads:
+
+    random     bench/vs_trl.py's random-weight 4.3M Llama: 16 prompts x 8 samples, every response 32 tokens
+    embedded   the embedded default run: 32 prompts x 8 samples, <= 8 tokens, the tiny 0.56M model
+
+Both keep GRPO's defaults otherwise (KL to the reference, coefficient 0.001: with k=1 the reference pass runs
+in the generation worker; one optimizer step per batch). Prints the machine's load average before and after.
+
+    python bench/async.py                           # both workloads, 2 runs per arm, ~6 min on 2 shared cores
+    python bench/async.py --workloads random --reps 3 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+WORKLOADS = {
+    "random": dict(prompts=16, n=8, max_new_tokens=32),
+    "embedded": dict(prompts=32, n=8, max_new_tokens=8),
+}
+
+
+def one_run(grpo, workload: str, k: int, steps: int, out: Path, model: str) -> list[dict]:
+    """One run of the recipe; the timing/ metrics of each step."""
+    import json
+
+    w = WORKLOADS[workload]
+    cfg = grpo.Config()
+    cfg.model.path = model
+    cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = w["prompts"]
+    cfg.rollout.n, cfg.data.max_response_length = w["n"], w["max_new_tokens"]
+    cfg.data.val_files = []  # no validation: only the steps are timed
+    cfg.trainer.total_training_steps, cfg.trainer.async_steps = steps, k
+    cfg.trainer.default_local_dir, cfg.trainer.val_before_train, cfg.trainer.save_freq = str(out), False, 10**9
+    with common.quiet():
+        grpo.main(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k.split("/")[1]: v for k, v in r.items() if k.startswith("timing/")} for r in rows if r["step"] > 0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="random,embedded", help="comma-separated: random, embedded")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per run (k=1's first step cannot overlap)")
+    p.add_argument("--reps", type=int, default=2, help="runs per arm, alternated")
+    p.add_argument("--k", type=int, default=1, help="the asynchronous arm's --trainer.async-steps")
+    args = p.parse_args()
+    common.set_threads(1)
+    grpo = common.load_recipe("grpo")
+    print(f"load average before: {os.getloadavg()} on {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for workload in args.workloads.split(","):
+            model = common.resolve_model("random" if workload == "random" else "embedded", tmp, 256, 4)
+            times = {0: [], args.k: []}
+            for rep in range(args.reps):
+                for k in (0, args.k):
+                    start = time.perf_counter()
+                    steps = one_run(grpo, workload, k, args.warmup + args.steps, tmp / f"{workload}-{k}-{rep}", model)[args.warmup :]
+                    run_s = statistics.median(s["step"] for s in steps)
+                    times[k].append(run_s)
+                    phases = ", ".join(f"{p} {statistics.median(s.get(p, 0.0) for s in steps):.3f}" for p in ("gen", "ref", "update"))
+                    print(
+                        f"{workload} k={k} run {rep + 1}: {run_s:.3f} s/step (median of {args.steps}; {phases}), "
+                        f"run {time.perf_counter() - start:.0f} s"
+                    )
+            s0, s1 = statistics.median(times[0]), statistics.median(times[args.k])
+            print(f"== {workload}: k=0 {s0:.3f} s/step | k={args.k} {s1:.3f} s/step | ratio {s1 / s0:.2f}x (target <= 0.7x)")
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

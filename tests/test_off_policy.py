@@ -1,0 +1,234 @@
+"""Off-policy training in the loop (issue #14): mismatch metrics, the correction flag, asynchronous k-step rollouts.
+
+The math of each correction is tested value by value in test_algos.py; here: that the recipes wire it in
+(HF rollouts are an exact control arm; an induced mismatch is seen and corrected as the formula says), that
+--trainer.async-steps 0 is the synchronous loop bit for bit, and that k = 1 runs, tags and bounds staleness,
+learns, and leaves no process behind.
+"""
+
+import math
+import multiprocessing as mp
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_grpo_recipe import load_recipe, read_jsonl, small_config
+
+from rlkit import algos, loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.errors import ConfigError
+from rlkit.placement import build_policy, build_reward
+from rlkit.protocol import DataProto
+from rlkit.workers import ActorRolloutRefWorker
+
+
+def quick_config(recipe, out_dir, steps=3, **trainer):
+    cfg = small_config(recipe, out_dir, steps=steps, **{"save_freq": 0, "test_freq": 0, "val_before_train": False, **trainer})
+    cfg.data.val_max_samples = 16
+    return cfg
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+
+
+# -- 1. mismatch metrics -------------------------------------------------------------------------
+
+
+def test_hf_rollout_log_probs_equal_the_trainers_in_fp32():
+    """The exact control arm: HF generation's own log-probs are the trainer's (same model code, fp32)."""
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=4, log_probs=True), DataConfig(), device="cpu")
+    from rlkit.data import build_prompts
+
+    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig())
+    batch = worker.generate(prompts.batch(list(range(16)), worker.tokenizer.pad_token_id).repeat(4, interleave=True))
+    trainer = worker.compute_log_prob(batch)["old_log_probs"]
+    m = algos.rollout_mismatch_metrics(trainer, batch["rollout_log_probs"], batch["response_mask"])
+    assert batch["response_mask"].sum() > 100
+    assert m["rollout_corr/abs_diff_max"] < 1e-5 and abs(m["rollout_corr/k3_kl"]) < 1e-9
+    assert abs(m["rollout_corr/ppl_ratio"] - 1) < 1e-6 and m["rollout_corr/ratio_fraction_high"] == 0
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp"])
+def test_actor_loss_weights_each_token_by_the_correction(name):
+    """An induced mismatch mu = pi_old - delta: the recipe's loss logs it and scales each token's gradient by the
+    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N, so
+    d loss / d log pi_t = -w_t A_t / N with w_t = min(e^delta_t, 2) for token-tis, and e^delta_t * 1[0.5 <= e^delta_t <= 2]
+    for token-mis."""
+    recipe = load_recipe(name)
+    delta = torch.tensor([[0.1, 1.0, -0.2, 0.0], [0.0, -1.0, 0.3, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-2.0, -2.0, -2.0, -2.0]])
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9, 1.0], [0.3, 0.6, 0.7, 0.4]]))
+    for mode, w in (
+        ("token-tis", torch.clamp(delta.exp(), max=2.0)),
+        ("token-mis", torch.where((delta.exp() >= 0.5) & (delta.exp() <= 2.0), delta.exp(), torch.zeros(()))),
+        ("none", torch.ones_like(delta)),
+    ):
+        cfg = recipe.Config()
+        cfg.actor.rollout_correction, cfg.actor.use_kl_loss, cfg.actor.entropy_coeff = mode, False, 0.0
+        loss_fn = recipe.make_actor_loss(cfg)
+        log_prob = old.clone().requires_grad_(True)
+        mb = DataProto.from_dict({"response_mask": mask, "advantages": adv, "old_log_probs": old, "rollout_log_probs": old - delta})
+        if name == "ppo":
+            mb["values"] = mb["returns"] = torch.zeros_like(old)
+        out = loss_fn(mb, log_prob, None, algos.Norm(num_tokens=7, num_seqs=2))
+        loss, metrics = out[0], out[-1]
+        loss.backward()
+        assert torch.allclose(log_prob.grad, -w * adv * mask / 7, atol=1e-7), (mode, log_prob.grad)
+        assert metrics["rollout_corr/abs_diff_max"] == pytest.approx(1.0)
+        assert metrics["rollout_corr/abs_diff_mean"] == pytest.approx((0.1 + 1 + 0.2 + 0 + 1 + 0.3 + 0) / 7)
+        assert metrics["rollout_corr/ratio_fraction_high"] == pytest.approx(1 / 7)  # e^1 > 2
+        if mode != "none":
+            assert metrics["rollout_corr/is_max"] == pytest.approx(w[mask.bool()].max().item())
+
+
+def test_actor_loss_without_rollout_log_probs_is_unchanged():
+    grpo = load_recipe("grpo")
+    mask, adv, old = torch.ones(2, 3), torch.tensor([[1.0] * 3, [-1.0] * 3]), torch.log(torch.full((2, 3), 0.5))
+    mb = DataProto.from_dict({"response_mask": mask, "advantages": adv, "old_log_probs": old})
+    cfg = grpo.Config()
+    cfg.actor.use_kl_loss = False
+    _, _, metrics = grpo.make_actor_loss(cfg)(mb, old.clone().requires_grad_(True), None, algos.Norm(6, 2))
+    assert not any(k.startswith("rollout_corr/") for k in metrics)
+
+
+def test_flag_thresholds_resolve_per_mode():
+    a = ActorConfig()
+    assert a.rollout_correction == "token-tis" and a.rollout_is_threshold == 2.0
+    a.rollout_is_cap = 3.0
+    assert a.rollout_is_threshold == 3.0
+    a.rollout_correction = "seq-mis"
+    assert a.rollout_is_threshold == (0.5, 3.0)
+    a.rollout_correction, a.rollout_is_cap, a.rollout_is_low = "geo-mask", None, 0.99
+    assert a.rollout_is_threshold == (0.99, 1.001)
+
+
+def test_grpo_with_hf_rollout_log_probs_logs_zero_mismatch_and_trains_the_same_weights(tmp_path):
+    """--rollout.log-probs with HF: rollout_corr/ metrics every step, ~0; token-tis weights are 1, so the weights
+    trained are those of the run without rollout log-probs."""
+    grpo = load_recipe("grpo")
+    base = quick_config(grpo, tmp_path / "base", steps=2)
+    grpo.main(base)
+    cfg = quick_config(grpo, tmp_path / "lp", steps=2)
+    cfg.rollout.log_probs = True
+    grpo.main(cfg)
+    rows = read_jsonl(tmp_path / "lp/metrics.jsonl")
+    for r in rows[1:]:
+        assert r["rollout_corr/abs_diff_max"] < 1e-5 and r["rollout_corr/is_min"] == pytest.approx(1.0, abs=1e-5)
+    a = load_file(tmp_path / "base/checkpoints/global_step_2/hf/model.safetensors")
+    b = load_file(tmp_path / "lp/checkpoints/global_step_2/hf/model.safetensors")
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff < 1e-5, diff  # (lr 1e-4: Adam moves a weight by ~1e-4 a step; w = 1 +- 1e-7 leaves < 1e-5 of it)
+
+
+# -- 3. asynchronous k-step training -----------------------------------------------------------------------
+
+
+def synchronous_grpo(grpo, cfg):
+    """The GRPO loop as it was before --trainer.async-steps (generation in turn, policy.generate): the reference."""
+    loop.setup(cfg)
+    policy = build_policy(cfg)
+    tok = policy.tokenizer
+    from rlkit.data import PromptLoader, build_prompts
+
+    train = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
+    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
+    reward_fn = build_reward(cfg, policy)
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    actor_loss = grpo.make_actor_loss(cfg)
+    for step in run.steps():
+        timings = {}
+        batch = train.next_batch()
+        batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]
+        batch = policy.generate(batch.repeat(cfg.rollout.n, interleave=True))
+        scores, reward_metrics = loop.score(batch, tok, reward_fn)
+        batch = batch.union(policy.compute_ref_log_prob(batch))
+        if not policy.is_on_policy():
+            batch = batch.union(policy.compute_log_prob(batch))
+        batch["advantages"] = algos.grpo_advantage(scores, batch["uid"])[:, None] * batch["response_mask"]
+        actor_metrics = policy.update(batch, actor_loss)
+        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+def test_async_steps_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
+    grpo = load_recipe("grpo")
+    grpo.main(quick_config(grpo, tmp_path / "k0", steps=3, async_steps=0))
+    synchronous_grpo(grpo, quick_config(grpo, tmp_path / "sync", steps=3))
+    a, b = read_jsonl(tmp_path / "k0/metrics.jsonl"), read_jsonl(tmp_path / "sync/metrics.jsonl")
+    assert [r["step"] for r in a] == [1, 2, 3] and comparable(a) == comparable(b)  # every float equal
+    wa = load_file(tmp_path / "k0/checkpoints/global_step_3/hf/model.safetensors")
+    wb = load_file(tmp_path / "sync/checkpoints/global_step_3/hf/model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo"])
+def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
+    recipe = load_recipe(name)
+    cfg = quick_config(recipe, tmp_path, steps=3, async_steps=1)
+    recipe.main(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")  # steps 1, 2, 3
+    # step 1 trains on the starting weights' batch (staleness 0); every later one on the batch of the step before's
+    # weights: pi_{t-2} sampled it while the trainer made pi_{t-1}
+    assert [r["async/staleness_max"] for r in rows][:1] == [0] and all(r["async/staleness_max"] <= 1 for r in rows)
+    if name != "dapo":  # one generation batch per step: exactly one step stale
+        assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert rows[0]["rollout_corr/abs_diff_max"] < 1e-5  # same weights, HF: no mismatch
+    assert rows[-1]["rollout_corr/abs_diff_mean"] > 1e-3  # one update of staleness: the correction sees it
+    assert mp.active_children() == []
+
+
+def test_one_step_off_stops_its_worker_when_the_loop_fails(tmp_path, monkeypatch):
+    grpo = load_recipe("grpo")
+    calls = []
+
+    def failing_score(batch, tok, reward_fn):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("scorer broke")
+        return real(batch, tok, reward_fn)
+
+    real = loop.score
+    monkeypatch.setattr(loop, "score", failing_score)
+    with pytest.raises(RuntimeError, match="scorer broke"):
+        grpo.main(quick_config(grpo, tmp_path, steps=3, async_steps=1))
+    assert mp.active_children() == []
+
+
+def test_async_steps_refused_where_there_is_no_async_loop(tmp_path):
+    ppo = load_recipe("ppo")
+    with pytest.raises(ConfigError, match="async-steps"):
+        ppo.main(quick_config(ppo, tmp_path, steps=1, async_steps=1))
+
+
+def test_one_step_off_learns(tmp_path):
+    """k = 1 on the embedded task: 60 steps of the default GRPO settings lift held-out accuracy."""
+    grpo = load_recipe("grpo")
+    cfg = grpo.Config()
+    cfg.trainer.default_local_dir = str(tmp_path)
+    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.async_steps = 60, 0, 1
+    cfg.data.val_max_samples = 128
+    summary = grpo.main(cfg)
+    assert summary["val_acc_after"] - summary["val_acc_before"] >= 0.10, summary
+    rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
+    assert max(r["async/staleness_max"] for r in rows) == 1 and not math.isnan(rows[-1]["actor/pg_loss"])
+
+
+def test_the_off_policy_lines_are_the_same_in_every_recipe():
+    """The correction block (every recipe) and the Rollouts block (the async loops) are copied verbatim."""
+    from test_grpo_recipe import ROOT
+
+    def block(name, first, last):
+        lines = (ROOT / "recipes" / f"{name}.py").read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if first in line)
+        end = next(i for i in range(start, len(lines)) if last in lines[i])
+        return [line.strip() for line in lines[start : end + 1]]
+
+    corr = {n: block(n, "weights, corr = None, {}", "metrics.update(corr)") for n in ("grpo", "dapo", "rloo", "ppo", "reinforce_pp")}
+    assert all(b == corr["grpo"] for b in corr.values()) and len(corr["grpo"]) == 8
+    ro = {n: block(n, "# ASYNC: --trainer.async-steps k", "rollouts = loop.Rollouts(") for n in ("grpo", "dapo", "rloo")}
+    assert all(b == ro["grpo"] for b in ro.values())
