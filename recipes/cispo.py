@@ -58,6 +58,10 @@ def make_actor_loss(cfg: Config):
 
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
+        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
+        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
+            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
+            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
         pg_loss, metrics = algos.cispo_loss(  # -sg(clip(rho_t, 1-eps_low, 1+eps_high)) * A * log pi_t
             log_prob,
             mb["old_log_probs"],
@@ -68,7 +72,9 @@ def make_actor_loss(cfg: Config):
             loss_agg_mode=mode,
             num_tokens=norm.num_tokens,
             num_seqs=norm.num_seqs,
+            weights=weights,
         )
+        metrics.update(corr)
         parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
@@ -96,19 +102,23 @@ def main(cfg: Config) -> dict:
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
 
+    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
+        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        return batch.repeat(cfg.rollout.n, interleave=True)
+
+    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
+    rollouts = loop.Rollouts(cfg, policy, prompts, run)  # (with rollout_log_probs mu, ref_log_prob, its policy version)
+
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
-            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
-
-            with loop.timer("gen", timings):  # rollout: sample one response per row
-                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
+            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
+                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss:
+                if cfg.actor.use_kl_loss and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself

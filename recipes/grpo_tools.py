@@ -78,9 +78,23 @@ def make_actor_loss(cfg: Config):
 
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
+        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
+        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
+            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
+            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, loss_agg_mode=mode, norm=norm
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            a.clip_low,
+            a.clip_high,
+            a.clip_ratio_c,
+            loss_agg_mode=mode,
+            norm=norm,
+            weights=weights,
         )
+        metrics.update(corr)
         parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
@@ -100,6 +114,8 @@ def main(cfg: Config) -> dict:
         raise ConfigError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
     if cfg.trainer.backend != "local":
         raise ConfigError("grpo_tools.py runs the turn loop in this process: use --trainer.backend local (ray is not supported yet)")
+    if cfg.trainer.async_steps:
+        raise ConfigError("grpo_tools.py: --trainer.async-steps is not supported yet (the async worker samples single-turn responses)")
     tools = tools_from_names(cfg.agent.tools, cfg.agent.max_tool_response_chars)  # rlkit/tools.py: calculator, python
     # actor + rollout + reference, whose generate() runs the turn loop (agent.run_turns) with these tools
     policy = agent.AgentPolicy(build_policy(cfg), tools, cfg.agent, cfg.rollout, cfg.data.max_response_length)
@@ -116,19 +132,25 @@ def main(cfg: Config) -> dict:
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
 
+    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
+        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        return batch.repeat(cfg.rollout.n, interleave=True)
+
+    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
+    rollouts = loop.Rollouts(cfg, policy, prompts, run)  # (with rollout_log_probs mu, ref_log_prob, its policy version)
+
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
-            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
-
-            with loop.timer("gen", timings):  # rollout: the turn loop, one multi-turn episode per row (holes: tool tokens)
-                batch = policy.generate(batch)  # + responses (sampled and tool ids), response_mask (0 on tool ids): (B*n, R)
+            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
+                batch = (
+                    rollouts.next()
+                )  # prompts(i) + the turn loop's responses (sampled and tool ids), response_mask (0 on tool ids): (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss:
+                if cfg.actor.use_kl_loss and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself

@@ -22,6 +22,8 @@ accumulated over micro-batches of actor.ppo_micro_batch_size trajectories.
 
 from dataclasses import dataclass, field
 
+import torch
+
 from rlkit import algos, loop
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlkit.data import PromptLoader, build_prompts
@@ -46,9 +48,23 @@ def make_actor_loss(cfg: Config):
 
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
         mask, mode = mb["response_mask"], a.loss_agg_mode
+        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
+        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
+            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
+            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
         pg_loss, metrics = algos.ppo_clip_loss(
-            log_prob, mb["old_log_probs"], mb["advantages"], mask, a.clip_low, a.clip_high, a.clip_ratio_c, loss_agg_mode=mode, norm=norm
+            log_prob,
+            mb["old_log_probs"],
+            mb["advantages"],
+            mask,
+            a.clip_low,
+            a.clip_high,
+            a.clip_ratio_c,
+            loss_agg_mode=mode,
+            norm=norm,
+            weights=weights,
         )
+        metrics.update(corr)
         parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
@@ -76,35 +92,37 @@ def main(cfg: Config) -> dict:
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
 
+    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
+        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        # ALGO LOGIC: the baseline -- one greedy response per prompt, scored like the samples (repeated with its prompt)
+        greedy = policy.generate(batch, validate=True)  # + responses, response_mask: (B, R), decoded greedily
+        batch["greedy_score"] = loop.score(greedy, tok, reward_fn)[0].tolist()  # b(x), one per prompt: kept through generate()
+
+        return batch.repeat(cfg.rollout.n, interleave=True)
+
+    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
+    rollouts = loop.Rollouts(cfg, policy, prompts, run)  # (with rollout_log_probs mu, ref_log_prob, its policy version)
+
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
-
-            # ALGO LOGIC: the baseline -- one greedy response per prompt, scored like the samples
-            with loop.timer("gen_greedy", timings):
-                greedy = policy.generate(batch, validate=True)  # + responses, response_mask: (B, R), decoded greedily
-                greedy_scores, _ = loop.score(greedy, tok, reward_fn)  # b(x): (B,)
-
-            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
-
-            with loop.timer("gen", timings):  # rollout: sample one response per row
-                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
+            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
+                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss:
+                if cfg.actor.use_kl_loss and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
                     batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
 
             # ALGO LOGIC: score minus the greedy score of its prompt, the same for every token of a response
-            baseline = greedy_scores.repeat_interleave(cfg.rollout.n)  # (B,) -> (B*n,), in the order of batch.repeat(interleave=True)
             mask = batch["response_mask"]  # (B*n, R)
+            baseline = torch.tensor(list(batch["greedy_score"]), dtype=torch.float32)  # (B*n,): each row carries its prompt's b(x)
             batch["advantages"], _ = algos.remax_advantage(token_level_rewards(scores, mask), baseline, mask)  # (B*n, R)
-            reward_metrics["critic/greedy_score/mean"] = greedy_scores.mean().item()
+            reward_metrics["critic/greedy_score/mean"] = baseline.mean().item()
 
             with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
                 actor_metrics = policy.update(batch, actor_loss)

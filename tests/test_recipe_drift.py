@@ -27,19 +27,28 @@ PPO_CLIP = ("dapo", "grpo_tools", "ppo", "reinforce_pp", "remax", "rloo")
 DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why the recipe changes it}
     "dapo": {
         "train": "prompts come in generation batches of --gen-batch-size, filtered down to train_batch_size",
-        "batch['uid']": "the group id names the generation batch too (several per step)",
     },
     "grpo_tools": {
         "policy": "the worker group is wrapped so that generate() runs the multi-turn turn loop with the tools",
         "train": "the prompts offer the tools (their JSON schemas go to the chat template)",
         "val": "the validation prompts offer the tools too",
     },
-    "reinforce_pp": {"policy": "the reference policy is also needed for the KL in the reward"},
+    "reinforce_pp": {
+        "policy": "the reference policy is also needed for the KL in the reward",
+        **dict.fromkeys(
+            ("rollouts", "batch['uid']", "batch.repeat", "batch"),
+            "no asynchronous loop yet (--trainer.async-steps is refused): the prompts are drawn and generated in turn",
+        ),
+    },
     "ppo": {
         "policy": "the reference is needed for the KL in the reward; room for the critic on Ray",
         "run": "the critic and the KL controller are saved in checkpoints",
         "actor_loss": "a critic loss as well",
         "metrics": "the critic's and the KL controller's metrics as well",
+        **dict.fromkeys(
+            ("rollouts", "batch['uid']", "batch.repeat", "batch"),
+            "no asynchronous loop yet (--trainer.async-steps is refused): the prompts are drawn and generated in turn",
+        ),
     },
 }
 
