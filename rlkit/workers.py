@@ -79,6 +79,8 @@ class CheckpointFiles:
 class ActorRolloutRefWorker(CheckpointFiles):
     """Actor + rollout + reference on one model (one device)."""
 
+    engine_class = TorchEngine  # a distributed worker may use another (rlkit/megatron_workers.py)
+
     def __init__(
         self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None, wrap=None
     ):
@@ -86,7 +88,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
             raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
-        self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
+        self.engine = self.engine_class(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
