@@ -9,6 +9,9 @@ layer spec, no sequence parallelism:
    `add()` and `fork()` (used around attention dropout) fail without CUDA. Here `add()` only records
    the name and `fork()` is a no-op: the CPU generator is used as is. rlkit runs with dropout off, so
    nothing random happens inside a fork.
+3. `megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb` moves `inv_freq`
+   to `torch.cuda.current_device()` at the first forward pass; here, during that call only, the
+   "current device" is the CPU.
 
 A newer megatron-core may move these; `apply()` checks the attributes exist and names the version it
 was written for when they do not.
@@ -32,9 +35,11 @@ def apply() -> None:
     if _applied or torch.cuda.is_available():
         return
     from megatron.core import utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import random as mrandom
 
-    for owner, name in ((utils.GlobalMemoryBuffer, "get_tensor"), (mrandom.CudaRNGStatesTracker, "fork"), (mrandom.CudaRNGStatesTracker, "add")):
+    patched = ((utils.GlobalMemoryBuffer, "get_tensor"), (mrandom.CudaRNGStatesTracker, "fork"), (mrandom.CudaRNGStatesTracker, "add"))
+    for owner, name in (*patched, (RotaryEmbedding, "get_emb")):
         if not hasattr(owner, name):
             raise RuntimeError(f"megatron-core changed: {owner.__name__}.{name} is gone (rlkit's CPU shims were checked on {CHECKED_VERSION})")
 
@@ -52,7 +57,17 @@ def apply() -> None:
     def fork(self, name="model-parallel-rng"):
         yield
 
+    cuda_get_emb = RotaryEmbedding.get_emb
+
+    def get_emb(self, *args, **kwargs):
+        current, torch.cuda.current_device = torch.cuda.current_device, lambda: "cpu"
+        try:
+            return cuda_get_emb(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+
     utils.GlobalMemoryBuffer.get_tensor = get_tensor
+    RotaryEmbedding.get_emb = get_emb
     mrandom.CudaRNGStatesTracker.add = add
     mrandom.CudaRNGStatesTracker.fork = fork
     _applied = True

@@ -32,7 +32,6 @@ from rlkit.engine import TorchEngine, trim_padding
 from rlkit.errors import ConfigError, MissingFile, MissingPackage
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
-from rlkit.rollout import HFRollout
 from rlkit.workers import ActorRolloutRefWorker
 
 INSTALL = "bash scripts/install.sh megatron"
@@ -361,7 +360,6 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
         self.rank, self.world_size = rank, world_size
         super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref)
-        self.rollout = HFRollout(self.engine.hf_model, self.tokenizer, self.engine.device)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self._synced = 0  # the update count the HF rollout copy holds
 

@@ -41,7 +41,8 @@ def resolved(model_cfg):
 def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     """The generation backend named by --rollout.name: hf (generate on the training model) or vllm."""
     if rollout_cfg.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
-        return HFRollout(engine.model, engine.tokenizer, engine.device, autocast=engine.autocast)
+        model = getattr(engine, "hf_model", engine.model)  # a Megatron engine generates on a gathered HF copy
+        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast)
     if rollout_cfg.name == "vllm":
         from rlkit.vllm_rollout import VLLMRollout
 
