@@ -41,7 +41,9 @@ def apply() -> None:
     patched = ((utils.GlobalMemoryBuffer, "get_tensor"), (mrandom.CudaRNGStatesTracker, "fork"), (mrandom.CudaRNGStatesTracker, "add"))
     for owner, name in (*patched, (RotaryEmbedding, "get_emb")):
         if not hasattr(owner, name):
-            raise RuntimeError(f"megatron-core changed: {owner.__name__}.{name} is gone (rlkit's CPU shims were checked on {CHECKED_VERSION})")
+            raise RuntimeError(
+                f"megatron-core changed: {owner.__name__}.{name} is gone (rlkit's CPU shims were checked on {CHECKED_VERSION})"
+            )
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
         n = reduce(operator.mul, tensor_shape, 1)

@@ -59,7 +59,9 @@ def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32):
 
     c = hf_config
     if c.model_type not in ("llama", "qwen2") or getattr(c, "mlp_bias", False):
-        raise ConfigError(f"--trainer.engine megatron: model type {c.model_type!r} is not mapped (Llama and Qwen2 are); use the fsdp engine")
+        raise ConfigError(
+            f"--trainer.engine megatron: model type {c.model_type!r} is not mapped (Llama and Qwen2 are); use the fsdp engine"
+        )
     heads, groups = c.num_attention_heads, c.num_key_value_heads
     if heads % tp or groups % tp:
         raise ConfigError(f"--trainer.tp-size {tp} must divide the attention heads ({heads}) and key/value heads ({groups})")
@@ -128,7 +130,10 @@ def hf_to_megatron(sd: dict, c, tp: int, rank: int) -> dict:
         fused = torch.cat([q.reshape(ng, hpg * d, *tail), k.reshape(ng, d, *tail), v.reshape(ng, d, *tail)], dim=1)
         return rows(fused.reshape(ng * (hpg + 2) * d, *tail))
 
-    out = {"embedding.word_embeddings.weight": vocab(sd["model.embed_tokens.weight"]), "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": vocab(sd["model.embed_tokens.weight"]),
+        "decoder.final_layernorm.weight": sd["model.norm.weight"],
+    }
     if not c.tie_word_embeddings:
         out["output_layer.weight"] = vocab(sd["lm_head.weight"])
     for i in range(c.num_hidden_layers):
@@ -156,10 +161,17 @@ def megatron_to_hf(shards: list[dict], c) -> dict:
     def split_qkv(w):  # -> q, k, v in HF order
         tail = w.shape[1:]
         g = w.reshape(ng, (hpg + 2) * d, *tail)
-        return (g[:, : hpg * d].reshape(-1, *tail), g[:, hpg * d : (hpg + 1) * d].reshape(-1, *tail), g[:, (hpg + 1) * d :].reshape(-1, *tail))
+        return (
+            g[:, : hpg * d].reshape(-1, *tail),
+            g[:, hpg * d : (hpg + 1) * d].reshape(-1, *tail),
+            g[:, (hpg + 1) * d :].reshape(-1, *tail),
+        )
 
     V = c.vocab_size
-    out = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight")[:V], "model.norm.weight": shards[0]["decoder.final_layernorm.weight"]}
+    out = {
+        "model.embed_tokens.weight": cat("embedding.word_embeddings.weight")[:V],
+        "model.norm.weight": shards[0]["decoder.final_layernorm.weight"],
+    }
     out["lm_head.weight"] = cat("output_layer.weight")[:V] if not c.tie_word_embeddings else out["model.embed_tokens.weight"]
     for i in range(c.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -215,6 +227,7 @@ def vocab_parallel_logprobs(logits, labels, vocab: int, group, with_entropy: boo
 
     Rank r holds tokens [r*V/T, (r+1)*V/T); ids >= vocab (padding to a multiple of T) get -inf. Formula in the module docstring.
     """
+
     def all_reduce(x, group):
         return _SumOverGroup.apply(x, group)
 
@@ -407,7 +420,12 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
 
     def _local_state(self) -> dict:
         e = self.engine
-        return {"model": local_params(e.model), "optimizer": e.optimizer.state_dict(), "scheduler": e.scheduler.state_dict(), "updates": self.updates}
+        return {
+            "model": local_params(e.model),
+            "optimizer": e.optimizer.state_dict(),
+            "scheduler": e.scheduler.state_dict(),
+            "updates": self.updates,
+        }
 
     @dispatch("all")
     def state_dict(self) -> dict:

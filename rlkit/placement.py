@@ -91,7 +91,14 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     else:
         raise ConfigError(f"unknown --trainer.engine {t.engine!r}: use fsdp or megatron")
     group = RayWorkerGroup(
-        worker, pools["actor_rollout_ref"], *args, share=_share(pools, "actor_rollout_ref"), device=t.device, seed=t.seed, need_ref=need_ref, **options
+        worker,
+        pools["actor_rollout_ref"],
+        *args,
+        share=_share(pools, "actor_rollout_ref"),
+        device=t.device,
+        seed=t.seed,
+        need_ref=need_ref,
+        **options,
     )
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
     group.pools = pools

@@ -49,7 +49,10 @@ def test_hf_megatron_mapping_round_trips_for_llama_and_qwen2_shapes():
         sd = AutoModelForCausalLM.from_config(c).state_dict()
         shards = [hf_to_megatron(sd, c, 2, r) for r in range(2)]
         assert shards[0]["embedding.word_embeddings.weight"].shape == (6, 16)  # 11 tokens padded to 12, 6 per rank
-        assert shards[0]["self_attention.linear_qkv.weight".join(("decoder.layers.0.", ""))].shape == (16, 16)  # 1 group: 2 q + k + v heads of 4
+        assert shards[0]["self_attention.linear_qkv.weight".join(("decoder.layers.0.", ""))].shape == (
+            16,
+            16,
+        )  # 1 group: 2 q + k + v heads of 4
         back = megatron_to_hf(shards, c)
         assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd), c.model_type
 
