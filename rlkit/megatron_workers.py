@@ -153,7 +153,6 @@ def hf_to_megatron(sd: dict, c, tp: int, rank: int) -> dict:
 def megatron_to_hf(shards: list[dict], c) -> dict:
     """The full HF state dict from every tensor-parallel rank's shards (`shards[r]` = rank r's, Megatron names)."""
     hpg, ng, d = _dims(c)
-    tp = len(shards)
 
     def cat(key, dim=0):
         return torch.cat([s[key] for s in shards], dim=dim)

@@ -3,7 +3,6 @@ agrees with the one-process engine (log-probs, loss, grad norm, the updated weig
 checkpoint resumes to the same weights. Skipped without megatron-core (`bash scripts/install.sh megatron`)."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
