@@ -64,6 +64,8 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     """
     t = cfg.trainer
     args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
+    if t.backend == "local" and t.engine != "fsdp":
+        raise ConfigError(f"--trainer.engine {t.engine} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N")
     if t.backend == "local":
         return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=t.device, seed=t.seed, need_ref=need_ref))
     if t.backend != "ray":

@@ -33,6 +33,20 @@ def megatron_cfg(cfg, tp=2, n_workers=2):
     return cfg
 
 
+def test_megatron_engine_needs_the_ray_backend_and_a_dividing_tp_size(tmp_path):
+    from rlkit.errors import ConfigError
+    from rlkit.megatron_workers import build_gpt
+
+    cfg = small_config(load_recipe("grpo"), tmp_path)
+    cfg.trainer.engine = "megatron"
+    with pytest.raises(ConfigError, match="--trainer.backend ray"):
+        build_policy(cfg)
+    from transformers import AutoConfig
+
+    with pytest.raises(ConfigError, match="--trainer.tp-size 3 must divide"):
+        build_gpt(AutoConfig.from_pretrained(embedded.MODEL_DIR), 3)
+
+
 def test_hf_megatron_mapping_round_trips_for_llama_and_qwen2_shapes():
     from transformers import LlamaConfig, Qwen2Config
 
