@@ -16,12 +16,13 @@ vocabulary of the embedding and LM head); the D groups are data parallel (gradie
 - grad norm: squares of sharded weights summed over the tensor-parallel group, replicated ones (norms) once;
 - checkpoints: each process writes its own shards + optimizer state (rank{r}.pt); resume with the same T and D.
 
-Not yet: pipeline parallelism, sequence parallelism, LoRA, a Megatron critic, vLLM rollout.
+Not yet: pipeline parallelism, sequence parallelism, mixed precision (float32 throughout), LoRA, a Megatron critic, vLLM rollout.
 CPU runs need two shims for CUDA assumptions (rlkit/megatron_shims.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -371,6 +372,8 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         megatron_shims.apply()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
         self.rank, self.world_size = rank, world_size
+        if model_cfg.dtype == "auto":  # float32 weights and compute: mixed precision (bf16 compute, float32 masters) is not wired yet
+            model_cfg = dataclasses.replace(model_cfg, dtype="float32")
         super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self._synced = 0  # the update count the HF rollout copy holds
