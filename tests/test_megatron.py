@@ -91,6 +91,49 @@ def test_vocab_parallel_logprobs_equal_the_full_softmax_with_one_rank():
         dist.destroy_process_group()
 
 
+def test_megatron_forward_equals_hf_for_a_qwen2_shape_with_gqa_qkv_bias_and_left_padding():
+    """One process, T=1: the mapped GPTModel gives the HF model's logits at every real position (untied head,
+    2 query heads per key/value group, qkv biases, a left-padded row whose RoPE positions are shifted)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlkit import megatron_shims
+    from rlkit.megatron_workers import build_gpt, hf_to_megatron, local_params
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        megatron_shims.apply()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        c = Qwen2Config(
+            vocab_size=13, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        )
+        c.tie_word_embeddings = False
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(c).eval()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("bias") or "norm" in name:  # zeros / ones at init would hide a misplaced bias or norm
+                    p.normal_(0.5, 0.2)
+        gpt = build_gpt(c, 1).eval()
+        shards = hf_to_megatron(hf.state_dict(), c, 1, 0)
+        with torch.no_grad():
+            for k, p in local_params(gpt).items():
+                p.copy_(shards[k])
+        ids = torch.randint(1, 13, (2, 7))
+        mask = torch.ones(2, 7, dtype=torch.long)
+        mask[1, :3] = 0  # left padding
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        want = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        allowed = torch.ones(7, 7, dtype=torch.bool).tril() & mask.bool()[:, None, :]
+        got = gpt(input_ids=ids, position_ids=pos, attention_mask=~allowed[:, None])
+        real = mask.bool()
+        assert got.shape == want.shape and (got - want)[real].abs().max() < 1e-4
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def test_tp2_agrees_with_one_process_exports_hf_and_resumes(tmp_path, local_ray):
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path)  # 8 prompts x 4 samples, mini-batches of 4 prompts (2 optimizer steps)
