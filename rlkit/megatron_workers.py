@@ -431,8 +431,20 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @dispatch("all")
     def state_dict(self) -> dict:
-        """This rank's shards (the group returns rank 0's; tests compare full weights through save_pretrained)."""
-        return {k: v for k, v in self._local_state().items()}
+        """This process's shards, optimizer, scheduler and counter (a group returns its processes' states)."""
+        return self._local_state()
+
+    @dispatch("all")
+    def load_state_dict(self, state: dict) -> None:
+        """Back to a state from `state_dict()` of the same process (same tensor-parallel rank)."""
+        e = self.engine
+        with torch.no_grad():
+            for k, p in local_params(e.model).items():
+                p.copy_(state["model"][k])
+        e.optimizer.load_state_dict(state["optimizer"])
+        e.scheduler.load_state_dict(state["scheduler"])
+        self.updates = state["updates"]
+        self._synced = -1  # the rollout copy is refreshed before the next generate
 
     @dispatch("all")
     def save_checkpoint(self, folder) -> None:
@@ -454,14 +466,7 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
             raise ConfigError(
                 f"{folder} was saved with --trainer.n-workers {state['world_size']} --trainer.tp-size {state['tp_size']}: resume with the same"
             )
-        e = self.engine
-        with torch.no_grad():
-            for k, p in local_params(e.model).items():
-                p.copy_(state["model"][k])
-        e.optimizer.load_state_dict(state["optimizer"])
-        e.scheduler.load_state_dict(state["scheduler"])
-        self.updates = state["updates"]
-        self._synced = -1  # the rollout copy is refreshed before the next generate
+        self.load_state_dict(state)
 
     @dispatch("all")
     def save_pretrained(self, path) -> None:
