@@ -282,6 +282,10 @@ class TrainerConfig:
     """FSDP2 compute dtype: weights are gathered in it for forward/backward and generation; the sharded master weights stay in --model.dtype (auto: float32 under FSDP2) and gradients are reduced in float32 (auto: bfloat16 on GPU, float32 on CPU)"""
     fsdp_offload: bool = False
     """FSDP2: keep the sharded weights, gradients and optimizer state in CPU memory, moved to the GPU only when used (larger models, slower steps)"""
+    engine: Literal["fsdp", "megatron"] = "fsdp"
+    """the policy's engine with --trainer.backend ray: fsdp (FSDP2 sharding) or megatron (Megatron-core tensor parallelism, --trainer.tp-size; `bash scripts/install.sh megatron`; docs/scaling.md)"""
+    tp_size: int = 1
+    """--trainer.engine megatron: tensor-parallel size T (n_workers = T x data-parallel size)"""
     ray_address: str | None = None
     """a running Ray cluster to join (e.g. 127.0.0.1:6379, or set RAY_ADDRESS); default: start a local one"""
     num_threads: int = 0

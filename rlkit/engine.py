@@ -456,7 +456,7 @@ class TorchEngine:
                             add(k, v)
                     else:
                         params = [p for p in self.model.parameters() if p.requires_grad]
-                        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)  # the norm before clipping
+                        grad_norm = self.clip_grad_norm(params, cfg.grad_clip)  # the norm before clipping
                         if not all_finite(grad_norm):
                             if cfg.nan_policy == "skip":
                                 add("skipped_steps", 1)
@@ -477,6 +477,11 @@ class TorchEngine:
                         add("grad_norm", grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         return {k: sums[k] / counts[k] if k != f"{role}/skipped_steps" else sums[k] for k in sums}
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a total norm of max_norm; returns the norm before clipping (a distributed engine
+        overrides it: rlkit/megatron_workers.py)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     # -- state ---------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:

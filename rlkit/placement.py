@@ -64,6 +64,8 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     """
     t = cfg.trainer
     args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
+    if t.backend == "local" and t.engine != "fsdp":
+        raise ConfigError(f"--trainer.engine {t.engine} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N")
     if t.backend == "local":
         return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=t.device, seed=t.seed, need_ref=need_ref))
     if t.backend != "ray":
@@ -81,15 +83,24 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
             "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers",
         )
     pools = resource_pools(t, critic=critic is not None, reward_model=bool(cfg.reward.model_path))
+    if t.engine == "megatron":  # Megatron-core tensor parallelism (rlkit/megatron_workers.py)
+        from rlkit.megatron_workers import MegatronActorRolloutRefWorker, require_megatron
+
+        require_megatron()
+        worker, options = MegatronActorRolloutRefWorker, {"tp_size": t.tp_size}
+    elif t.engine == "fsdp":
+        worker, options = FSDPActorRolloutRefWorker, {"fsdp": fsdp_options(t)}
+    else:
+        raise ConfigError(f"unknown --trainer.engine {t.engine!r}: use fsdp or megatron")
     group = RayWorkerGroup(
-        FSDPActorRolloutRefWorker,
+        worker,
         pools["actor_rollout_ref"],
         *args,
         share=_share(pools, "actor_rollout_ref"),
         device=t.device,
         seed=t.seed,
         need_ref=need_ref,
-        fsdp=fsdp_options(t),
+        **options,
     )
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
     group.pools = pools

@@ -41,7 +41,8 @@ def resolved(model_cfg):
 def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     """The generation backend named by --rollout.name: hf (generate on the training model) or vllm."""
     if rollout_cfg.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
-        return HFRollout(engine.model, engine.tokenizer, engine.device, autocast=engine.autocast)
+        model = getattr(engine, "hf_model", engine.model)  # a Megatron engine generates on a gathered HF copy
+        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast)
     if rollout_cfg.name == "vllm":
         from rlkit.vllm_rollout import VLLMRollout
 
@@ -81,6 +82,8 @@ class CheckpointFiles:
 class ActorRolloutRefWorker(CheckpointFiles):
     """Actor + rollout + reference on one model (one device)."""
 
+    engine_class = TorchEngine  # a distributed worker may use another (rlkit/megatron_workers.py)
+
     def __init__(
         self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None, wrap=None
     ):
@@ -88,7 +91,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
             raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
-        self.engine = TorchEngine(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
+        self.engine = self.engine_class(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
