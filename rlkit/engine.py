@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import algos
+from rlkit import algos, packing
 from rlkit.errors import ConfigError, MissingFile, NonFinite, RunFailed
 from rlkit.protocol import DataProto
 
@@ -276,6 +276,15 @@ class TorchEngine:
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
         self.keep_logits = accepts_logits_to_keep(model)
+        # padding-free passes (rlkit/packing.py): a 4D block mask, which flash_attention_2 does not take
+        self.remove_padding = getattr(model_cfg, "remove_padding", True) and self.attn_implementation in ("sdpa", "eager")
+        self.share_prompt = self.remove_padding and getattr(model_cfg, "share_prompt", True)
+        if getattr(model_cfg, "remove_padding", True) and not self.remove_padding:
+            warnings.warn(
+                f"--model.remove-padding: attention {self.attn_implementation} takes no 4D mask; passes use the padded layout",
+                stacklevel=2,
+            )
+        self.max_tokens = getattr(actor_cfg, "max_token_len_per_micro_batch", 0) if actor_cfg is not None else 0
         if wrap is not None:
             model = wrap(model)
             self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None
@@ -312,11 +321,71 @@ class TorchEngine:
             raise ConfigError("no reference policy: full-parameter training keeps a frozen copy only with --actor.use-kl-loss")
         return nullcontext(), (self.ref_model if self.ref_model is not None else self.model)
 
+    def micro_batches(self, batch: DataProto, micro_batch_size: int) -> list[DataProto]:
+        """`micro_batch_size` rows each, or with --actor.max-token-len-per-micro-batch > 0 consecutive rows costing at most
+        that many positions (packed: real tokens only, a shared prompt once; padded: rows x their trimmed width)."""
+        if self.max_tokens <= 0:
+            return batch.split(micro_batch_size)
+        prompt_len = batch["prompts"].shape[1]
+        if self.remove_padding:
+            spans = packing.split_by_tokens(batch["input_ids"], batch["attention_mask"], prompt_len, self.share_prompt, self.max_tokens)
+        else:  # padded: a row costs the longest sequence; approximate it by its own length
+            mask = batch["attention_mask"].clone()
+            mask[:, :prompt_len] = 1
+            spans = packing.split_by_tokens(batch["input_ids"], mask, prompt_len, False, self.max_tokens)
+        return [batch[a:b] for a, b in spans]
+
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
         """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R).
 
         A value model returns (values, None) instead: V(s_t) read where the logits predicting y_t are.
+        Padding-free (rlkit/packing.py) unless --model.remove-padding false or flash_attention_2; 0 past each response.
         """
+        if self.remove_padding:
+            return self.forward_packed(model, mb, temperature, with_entropy)
+        return self.forward_padded(model, mb, temperature, with_entropy)
+
+    def forward_packed(self, model, mb: DataProto, temperature: float, with_entropy: bool):
+        """forward() in the packed layout: only real tokens, each group's prompt once (rlkit/packing.py)."""
+        b, resp_len = len(mb), mb["responses"].shape[1]
+        p = packing.pack(
+            mb["input_ids"].cpu(), mb["attention_mask"].cpu(), mb["position_ids"].cpu(), mb["prompts"].shape[1], self.share_prompt
+        )
+        mask = p.attention_mask.to(self.device)  # (rows, 1, C, C) bool: sdpa takes it as is
+        if self.attn_implementation == "eager":  # eager adds the mask to the scores
+            mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+        read = p.read.to(self.device)
+        only = {"logits_to_keep": read} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
+        with self.autocast():
+            out = model(
+                input_ids=p.input_ids.to(self.device),
+                attention_mask=mask,
+                position_ids=p.position_ids.to(self.device),
+                use_cache=False,
+                **only,
+            ).logits  # (rows, K, V)
+        if not self.keep_logits:
+            out = out[:, read]
+        picked = out[p.src_row.to(self.device), p.src_k.to(self.device)]  # (T, V): the logits predicting each response token
+        dst = (p.dst_row.to(self.device), p.dst_col.to(self.device))
+        if self.value_head:
+            values = torch.zeros(b, resp_len, device=self.device)
+            values[dst] = picked[:, 0].float()
+            return values, None
+        logits = picked.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.zeros(b, resp_len, device=self.device)
+        logp[dst] = algos.logprobs_from_logits(logits, p.labels.to(self.device))
+        ent = None
+        if with_entropy:  # "metric": computed without gradient, for logging only
+            ent = torch.zeros(b, resp_len, device=self.device)
+            with torch.no_grad() if with_entropy == "metric" else nullcontext():
+                ent[dst] = algos.entropy_from_logits(logits)
+        return logp, ent
+
+    def forward_padded(self, model, mb: DataProto, temperature: float, with_entropy: bool):
+        """forward() on the rollout's padded rows (prompt columns that are padding everywhere trimmed)."""
         prompt_len = mb["prompts"].shape[1]
         resp_len = mb["responses"].shape[1]
         t, first, keep = trim_padding({k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
@@ -350,7 +419,7 @@ class TorchEngine:
         ctx, model = self._reference() if ref else (nullcontext(), self.model)
         out_lp, out_ent = [], []
         with ctx:
-            for mb in batch.split(micro_batch_size):
+            for mb in self.micro_batches(batch, micro_batch_size):
                 lp, ent = self.forward(model, mb, temperature, with_entropy)
                 out_lp.append(lp.cpu())
                 if with_entropy:
@@ -417,7 +486,7 @@ class TorchEngine:
                     norm = global_counts(int(mini["response_mask"].sum()), len(mini))
                     self.optimizer.zero_grad(set_to_none=True)
                     total, part_sums = 0.0, {}  # the mini-batch's loss and loss parts, summed over micro-batches
-                    for mb in mini.split(micro_batch_size):
+                    for mb in self.micro_batches(mini, micro_batch_size):
                         logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
                         mb = mb.to(self.device)
                         if reuse_old:  # the old log-probs and the entropy metric, from this very pass
