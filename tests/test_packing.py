@@ -156,3 +156,29 @@ def test_packed_values_equal_the_padded_ones():
     real = b["attention_mask"][:, P:].bool()
     v0, v1 = padded.compute_values(b, 64), packed.compute_values(b, 64)
     torch.testing.assert_close(v1[real], v0[real], atol=2e-5, rtol=0)
+
+
+def test_generation_prefills_each_group_once_and_samples_the_same_tokens():
+    from rlkit.config import DataConfig
+    from rlkit.data import build_prompts
+    from rlkit.rollout import HFRollout
+
+    eng = TorchEngine(ModelConfig(), None, device="cpu")
+    prompts = build_prompts(DataConfig().train_files, eng.tokenizer, DataConfig(), max_samples=4).batch(
+        [0, 1, 2, 3], eng.tokenizer.pad_token_id
+    )
+    rows = prompts.repeat(4, interleave=True)
+    shared, plain = HFRollout(eng.model, eng.tokenizer, eng.device), HFRollout(eng.model, eng.tokenizer, eng.device)
+    plain.shared_prefill = lambda ids, mask: None
+    calls = []
+    eng.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    for temperature in (1.0, 0.0):
+        out = []
+        for rollout in (shared, plain):
+            calls.clear()
+            torch.manual_seed(0)
+            out.append(rollout.generate(rows, 8, temperature=temperature))
+            if rollout is shared:  # the 4 distinct prompts but their last token, then 16 rows of one token each
+                assert calls[0] == (4, rows["input_ids"].shape[1] - 1) and calls[1] == (16, 1)
+        assert torch.equal(out[0]["responses"], out[1]["responses"])
+    assert shared.shared_prefill(prompts["input_ids"], prompts["attention_mask"]) is None  # no groups: plain generate
