@@ -143,17 +143,22 @@ def main(argv=None):
     for _ in range(args.rounds):
         for arm in ARMS:  # alternated: the machine's load moves
             cmd = [sys.executable, __file__, "--arm", arm, "--model-dir", str(work)] + [
-                f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("prompts", "n", "hidden", "layers", "vocab", "budget", "micro_batch")
+                f"--{k.replace('_', '-')}={getattr(args, k)}"
+                for k in ("prompts", "n", "hidden", "layers", "vocab", "budget", "micro_batch")
             ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             res[arm].append(json.loads(out))
             print(res[arm][-1], flush=True)
-    print(f"\n{args.prompts} prompts x {args.n}, micro-batches of {args.micro_batch} rows (budget arm: {args.budget} positions), vocab {args.vocab}, hidden {args.hidden} x {args.layers} layers, 1 thread; medians of {args.rounds}")
+    print(
+        f"\n{args.prompts} prompts x {args.n}, micro-batches of {args.micro_batch} rows (budget arm: {args.budget} positions), vocab {args.vocab}, hidden {args.hidden} x {args.layers} layers, 1 thread; medians of {args.rounds}"
+    )
     print("| layout | log-prob pass s | update s | peak RSS MiB (log-prob, update) | response log-prob sum |")
     print("| --- | --- | --- | --- | --- |")
     for arm, rs in res.items():
-        med = lambda k: sorted(r[k] for r in rs)[len(rs) // 2]  # noqa: E731
-        print(f"| {arm} | {med('log_prob_s'):.2f} | {med('update_s'):.2f} | {med('log_prob_peak'):.0f}, {med('update_peak'):.0f} | {rs[0]['lp_sum']:.2f} |")
+        med = lambda k, rs=rs: sorted(r[k] for r in rs)[len(rs) // 2]  # noqa: E731
+        print(
+            f"| {arm} | {med('log_prob_s'):.2f} | {med('update_s'):.2f} | {med('log_prob_peak'):.0f}, {med('update_peak'):.0f} | {rs[0]['lp_sum']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ policy gives log π(y_t) the critic gives V(s_t), the value of the state before 
 read at the same positions. The update loop is shared: the loss function gets values instead of
 log-probs.
 
+Layout. The passes run on real tokens only (rlkit/packing.py): sequences packed into rows with a block attention
+mask, each group's shared prompt computed once (GRPO's n rows of a prompt), position ids per sequence, the LM
+head on the positions read. Same log-probs as the padded rows to float rounding; --model.remove-padding false
+(and flash_attention_2, which takes no 4D mask) keeps the padded layout. Micro-batches hold
+--actor.ppo-micro-batch-size rows, or with --actor.max-token-len-per-micro-batch > 0 as many rows as fit in that
+many positions; the loss's Norm is the mini-batch's either way.
+
 Dropout stays off (eval mode) in every pass, so the log-probs of the update equal the old
 log-probs when the weights have not moved: the PPO ratio is exactly 1 on-policy.
 
