@@ -206,7 +206,6 @@ class RlkitGRPO:
                 if not (self.skip_old_log_prob or self.policy.is_on_policy()):  # as recipes/grpo.py
                     batch = batch.union(policy.compute_log_prob(batch))
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
-            batch["token_level_rewards"] = self.grpo.token_level_rewards(scores, batch["response_mask"])
             batch["advantages"] = advantages[:, None] * batch["response_mask"]
             with loop.timer("update", timings):
                 metrics = policy.update(batch, self.actor_loss)
