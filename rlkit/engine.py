@@ -291,6 +291,7 @@ class TorchEngine:
                 f"--model.remove-padding: attention {self.attn_implementation} takes no 4D mask; passes use the padded layout",
                 stacklevel=2,
             )
+        self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
         self.max_tokens = getattr(actor_cfg, "max_token_len_per_micro_batch", 0) if actor_cfg is not None else 0
         if wrap is not None:
             model = wrap(model)
@@ -361,35 +362,47 @@ class TorchEngine:
         mask = p.attention_mask.to(self.device)  # (rows, 1, C, C) bool: sdpa takes it as is
         if self.attn_implementation == "eager":  # eager adds the mask to the scores
             mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-        read = p.read.to(self.device)
-        only = {"logits_to_keep": read} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
-        with self.autocast():
-            out = model(
-                input_ids=p.input_ids.to(self.device),
-                attention_mask=mask,
-                position_ids=p.position_ids.to(self.device),
-                use_cache=False,
-                **only,
-            ).logits  # (rows, K, V)
-        if not self.keep_logits:
-            out = out[:, read]
-        picked = out[p.src_row.to(self.device), p.src_k.to(self.device)]  # (T, V): the logits predicting each response token
-        dst = (p.dst_row.to(self.device), p.dst_col.to(self.device))
-        if self.value_head:
-            values = torch.zeros(b, resp_len, device=self.device)
-            values[dst] = picked[:, 0].float()
-            return values, None
-        logits = picked.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.zeros(b, resp_len, device=self.device)
-        logp[dst] = algos.logprobs_from_logits(logits, p.labels.to(self.device))
-        ent = None
-        if with_entropy:  # "metric": computed without gradient, for logging only
-            ent = torch.zeros(b, resp_len, device=self.device)
-            with torch.no_grad() if with_entropy == "metric" else nullcontext():
-                ent[dst] = algos.entropy_from_logits(logits)
-        return logp, ent
+        dst_row, dst_col = p.dst_row.to(self.device), p.dst_col.to(self.device)
+        src_row, pos = p.src_row.to(self.device), p.read.to(self.device)[p.src_k.to(self.device)]  # (T,): row and position read
+        labels = p.labels.to(self.device)
+        out_lp = torch.zeros(b, resp_len, device=self.device)
+        out_ent = torch.zeros(b, resp_len, device=self.device) if with_entropy else None
+        rows, vocab = p.input_ids.shape[0], 1 if self.value_head else self.model_cfg_vocab(model)
+        # the LM head reads the union of the rows' read positions (rows, K, V); when that union wastes much memory
+        # (rows x K >> T at a real vocabulary) run the rows one by one, each on its own positions
+        one_by_one = rows > 1 and rows * len(p.read) > 2 * len(labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
+        for r0, r1 in [(r, r + 1) for r in range(rows)] if one_by_one else [(0, rows)]:
+            sel = (src_row >= r0) & (src_row < r1)  # (T,) the tokens read in these rows
+            read, k = torch.unique(pos[sel], sorted=True, return_inverse=True)  # (K,), (t,)
+            row = src_row[sel] - r0
+            dst = (dst_row[sel], dst_col[sel])
+            only = {"logits_to_keep": read} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
+            with self.autocast():
+                out = model(
+                    input_ids=p.input_ids[r0:r1].to(self.device),
+                    attention_mask=mask[r0:r1],
+                    position_ids=p.position_ids[r0:r1].to(self.device),
+                    use_cache=False,
+                    **only,
+                ).logits  # (rows, K, V)
+            if not self.keep_logits:
+                out = out[:, read]
+            if self.value_head:
+                out_lp[dst] = out[row, k, 0].float()
+                continue
+            logits = out.float()  # the one float32 copy (none when computed in float32)
+            if temperature != 1.0:
+                logits = logits / temperature
+            # log softmax(z)[y] = z_y - logsumexp(z), without a (T, V) copy: the prompt's last position serves n tokens
+            out_lp[dst] = logits[row, k, labels[sel]] - torch.logsumexp(logits, dim=-1)[row, k]
+            if with_entropy:  # "metric": computed without gradient, for logging only
+                with torch.no_grad() if with_entropy == "metric" else nullcontext():
+                    out_ent[dst] = algos.entropy_from_logits(logits)[row, k]
+        return out_lp, (None if self.value_head else out_ent)
+
+    @staticmethod
+    def model_cfg_vocab(model) -> int:
+        return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
 
     def forward_padded(self, model, mb: DataProto, temperature: float, with_entropy: bool):
         """forward() on the rollout's padded rows (prompt columns that are padding everywhere trimmed)."""

@@ -87,17 +87,23 @@ def engines(request):
     return padded, packed
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_packed_log_probs_and_entropy_equal_the_padded_ones(engines, share):
+@pytest.mark.parametrize("share,one_by_one", [(True, False), (False, False), (False, True)])
+def test_packed_log_probs_and_entropy_equal_the_padded_ones(engines, share, one_by_one):
     padded, packed = engines
     packed.share_prompt = share
+    packed.union_logits_bytes = 0 if one_by_one else 2**28  # 0: every packed row its own forward
     b = make_batch(padded.model.config.vocab_size)
     lp0, ent0 = padded.compute_log_prob(b, 0.7, 64, with_entropy=True)
+    calls = []
+    hook = packed.model.register_forward_pre_hook(lambda m, a: calls.append(1))
     lp1, ent1 = packed.compute_log_prob(b, 0.7, 64, with_entropy=True)
+    hook.remove()
+    assert (len(calls) > 1) == one_by_one
     real = b["attention_mask"][:, P:].bool()
     torch.testing.assert_close(lp1[real], lp0[real], atol=2e-5, rtol=0)
     torch.testing.assert_close(ent1[real], ent0[real], atol=2e-5, rtol=0)
     assert (lp1[~real] == 0).all()
+    packed.union_logits_bytes = 2**28
 
 
 def test_packed_gradients_equal_the_padded_ones(engines):
