@@ -208,6 +208,11 @@ def accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
+def vocab_size(model) -> int:
+    """The model config's vocabulary size (0 when it has none)."""
+    return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """isfinite(x).all(), agreed over all data-parallel processes: with --actor.nan-policy skip every process
     skips the same step (a process leaving a collective alone would hang the others)."""
@@ -367,7 +372,7 @@ class TorchEngine:
         labels = p.labels.to(self.device)
         out_lp = torch.zeros(b, resp_len, device=self.device)
         out_ent = torch.zeros(b, resp_len, device=self.device) if with_entropy else None
-        rows, vocab = p.input_ids.shape[0], 1 if self.value_head else self.model_cfg_vocab(model)
+        rows, vocab = p.input_ids.shape[0], 1 if self.value_head else vocab_size(model)
         # the LM head reads the union of the rows' read positions (rows, K, V); when that union wastes much memory
         # (rows x K >> T at a real vocabulary) run the rows one by one, each on its own positions
         one_by_one = rows > 1 and rows * len(p.read) > 2 * len(labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
@@ -399,10 +404,6 @@ class TorchEngine:
                 with torch.no_grad() if with_entropy == "metric" else nullcontext():
                     out_ent[dst] = algos.entropy_from_logits(logits)[row, k]
         return out_lp, (None if self.value_head else out_ent)
-
-    @staticmethod
-    def model_cfg_vocab(model) -> int:
-        return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
 
     def forward_padded(self, model, mb: DataProto, temperature: float, with_entropy: bool):
         """forward() on the rollout's padded rows (prompt columns that are padding everywhere trimmed)."""
