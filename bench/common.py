@@ -130,6 +130,7 @@ class RlkitGRPO:
         skip_old_log_prob: bool = False,
         logits_to_keep: bool = False,
         prefix_sharing: bool = False,
+        padded: bool = False,
     ):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
@@ -149,6 +150,7 @@ class RlkitGRPO:
         cfg.actor.ppo_micro_batch_size = micro_batch or prompts * n
         cfg.actor.use_kl_loss = beta > 0
         cfg.actor.kl_loss_coef = beta
+        cfg.model.remove_padding = not padded  # padded: rlkit before issue #15 (padded rows, every prompt n times)
         cfg.trainer.num_threads = threads
         cfg.trainer.seed = seed
         cfg.trainer.default_local_dir = str(out_dir)
@@ -174,6 +176,8 @@ class RlkitGRPO:
             self.actor_loss = on_policy_loss
         if logits_to_keep:
             patch_logits_to_keep(self.policy.worker.engine)
+        if padded:
+            self.policy.worker.rollout.shared_prefill = lambda ids, mask: None
         if prefix_sharing:
             patch_prefix_sharing(self.policy.worker.engine, self.policy.worker.rollout, n)
         self.steps = 0
@@ -202,7 +206,6 @@ class RlkitGRPO:
                 if not (self.skip_old_log_prob or self.policy.is_on_policy()):  # as recipes/grpo.py
                     batch = batch.union(policy.compute_log_prob(batch))
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
-            batch["token_level_rewards"] = self.grpo.token_level_rewards(scores, batch["response_mask"])
             batch["advantages"] = advantages[:, None] * batch["response_mask"]
             with loop.timer("update", timings):
                 metrics = policy.update(batch, self.actor_loss)
@@ -361,6 +364,7 @@ VARIANTS = {
     "skip_old_lp": dict(skip_old_log_prob=True),
     "logits_to_keep": dict(logits_to_keep=True),
     "prefix": dict(prefix_sharing=True),
+    "padded": dict(padded=True),
     "all": dict(skip_old_log_prob=True, prefix_sharing=True),
 }
 

@@ -14,7 +14,7 @@ tokens per step on each side.
 
     python bench/vs_trl.py                                   # embedded model, 32 prompts x 8, 8 tokens
     python bench/vs_trl.py --model random --max-new-tokens 32 --prompts 16   # 4.3M random Llama, runs to the cap
-    python bench/vs_trl.py --variants skip_old_lp,prefix,all   # also rlkit with prototyped optimisations
+    python bench/vs_trl.py --variants padded                  # also rlkit with its passes padded (before issue #15)
 
 Needs the bench extra: pip install -e '.[bench]'   (trl==1.16.0)
 """
@@ -58,7 +58,7 @@ def parse_args(argv=None):
         "--variants",
         default="",
         metavar="A,B",
-        help="also time rlkit with prototyped optimisations: comma-separated from skip_old_lp, logits_to_keep, prefix, all (= skip_old_lp+prefix); see docs/performance.md",
+        help="also time rlkit variants: comma-separated from padded (rlkit before issue #15: padded passes, a prefill per row), and the older prototypes skip_old_lp, logits_to_keep, prefix, all; see docs/performance.md",
     )
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)

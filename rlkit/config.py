@@ -39,6 +39,10 @@ class ModelConfig:
     """recompute each layer's activations in the backward pass: less memory, ~30 % slower update (auto = on for a model of 10M+ parameters on a GPU, off on CPU)"""
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
     """attention kernel: auto = flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa"""
+    remove_padding: bool = True
+    """log-prob, value and update passes on real tokens only: sequences packed into rows with a block attention mask (rlkit/packing.py; sdpa and eager, the padded layout with flash_attention_2)"""
+    share_prompt: bool = True
+    """with remove_padding: consecutive rows with the same prompt (a GRPO group) compute it once in those passes"""
 
 
 @dataclass
@@ -127,6 +131,8 @@ class ActorConfig:
     """prompts per optimizer step; × rollout.n trajectories (as in verl). train_batch_size / this = optimizer steps per epoch"""
     ppo_micro_batch_size: int = 0
     """trajectories per forward/backward pass; gradients are accumulated over a mini-batch (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 8)"""
+    max_token_len_per_micro_batch: int = 0
+    """token budget of a forward pass (verl's ppo_max_token_len_per_gpu), in the update and the log-prob passes: consecutive trajectories up to this many positions (packed: real tokens, a shared prompt once); 0 = off, ppo_micro_batch_size rows"""
     ppo_epochs: int = 1
     """passes over the rollout batch per training step"""
     shuffle: bool = False
@@ -202,6 +208,8 @@ class CriticConfig:
     """prompts per critic optimizer step, × rollout.n trajectories (default: actor.ppo_mini_batch_size)"""
     ppo_micro_batch_size: int = 0
     """trajectories per forward/backward pass of the value model (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 8)"""
+    max_token_len_per_micro_batch: int = 0
+    """token budget of a value-model forward pass, as --actor.max-token-len-per-micro-batch; 0 = off"""
     ppo_epochs: int = 1
     """passes over the rollout batch per training step"""
     cliprange_value: float | None = 0.5

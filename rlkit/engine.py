@@ -14,6 +14,13 @@ policy gives log π(y_t) the critic gives V(s_t), the value of the state before 
 read at the same positions. The update loop is shared: the loss function gets values instead of
 log-probs.
 
+Layout. The passes run on real tokens only (rlkit/packing.py): sequences packed into rows with a block attention
+mask, each group's shared prompt computed once (GRPO's n rows of a prompt), position ids per sequence, the LM
+head on the positions read. Same log-probs as the padded rows to float rounding; --model.remove-padding false
+(and flash_attention_2, which takes no 4D mask) keeps the padded layout. Micro-batches hold
+--actor.ppo-micro-batch-size rows, or with --actor.max-token-len-per-micro-batch > 0 as many rows as fit in that
+many positions; the loss's Norm is the mini-batch's either way.
+
 Dropout stays off (eval mode) in every pass, so the log-probs of the update equal the old
 log-probs when the weights have not moved: the PPO ratio is exactly 1 on-policy.
 
@@ -41,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import algos
+from rlkit import algos, packing
 from rlkit.errors import ConfigError, MissingFile, NonFinite, RunFailed
 from rlkit.protocol import DataProto
 
@@ -202,6 +209,11 @@ def accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
+def vocab_size(model) -> int:
+    """The model config's vocabulary size (0 when it has none)."""
+    return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """isfinite(x).all(), agreed over all data-parallel processes: with --actor.nan-policy skip every process
     skips the same step (a process leaving a collective alone would hang the others)."""
@@ -277,6 +289,16 @@ class TorchEngine:
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
         self.keep_logits = accepts_logits_to_keep(model)
+        # padding-free passes (rlkit/packing.py): a 4D block mask, which flash_attention_2 does not take
+        self.remove_padding = getattr(model_cfg, "remove_padding", True) and self.attn_implementation in ("sdpa", "eager")
+        self.share_prompt = self.remove_padding and getattr(model_cfg, "share_prompt", True)
+        if getattr(model_cfg, "remove_padding", True) and not self.remove_padding:
+            warnings.warn(
+                f"--model.remove-padding: attention {self.attn_implementation} takes no 4D mask; passes use the padded layout",
+                stacklevel=2,
+            )
+        self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
+        self.max_tokens = getattr(actor_cfg, "max_token_len_per_micro_batch", 0) if actor_cfg is not None else 0
         if wrap is not None:
             model = wrap(model)
             self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None
@@ -313,11 +335,79 @@ class TorchEngine:
             raise ConfigError("no reference policy: full-parameter training keeps a frozen copy only with --actor.use-kl-loss")
         return nullcontext(), (self.ref_model if self.ref_model is not None else self.model)
 
+    def micro_batches(self, batch: DataProto, micro_batch_size: int) -> list[DataProto]:
+        """`micro_batch_size` rows each, or with --actor.max-token-len-per-micro-batch > 0 consecutive rows costing at most
+        that many positions (packed: real tokens only, a shared prompt once; padded: rows x their trimmed width)."""
+        if self.max_tokens <= 0:
+            return batch.split(micro_batch_size)
+        prompt_len = batch["prompts"].shape[1]
+        if self.remove_padding:
+            spans = packing.split_by_tokens(batch["input_ids"], batch["attention_mask"], prompt_len, self.share_prompt, self.max_tokens)
+        else:  # padded: a row costs the longest sequence; approximate it by its own length
+            mask = batch["attention_mask"].clone()
+            mask[:, :prompt_len] = 1
+            spans = packing.split_by_tokens(batch["input_ids"], mask, prompt_len, False, self.max_tokens)
+        return [batch[a:b] for a, b in spans]
+
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
         """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R).
 
         A value model returns (values, None) instead: V(s_t) read where the logits predicting y_t are.
+        Padding-free (rlkit/packing.py) unless --model.remove-padding false or flash_attention_2; 0 past each response.
         """
+        if self.remove_padding:
+            return self.forward_packed(model, mb, temperature, with_entropy)
+        return self.forward_padded(model, mb, temperature, with_entropy)
+
+    def forward_packed(self, model, mb: DataProto, temperature: float, with_entropy: bool):
+        """forward() in the packed layout: only real tokens, each group's prompt once (rlkit/packing.py)."""
+        b, resp_len = len(mb), mb["responses"].shape[1]
+        p = packing.pack(
+            mb["input_ids"].cpu(), mb["attention_mask"].cpu(), mb["position_ids"].cpu(), mb["prompts"].shape[1], self.share_prompt
+        )
+        mask = p.attention_mask.to(self.device)  # (rows, 1, C, C) bool: sdpa takes it as is
+        if self.attn_implementation == "eager":  # eager adds the mask to the scores
+            mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+        dst_row, dst_col = p.dst_row.to(self.device), p.dst_col.to(self.device)
+        src_row, pos = p.src_row.to(self.device), p.read.to(self.device)[p.src_k.to(self.device)]  # (T,): row and position read
+        labels = p.labels.to(self.device)
+        out_lp = torch.zeros(b, resp_len, device=self.device)
+        out_ent = torch.zeros(b, resp_len, device=self.device) if with_entropy else None
+        rows, vocab = p.input_ids.shape[0], 1 if self.value_head else vocab_size(model)
+        # the LM head reads the union of the rows' read positions (rows, K, V); when that union wastes much memory
+        # (rows x K >> T at a real vocabulary) run the rows one by one, each on its own positions
+        one_by_one = rows > 1 and rows * len(p.read) > 2 * len(labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
+        for r0, r1 in [(r, r + 1) for r in range(rows)] if one_by_one else [(0, rows)]:
+            sel = (src_row >= r0) & (src_row < r1)  # (T,) the tokens read in these rows
+            read, k = torch.unique(pos[sel], sorted=True, return_inverse=True)  # (K,), (t,)
+            row = src_row[sel] - r0
+            dst = (dst_row[sel], dst_col[sel])
+            only = {"logits_to_keep": read} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
+            with self.autocast():
+                out = model(
+                    input_ids=p.input_ids[r0:r1].to(self.device),
+                    attention_mask=mask[r0:r1],
+                    position_ids=p.position_ids[r0:r1].to(self.device),
+                    use_cache=False,
+                    **only,
+                ).logits  # (rows, K, V)
+            if not self.keep_logits:
+                out = out[:, read]
+            if self.value_head:
+                out_lp[dst] = out[row, k, 0].float()
+                continue
+            logits = out.float()  # the one float32 copy (none when computed in float32)
+            if temperature != 1.0:
+                logits = logits / temperature
+            # log softmax(z)[y] = z_y - logsumexp(z), without a (T, V) copy: the prompt's last position serves n tokens
+            out_lp[dst] = logits[row, k, labels[sel]] - torch.logsumexp(logits, dim=-1)[row, k]
+            if with_entropy:  # "metric": computed without gradient, for logging only
+                with torch.no_grad() if with_entropy == "metric" else nullcontext():
+                    out_ent[dst] = algos.entropy_from_logits(logits)[row, k]
+        return out_lp, (None if self.value_head else out_ent)
+
+    def forward_padded(self, model, mb: DataProto, temperature: float, with_entropy: bool):
+        """forward() on the rollout's padded rows (prompt columns that are padding everywhere trimmed)."""
         prompt_len = mb["prompts"].shape[1]
         resp_len = mb["responses"].shape[1]
         t, first, keep = trim_padding({k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
@@ -351,7 +441,7 @@ class TorchEngine:
         ctx, model = self._reference() if ref else (nullcontext(), self.model)
         out_lp, out_ent = [], []
         with ctx:
-            for mb in batch.split(micro_batch_size):
+            for mb in self.micro_batches(batch, micro_batch_size):
                 lp, ent = self.forward(model, mb, temperature, with_entropy)
                 out_lp.append(lp.cpu())
                 if with_entropy:
@@ -432,7 +522,7 @@ class TorchEngine:
                     norm = global_counts(int(mini["response_mask"].sum()), len(mini))
                     self.optimizer.zero_grad(set_to_none=True)
                     total, part_sums = 0.0, {}  # the mini-batch's loss and loss parts, summed over micro-batches
-                    for mb in mini.split(micro_batch_size):
+                    for mb in self.micro_batches(mini, micro_batch_size):
                         logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
                         mb = mb.to(self.device)
                         if reuse_old:  # the old log-probs and the entropy metric, from this very pass

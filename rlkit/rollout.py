@@ -12,11 +12,13 @@ step uses::
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 
 import torch
 
 from rlkit.algos import logprobs_from_logits
+from rlkit.packing import group_starts
 from rlkit.protocol import DataProto
 
 
@@ -64,6 +66,34 @@ class HFRollout:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.autocast = autocast or nullcontext
         self.eos = eos_ids(model, tokenizer)
+        self._warned = False
+
+    def shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+        """One prefill per group of n rows with the same prompt (batch.repeat(n, interleave=True)), or None.
+
+        Runs the distinct prompts but their last token through the model and repeats the KV cache n times;
+        generate() then processes only the last prompt token of every row, against that cache, and samples
+        with all its options as usual. None (generate prefills every row) when the rows are not groups of
+        equal size n >= 2, or the model returns no cache that can be repeated.
+        """
+        starts = group_starts(ids, mask, share=True)
+        n = len(ids) // len(starts)
+        if n < 2 or ids.shape[1] < 2 or starts != list(range(0, len(ids), n)):
+            return None
+        head, head_mask = ids[::n, :-1], mask[::n, :-1]
+        out = self.model(
+            input_ids=head, attention_mask=head_mask, position_ids=(head_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1
+        )
+        cache = out.past_key_values
+        if not hasattr(cache, "batch_repeat_interleave"):
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{type(self.model).__name__}: no repeatable KV cache, every row of a group prefills its prompt", stacklevel=2
+                )
+            return None
+        cache.batch_repeat_interleave(n)
+        return cache
 
     @torch.no_grad()
     def generate(
@@ -96,10 +126,13 @@ class HFRollout:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
+            mask = chunk["attention_mask"].to(self.device)
             with self.autocast():
+                cache = self.shared_prefill(ids, mask)
                 out = self.model.generate(
                     input_ids=ids,
-                    attention_mask=chunk["attention_mask"].to(self.device),
+                    attention_mask=mask,
+                    past_key_values=cache,
                     return_dict_in_generate=True,
                     output_logits=return_log_probs,
                     **kwargs,

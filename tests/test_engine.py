@@ -398,7 +398,7 @@ def test_gradient_checkpointing_is_active_and_changes_nothing(prompt_set):
 
         with eng._checkpointing():  # the loss and every gradient of one backward pass
             logp, _ = eng.forward(eng.model, batch, T, False)
-            loss = likelihood_loss(batch, logp, None, {"num_tokens": int(batch["response_mask"].sum()), "num_seqs": B})[0]
+            loss = likelihood_loss(batch, logp, None, algos.Norm(num_tokens=int(batch["response_mask"].sum()), num_seqs=B))[0]
             loss.backward()
         saved_in_forward[f"loss{gc}"] = loss.item()
         saved_in_forward[f"grads{gc}"] = [p.grad.clone() for p in eng.model.parameters()]

@@ -1,0 +1,190 @@
+"""Padding-free passes (rlkit/packing.py): the packed layout by hand, and the same log-probs, values, gradients
+and update metrics as the padded layout (float tolerance: the sums run in another order)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlkit import algos, packing
+from rlkit.config import ActorConfig, CriticConfig, ModelConfig
+from rlkit.engine import TorchEngine
+from rlkit.protocol import DataProto
+
+P, R, N = 6, 7, 3  # prompt width, response width, rows per group
+
+
+def make_batch(vocab: int, seed: int = 0) -> DataProto:
+    """3 prompts (3, 6 and 4 tokens, left-padded) x N rows each, responses of 1..R tokens right-padded;
+    row 4's response_mask has a hole (a tool token: attended, not trained on)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, rows = [3, 6, 4], []
+    for plen in prompt_lens:
+        prompt = torch.randint(3, vocab, (plen,), generator=g)
+        for _ in range(N):
+            rlen = int(torch.randint(1, R + 1, (1,), generator=g))
+            resp = torch.randint(3, vocab, (rlen,), generator=g)
+            ids = torch.cat([torch.zeros(P - plen, dtype=torch.long), prompt, resp, torch.zeros(R - rlen, dtype=torch.long)])
+            attn = torch.cat([torch.zeros(P - plen), torch.ones(plen + rlen), torch.zeros(R - rlen)]).long()
+            rows.append((ids, attn))
+    ids = torch.stack([r[0] for r in rows])
+    attn = torch.stack([r[1] for r in rows])
+    mask = attn[:, P:].clone()
+    mask[4, 0] = 0  # a hole
+    return DataProto.from_dict(
+        {
+            "prompts": ids[:, :P],
+            "responses": ids[:, P:],
+            "response_mask": mask,
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+            "advantages": torch.randn(len(ids), R, generator=g),
+        }
+    )
+
+
+def test_pack_lays_out_a_shared_prompt_once_and_masks_other_responses():
+    # one group: prompt [7, 8] (left-padded to 3), responses [5, 6] and [9]; then a lone row: prompt [4], response [3]
+    ids = torch.tensor([[0, 7, 8, 5, 6], [0, 7, 8, 9, 0], [0, 0, 4, 3, 0]])
+    attn = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [0, 0, 1, 1, 0]])
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    p = packing.pack(ids, attn, pos, prompt_len=3, share=True)
+    # segment 0 = 7 8 | 5 6 | 9 (5 positions, one row); segment 1 = 4 | 3 fits in a second row of length 5
+    assert p.input_ids.tolist() == [[7, 8, 5, 6, 9], [4, 3, 0, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]  # the second response restarts after the prompt
+    m = p.attention_mask[0, 0].int().tolist()
+    assert m[4] == [1, 1, 0, 0, 1]  # token 9 sees the prompt and itself, not the other response
+    assert m[3] == [1, 1, 1, 1, 0]
+    # labels: 5 <- position 1 (prompt end), 6 <- 2, 9 <- 1 (prompt end again), 3 <- row 1 position 0
+    got = sorted(zip(p.dst_row.tolist(), p.dst_col.tolist(), p.labels.tolist(), p.src_row.tolist(), p.read[p.src_k].tolist()))
+    assert got == [(0, 0, 5, 0, 1), (0, 1, 6, 0, 2), (1, 0, 9, 0, 1), (2, 0, 3, 1, 0)]
+    assert p.num_positions == 10  # 15 in the padded layout
+    unshared = packing.pack(ids, attn, pos, prompt_len=3, share=False)
+    assert unshared.input_ids.shape == (3, 4)  # 7 8 5 6 | 7 8 9 + 4 3 | ...: three segments, first fit into rows of 4
+
+
+def test_split_by_tokens_counts_real_tokens_and_a_prompt_once_per_micro_batch():
+    b = make_batch(50)
+    costs_resp = b["attention_mask"][:, P:].sum(-1).tolist()
+    spans = packing.split_by_tokens(b["input_ids"], b["attention_mask"], P, True, budget=20)
+    assert spans[0][0] == 0 and spans[-1][1] == len(b) and all(a < c for a, c in spans)
+    plen = b["attention_mask"][:, :P].sum(-1).tolist()
+    for a, c in spans:  # every micro-batch within the budget, the shared prompt counted once per group present
+        groups = {i // N for i in range(a, c)}
+        cost = sum(costs_resp[a:c]) + sum(plen[g * N] for g in groups)
+        assert cost <= 20 or c - a == 1
+    assert packing.split_by_tokens(b["input_ids"], b["attention_mask"], P, True, budget=10**6) == [(0, len(b))]
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def engines(request):
+    cfg = ModelConfig(attn_implementation=request.param)
+    torch.manual_seed(0)
+    padded = TorchEngine(dataclasses.replace(cfg, remove_padding=False), ActorConfig(lr=1e-3), device="cpu")
+    packed = TorchEngine(cfg, ActorConfig(lr=1e-3), device="cpu")
+    packed.model.load_state_dict(padded.model.state_dict())
+    return padded, packed
+
+
+@pytest.mark.parametrize("share,one_by_one", [(True, False), (False, False), (False, True)])
+def test_packed_log_probs_and_entropy_equal_the_padded_ones(engines, share, one_by_one):
+    padded, packed = engines
+    packed.share_prompt = share
+    packed.union_logits_bytes = 0 if one_by_one else 2**28  # 0: every packed row its own forward
+    b = make_batch(padded.model.config.vocab_size)
+    lp0, ent0 = padded.compute_log_prob(b, 0.7, 64, with_entropy=True)
+    calls = []
+    hook = packed.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    lp1, ent1 = packed.compute_log_prob(b, 0.7, 64, with_entropy=True)
+    hook.remove()
+    assert (len(calls) > 1) == one_by_one
+    real = b["attention_mask"][:, P:].bool()
+    torch.testing.assert_close(lp1[real], lp0[real], atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent1[real], ent0[real], atol=2e-5, rtol=0)
+    assert (lp1[~real] == 0).all()
+    packed.union_logits_bytes = 2**28
+
+
+def test_packed_gradients_equal_the_padded_ones(engines):
+    padded, packed = engines
+    b = make_batch(padded.model.config.vocab_size, seed=1)
+    grads = []
+    for eng in (padded, packed):
+        eng.model.zero_grad()
+        logp, _ = eng.forward(eng.model, b, 1.0, False)
+        (logp * b["advantages"] * b["response_mask"]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in eng.model.parameters()]))
+        eng.model.zero_grad()
+    assert grads[0].norm() > 0
+    assert (grads[1] - grads[0]).norm() / grads[0].norm() < 1e-5
+
+
+def ppo_loss(mb, log_prob, entropy, norm):
+    ratio = torch.exp(log_prob - mb["old_log_probs"])
+    loss = algos.agg_loss(-ratio * mb["advantages"], mb["response_mask"], "token-mean", norm=norm)
+    return loss, {"pg_loss": loss}, {}
+
+
+def test_update_with_a_token_budget_gives_the_padded_update(engines):
+    """One optimizer step: packed passes in micro-batches of <= 24 positions vs padded rows, 9 at a time.
+    Same loss (the mini-batch's Norm), same gradient norm, same step."""
+    padded, packed = engines
+    packed.share_prompt = True
+    b = make_batch(padded.model.config.vocab_size, seed=2)
+    state = {k: v.clone() for k, v in padded.model.state_dict().items()}
+    out = []
+    for eng, budget in ((padded, 0), (packed, 24)):
+        eng.model.load_state_dict(state)
+        eng.optimizer = torch.optim.SGD(eng.model.parameters(), lr=0.1)  # the step is the gradient (AdamW's sign-like first step is not)
+        eng.scheduler = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda s: 1.0)
+        eng.max_tokens = budget
+        assert len(eng.micro_batches(b, 9)) == (1 if budget == 0 else 3)
+        batch = b.union(DataProto.from_dict({"old_log_probs": eng.compute_log_prob(b, 1.0, 9)[0]}))
+        metrics = eng.update(batch, ppo_loss, mini_batch_size=len(b), micro_batch_size=9)
+        out.append((metrics, torch.cat([p.detach().flatten() for p in eng.model.parameters()])))
+        eng.max_tokens = 0
+    assert len(packed.micro_batches(b, 9)) == 1
+    (m0, w0), (m1, w1) = out
+    assert m0["actor/loss"] == pytest.approx(m1["actor/loss"], abs=1e-6)
+    assert m0["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], abs=1e-6)
+    assert m0["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-5)
+    torch.testing.assert_close(w1, w0, atol=1e-6, rtol=0)
+    padded.model.load_state_dict(state), packed.model.load_state_dict(state)
+
+
+def test_packed_values_equal_the_padded_ones():
+    torch.manual_seed(0)
+    padded = TorchEngine(ModelConfig(remove_padding=False), CriticConfig(), device="cpu", value_head=True)
+    packed = TorchEngine(ModelConfig(), CriticConfig(), device="cpu", value_head=True)
+    packed.model.load_state_dict(padded.model.state_dict())
+    b = make_batch(padded.model.config.vocab_size)
+    real = b["attention_mask"][:, P:].bool()
+    v0, v1 = padded.compute_values(b, 64), packed.compute_values(b, 64)
+    torch.testing.assert_close(v1[real], v0[real], atol=2e-5, rtol=0)
+
+
+def test_generation_prefills_each_group_once_and_samples_the_same_tokens():
+    from rlkit.config import DataConfig
+    from rlkit.data import build_prompts
+    from rlkit.rollout import HFRollout
+
+    eng = TorchEngine(ModelConfig(), None, device="cpu")
+    prompts = build_prompts(DataConfig().train_files, eng.tokenizer, DataConfig(), max_samples=4).batch(
+        [0, 1, 2, 3], eng.tokenizer.pad_token_id
+    )
+    rows = prompts.repeat(4, interleave=True)
+    shared, plain = HFRollout(eng.model, eng.tokenizer, eng.device), HFRollout(eng.model, eng.tokenizer, eng.device)
+    plain.shared_prefill = lambda ids, mask: None
+    calls = []
+    eng.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    for temperature in (1.0, 0.0):
+        out = []
+        for rollout in (shared, plain):
+            calls.clear()
+            torch.manual_seed(0)
+            out.append(rollout.generate(rows, 8, temperature=temperature))
+            if rollout is shared:  # the 4 distinct prompts but their last token, then 16 rows of one token each
+                assert calls[0] == (4, rows["input_ids"].shape[1] - 1) and calls[1] == (16, 1)
+        assert torch.equal(out[0]["responses"], out[1]["responses"])
+    assert shared.shared_prefill(prompts["input_ids"], prompts["attention_mask"]) is None  # no groups: plain generate
