@@ -173,6 +173,9 @@ class Norm:
 
     num_tokens: float
     num_seqs: float
+    dp_size: int = 1
+    """processes whose gradients are averaged (data parallel): "token-sum" multiplies by it, so the average of the
+    processes' sums is the global sum, as verl does with dp_size"""
 
 
 def agg_loss(
@@ -216,15 +219,16 @@ def agg_loss(
     Fully-masked rows contribute 0 to the numerator in every mode.  Unknown mode
     -> ValueError.
     """
+    dp_size = 1
     if norm is not None:
-        num_tokens, num_seqs = norm.num_tokens, norm.num_seqs
+        num_tokens, num_seqs, dp_size = norm.num_tokens, norm.num_seqs, norm.dp_size
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
         if num_tokens is None:
             num_tokens = mask.sum().clamp_min(1)
         return masked_sum(loss_mat, mask) / num_tokens
     if mode == "token-sum":
-        return masked_sum(loss_mat, mask)
+        return masked_sum(loss_mat, mask) * dp_size
 
     if num_seqs is None:
         num_seqs = (mask.sum(-1) > 0).sum().clamp_min(1)  # rows with a valid token

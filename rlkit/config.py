@@ -145,7 +145,7 @@ class ActorConfig:
     """upper clip ε (defaults to clip_ratio; DAPO's clip-higher uses 0.28)"""
     clip_ratio_c: float | None = 3.0
     """dual-clip constant c > 1 bounding the loss for negative advantages (None disables)"""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """how per-token losses are averaged into one number"""
     entropy_coeff: float = 0.0
     """weight of the entropy bonus (subtracted from the loss)"""
@@ -214,7 +214,7 @@ class CriticConfig:
     """passes over the rollout batch per training step"""
     cliprange_value: float | None = 0.5
     """the value loss does not reward moving V further than this from the old value (None disables)"""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """how per-token value losses are averaged into one number"""
     nan_policy: Literal["error", "skip"] = "error"
     """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""

@@ -240,7 +240,7 @@ def global_counts(num_tokens: int, num_seqs: int) -> Norm:
         t = torch.tensor([num_tokens, num_seqs], dtype=torch.float64)
         dist.all_reduce(t)
         n = dist.get_world_size()
-        return Norm(num_tokens=max(t[0].item(), 1.0) / n, num_seqs=t[1].item() / n)
+        return Norm(num_tokens=max(t[0].item(), 1.0) / n, num_seqs=t[1].item() / n, dp_size=n)
     return Norm(num_tokens=max(num_tokens, 1), num_seqs=num_seqs)
 
 

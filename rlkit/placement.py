@@ -87,6 +87,8 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
         from rlkit.megatron_workers import MegatronActorRolloutRefWorker, require_megatron
 
         require_megatron()
+        if t.tp_size > 1 and cfg.actor.loss_agg_mode == "token-sum":  # its sum would be counted once per tensor-parallel rank
+            raise ConfigError("--actor.loss-agg-mode token-sum is not supported with --trainer.engine megatron --trainer.tp-size > 1 yet")
         worker, options = MegatronActorRolloutRefWorker, {"tp_size": t.tp_size}
     elif t.engine == "fsdp":
         worker, options = FSDPActorRolloutRefWorker, {"fsdp": fsdp_options(t)}

@@ -820,3 +820,13 @@ def test_loss_weights_are_detached():
     loss, _ = algos.ppo_clip_loss(logp, old, adv, m, 0.2, 0.2, 3.0, weights=w)
     loss.backward()
     assert_close(logp.grad, t([[-0.55, 0.0, 0.0, 0.0, 0.0]]), atol=ATOL, rtol=0)
+
+
+def test_token_sum_counts_every_data_parallel_process_once():
+    """Gradients are averaged over P processes: token-sum multiplies by P (verl's dp_size) so the average of the
+    processes' sums is the global sum; the token and sequence means do not change."""
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert algos.agg_loss(loss, mask, "token-sum", norm=algos.Norm(5, 2)).item() == 12.0
+    assert algos.agg_loss(loss, mask, "token-sum", norm=algos.Norm(5, 2, dp_size=2)).item() == 24.0
+    assert algos.agg_loss(loss, mask, "token-mean", norm=algos.Norm(5, 2, dp_size=2)).item() == pytest.approx(12.0 / 5)
