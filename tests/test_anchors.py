@@ -13,6 +13,8 @@ import pytest
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
 KEYS = ("critic/score/mean", "response_length/mean", "actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss")
+KEYS += ("agent/turns/mean", "agent/tool_calls/mean", "agent/tool_tokens/mean")  # grpo_tools: the turn loop (its tool spans) pinned too
+RECIPES = ["grpo", "rloo", "dapo", "reinforce_pp", "ppo", "grpo_tools"]
 
 ANCHORS = {  # one dict per step; measured on x86-64, torch 2.13 CPU (the same before and after the loss-contract refactor)
     "grpo": [
@@ -101,6 +103,30 @@ ANCHORS = {  # one dict per step; measured on x86-64, torch 2.13 CPU (the same b
             "critic/vf_loss": 0.0718933753669262,
         },
     ],
+    "grpo_tools": [  # the embedded tool model: 1 and 3 of 32 episodes call the calculator
+        {
+            "critic/score/mean": 0.03125,
+            "response_length/mean": 6.46875,
+            "actor/loss": 2.6901803518164513e-07,
+            "actor/pg_loss": 3.2393827620325055e-09,
+            "actor/kl_loss": 0.000265778653556481,
+            "actor/grad_norm": 0.4500752299063606,
+            "agent/turns/mean": 1.03125,
+            "agent/tool_calls/mean": 0.03125,
+            "agent/tool_tokens/mean": 0.4375,
+        },
+        {
+            "critic/score/mean": 0.0625,
+            "response_length/mean": 8.03125,
+            "actor/loss": -0.27020539343357086,
+            "actor/pg_loss": -0.2702055424451828,
+            "actor/kl_loss": 0.00014984885274316184,
+            "actor/grad_norm": 0.45702507346868515,
+            "agent/turns/mean": 1.09375,
+            "agent/tool_calls/mean": 0.09375,
+            "agent/tool_tokens/mean": 1.375,
+        },
+    ],
 }
 
 
@@ -118,7 +144,7 @@ def run_two_steps(name: str, out_dir) -> list[dict]:
     return [{k: r[k] for k in KEYS if k in r} for r in rows]
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "dapo", "reinforce_pp", "ppo"])
+@pytest.mark.parametrize("name", RECIPES)
 def test_first_two_steps_reproduce_the_pinned_metrics(tmp_path, name):
     got = run_two_steps(name, tmp_path)
     want = ANCHORS[name]
@@ -132,6 +158,6 @@ if __name__ == "__main__":  # print the current values, to pin after an intended
     import tempfile
     from pathlib import Path
 
-    for name in sys.argv[1:] or ["grpo", "rloo", "dapo", "reinforce_pp", "ppo"]:
+    for name in sys.argv[1:] or RECIPES:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"    {name!r}: {run_two_steps(name, Path(tmp))!r},")
