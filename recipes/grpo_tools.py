@@ -112,8 +112,6 @@ def main(cfg: Config) -> dict:
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ConfigError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    if cfg.trainer.backend != "local":
-        raise ConfigError("grpo_tools.py runs the turn loop in this process: use --trainer.backend local (ray is not supported yet)")
     if cfg.trainer.async_steps:
         raise ConfigError("grpo_tools.py: --trainer.async-steps is not supported yet (the async worker samples single-turn responses)")
     tools = tools_from_names(cfg.agent.tools, cfg.agent.max_tool_response_chars)  # rlkit/tools.py: calculator, python

@@ -257,26 +257,37 @@ def sampler_for(rollout, temperature: float, top_p: float = 1.0, top_k: int = 0)
     return hf_sampler(rollout, temperature, top_p, top_k)
 
 
+@dataclass
+class TurnLoop:
+    """What a worker's generate() runs once set_agent(TurnLoop(...)) is called: the turn loop on that worker's rollout
+    (hf or vllm) and tokenizer. Picklable, so that with --trainer.backend ray each worker runs it on its share of the rows."""
+
+    tools: Tools
+    agent_cfg: AgentConfig
+    rollout_cfg: object  # RolloutConfig: temperatures, top_p, top_k
+    max_response_length: int
+    parse: Callable = parse_hermes
+
+    def __call__(self, worker, prompts: DataProto, validate: bool = False) -> DataProto:
+        r, rollout = self.rollout_cfg, worker.rollout
+        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k)
+        return generate_multi_turn(
+            sample, prompts, worker.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse
+        )
+
+
 class AgentPolicy:
     """A policy worker group whose `generate` runs the turn loop (training and validation); every other call
-    goes to the group. In-process backend only (--trainer.backend local): the turn loop and the tools run here, on
-    the local worker's rollout (hf or vllm)."""
+    goes to the group. Local backend: the turn loop and the tools run in this process; ray: on each worker, on its
+    share of the rows (TurnLoop, handed to the workers by set_agent)."""
 
     def __init__(self, policy, tools: Tools, agent_cfg: AgentConfig, rollout_cfg, max_response_length: int, parse=parse_hermes):
         if agent_cfg.max_turns < 1 or agent_cfg.max_tool_calls < 0:
             raise ConfigError(
                 f"--agent.max-turns must be >= 1 and --agent.max-tool-calls >= 0, got {agent_cfg.max_turns}, {agent_cfg.max_tool_calls}"
             )
-        self.policy, self.tools, self.agent_cfg, self.rollout_cfg = policy, tools, agent_cfg, rollout_cfg
-        self.max_response_length, self.parse = max_response_length, parse
-
-    def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
-        r = self.rollout_cfg
-        rollout = self.policy.rollout
-        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k)
-        return generate_multi_turn(
-            sample, prompts, self.policy.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse
-        )
+        self.policy, self.tools, self.agent_cfg = policy, tools, agent_cfg
+        policy.set_agent(TurnLoop(tools, agent_cfg, rollout_cfg, max_response_length, parse))  # its generate() is now multi-turn
 
     def __getattr__(self, name):
         return getattr(self.policy, name)

@@ -276,6 +276,10 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
         with self._full_weights():
             return super().generate(prompts, validate)
 
+    @dispatch("all")
+    def set_agent(self, agent) -> None:
+        super().set_agent(agent)  # every process runs the turn loop on its share of the rows
+
     def sync_rollout(self) -> float | None:
         """vLLM: gather the full weights (a collective), stream them into this process's engine, free them."""
         if self.rollout_cfg.name != "vllm":

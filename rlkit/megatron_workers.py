@@ -396,6 +396,10 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         torch.manual_seed(self.seed * 7919 + self.rank * 104729 + self.updates)  # different samples per process
         return super().generate(prompts, validate)
 
+    @dispatch("all")
+    def set_agent(self, agent) -> None:
+        super().set_agent(agent)
+
     @dispatch("split")
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         return self._same_rows_in_tp_group(batch, super().compute_log_prob)

@@ -97,6 +97,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
         self.updates = 0
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
+        self.agent = None  # set_agent: generate() runs this turn loop instead of single-turn sampling
         self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
         self.log_prob_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
         self.gen_micro_batch = rollout_cfg.micro_batch_size or (None if num_params(self.engine.model)[1] < 10_000_000 else 64)
@@ -105,8 +106,15 @@ class ActorRolloutRefWorker(CheckpointFiles):
         """Device, dtypes, attention implementation, checkpointing and rollout backend, for the start-of-run line."""
         return f"{self.engine.describe()}, rollout {self.rollout_cfg.name}"
 
+    def set_agent(self, agent) -> None:
+        """Make generate() multi-turn: agent(worker, prompts, validate) -> DataProto (rlkit/agent.py's TurnLoop; picklable, so
+        that each Ray worker runs the turn loop, and the tools, on its own share of the rows)."""
+        self.agent = agent
+
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
         """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
+        if self.agent is not None:
+            return self.agent(self, prompts, validate)
         r = self.rollout_cfg
         extra = {"return_log_probs": True} if r.log_probs and not validate and isinstance(self.rollout, HFRollout) else {}
         return self.rollout.generate(

@@ -405,21 +405,51 @@ def test_vllm_backend_turn_loop_matches_hf_and_the_trainer():
     del vllm.llm  # free the engine (and its KV cache) before the next test
 
 
-def test_grpo_tools_rejects_bad_limits_and_the_ray_backend():
-    import importlib.util
-    from pathlib import Path
-
+def test_grpo_tools_rejects_bad_limits_and_async():
     from rlkit.errors import ConfigError
 
-    spec = importlib.util.spec_from_file_location("recipe_grpo_tools", Path(__file__).resolve().parents[1] / "recipes" / "grpo_tools.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_tools_recipe()
     cfg = recipe.Config()
-    cfg.trainer.backend = "ray"
-    with pytest.raises(ConfigError, match="--trainer.backend local"):
+    cfg.trainer.async_steps = 1
+    with pytest.raises(ConfigError, match="--trainer.async-steps"):
         recipe.main(cfg)
     with pytest.raises(ConfigError, match="--agent.max-turns"):
         agent.AgentPolicy(None, tools.Tools([]), AgentConfig(max_turns=0), None, 8)
+
+
+def test_ray_workers_run_the_turn_loop_on_their_rows_as_one_process_does(tmp_path):
+    """--trainer.backend ray: each of 2 FSDP workers runs the turn loop (and the tools) on its half of the rows; greedy
+    episodes with a tool call every turn equal the in-process group's id for id, holes included."""
+    ray = pytest.importorskip("ray")
+    from rlkit.data import build_prompts
+    from rlkit.placement import build_policy
+    from rlkit.ray_group import init_ray
+
+    recipe = load_tools_recipe()
+    cfg = recipe.Config()
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.data.max_response_length = 4, 2, 4, 40
+    cfg.actor.use_kl_loss, cfg.trainer.default_local_dir = False, str(tmp_path)
+    tool_set = tools.tools_from_names("calculator", 64)
+    always_call = lambda text: [tools.ToolCall("calculator", {"expression": "6*7"})]  # noqa: E731
+
+    def episodes(backend):
+        cfg.trainer.backend, cfg.trainer.n_workers = backend, 2
+        policy = agent.AgentPolicy(build_policy(cfg), tool_set, AgentConfig(max_turns=2, max_tool_calls=2), cfg.rollout, 40, always_call)
+        try:
+            prompts = build_prompts(cfg.data.train_files, policy.tokenizer, cfg.data, 6, tools=tool_set.schemas)
+            return policy.generate(prompts.batch(range(6), policy.tokenizer.pad_token_id), validate=True)
+        finally:
+            policy.close()
+
+    local = episodes("local")
+    init_ray(num_cpus=2)
+    try:
+        on_ray = episodes("ray")
+    finally:
+        ray.shutdown()
+    assert local["agent_turns"].tolist() == [2.0] * 6 and local["agent_tool_tokens"].min() > 0
+    for key in ("responses", "response_mask", "agent_turns", "agent_tool_calls", "agent_tool_tokens"):
+        assert torch.equal(local[key], on_ray[key]), key
 
 
 def test_python_tool_uses_rlkit_sandbox_when_present(monkeypatch):
