@@ -137,7 +137,9 @@ def lora_adapter_plan(model, wanted: bool) -> tuple[int, str | None]:
         return 0, None
     if not wanted:
         return 0, "--rollout.lora-adapter-sync false"
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
         return 0, "the model is FSDP-sharded (the adapter would have to be gathered to be saved)"
     if getattr(cfg, "modules_to_save", None):
         return 0, f"the adapter also trains whole modules ({cfg.modules_to_save}), which a vLLM adapter cannot carry"
