@@ -24,7 +24,7 @@ What it does, in order:
    With LoRA (`--model.lora-rank > 0`) only the adapter travels: the engine is built with
    `enable_lora=True`, the adapter is saved to a folder after each update (a few MB instead of the whole
    model) and the next `generate` passes a new `LoRARequest` for it (a new id, so vLLM loads the new
-   file; the previous adapter is removed). Where that cannot work -- `--rollout.lora-adapter-sync false`,
+   file; the previous adapter is removed). Where that cannot work -- `--rollout.no-lora-adapter-sync`,
    an FSDP-sharded model, an adapter with extra trained modules (`modules_to_save`), a rank vLLM does
    not accept, or an engine that refuses `enable_lora` -- the adapter is merged on the fly instead
    (W + scale * B @ A per layer; the trainer's model is not touched), with a warning saying why.
@@ -136,7 +136,7 @@ def lora_adapter_plan(model, wanted: bool) -> tuple[int, str | None]:
     if cfg is None:
         return 0, None
     if not wanted:
-        return 0, "--rollout.lora-adapter-sync false"
+        return 0, "--rollout.no-lora-adapter-sync"
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
