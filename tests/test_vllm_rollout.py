@@ -67,6 +67,37 @@ def test_lora_weights_are_streamed_merged_under_hf_names():
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
+def test_rotary_reload_line_is_filtered_and_other_layers_are_not():
+    from rlkit.vllm_rollout import _RotaryReloadFilter
+
+    def record(layer):
+        return logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
+
+    f = _RotaryReloadFilter()
+    assert not f.filter(record("RotaryEmbedding"))
+    assert not f.filter(record("Llama3RotaryEmbedding"))
+    assert f.filter(record("QKVParallelLinear"))  # a real failed layer still shows
+    assert f.filter(logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, "RotaryEmbedding ready", (), None))
+
+
+def test_lora_adapter_plan():
+    """When the adapter alone can go to vLLM, with which max_lora_rank; else why it is merged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.vllm_rollout import lora_adapter_plan
+
+    def peft(**kw):
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), LoraConfig(task_type="CAUSAL_LM", **kw))
+
+    assert lora_adapter_plan(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), True) == (0, None)  # no LoRA
+    assert lora_adapter_plan(peft(r=8, target_modules="all-linear"), True) == (8, None)
+    assert lora_adapter_plan(peft(r=12, target_modules="all-linear"), True) == (16, None)  # vLLM's ranks: 1, 8, 16, 32, ...
+    assert "no-lora-adapter-sync" in lora_adapter_plan(peft(r=8, target_modules="all-linear"), False)[1]
+    rank, why = lora_adapter_plan(peft(r=8, target_modules=["q_proj"], modules_to_save=["lm_head"]), True)
+    assert rank == 0 and "lm_head" in why
+
+
 def test_unknown_rollout_name_is_rejected():
     from rlkit.workers import ActorRolloutRefWorker
 
