@@ -40,11 +40,12 @@ def load_recipe(name: str):
     return mod
 
 
-def make_random_model(out_dir: str | Path, hidden: int = 256, layers: int = 4, seed: int = 0) -> str:
+def make_random_model(out_dir: str | Path, hidden: int = 256, layers: int = 4, seed: int = 0, sampled_eos: bool = False) -> str:
     """A Llama-shaped causal LM with random weights and the embedded model's tokenizer, saved as a Hugging Face
     folder (so both libraries load it with from_pretrained). Its EOS is a token added to the tokenizer past the
     model's vocabulary, so it is never sampled: every response runs to the length cap, and any two libraries
-    generate exactly the same number of tokens."""
+    generate exactly the same number of tokens. sampled_eos: keep the tokenizer's own EOS (in the vocabulary),
+    for workloads that write their responses themselves (bench/vs_trl.py --workload gsm8k)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -56,9 +57,10 @@ def make_random_model(out_dir: str | Path, hidden: int = 256, layers: int = 4, s
     base = AutoConfig.from_pretrained(embedded.MODEL_DIR)
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
     vocab = len(tok)
-    tok.add_special_tokens({"eos_token": "<|never-sampled-eos|>"})
+    if not sampled_eos:
+        tok.add_special_tokens({"eos_token": "<|never-sampled-eos|>"})
     eos = tok.eos_token_id
-    assert eos >= vocab, (eos, vocab)
+    assert sampled_eos or eos >= vocab, (eos, vocab)
     torch.manual_seed(seed)
     heads = max(hidden // 64, 2)
     config = LlamaConfig(
@@ -131,6 +133,7 @@ class RlkitGRPO:
         logits_to_keep: bool = False,
         prefix_sharing: bool = False,
         padded: bool = False,
+        train_files: list[str] | None = None,
     ):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
@@ -143,6 +146,8 @@ class RlkitGRPO:
         cfg.data.train_batch_size = prompts
         cfg.data.max_response_length = max_new_tokens
         cfg.data.val_files = []
+        if train_files:
+            cfg.data.train_files = train_files
         cfg.rollout.n = n
         cfg.rollout.log_prob_micro_batch_size = micro_batch or prompts * n
         cfg.actor.lr = lr

@@ -15,6 +15,15 @@ tokens per step on each side.
     python bench/vs_trl.py                                   # embedded model, 32 prompts x 8, 8 tokens
     python bench/vs_trl.py --model random --max-new-tokens 32 --prompts 16   # 4.3M random Llama, runs to the cap
     python bench/vs_trl.py --variants padded                  # also rlkit with its passes padded (before issue #15)
+    python bench/vs_trl.py --workload gsm8k                   # GSM8K-shaped: ~200-token prompts, forced 20-300-token responses
+
+--workload gsm8k (equal work on both sides): a random Llama (--hidden/--layers) whose EOS is the tokenizer's own,
+prompts padded with filler text to --prompt-tokens tokens (chat template included), --prompts x n = 8 rows. Nothing
+is sampled: on training step k BOTH sides get the same pre-drawn responses (row i: L_i - 1 random tokens then EOS,
+L_i uniform in [--min-new-tokens, --max-new-tokens], drawn once from (--seed, k)), in place of generation (TRL's
+_generate_single_turn, rlkit's rollout.generate). So the token counts per step are identical, row by row; what is
+timed and compared is scoring, the reference pass and the update (both sides skip the old-log-prob pass, on-policy).
+The prompts' text differs between the sides (each samples its own) but every prompt has the same token length.
 
 Needs the bench extra: pip install -e '.[bench]'   (trl==1.16.0)
 """
@@ -61,10 +70,123 @@ def parse_args(argv=None):
         help="also time rlkit variants: comma-separated from padded (rlkit before issue #15: padded passes, a prefill per row), and the older prototypes skip_old_lp, logits_to_keep, prefix, all; see docs/performance.md",
     )
     p.add_argument("--seed", type=int, default=1)
-    return p.parse_args(argv)
+    p.add_argument("--workload", choices=["arith", "gsm8k"], default="arith", help="gsm8k: see the module docstring")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="--workload gsm8k: tokens per prompt, chat template included")
+    p.add_argument("--min-new-tokens", type=int, default=20, help="--workload gsm8k: shortest forced response")
+    args = p.parse_args(argv)
+    if args.workload == "gsm8k":  # defaults of the GSM8K shape unless given
+        given = set(argv if argv is not None else sys.argv[1:])
+        for flag, attr, value in (("--model", "model", "random"), ("--prompts", "prompts", 2), ("--max-new-tokens", "max_new_tokens", 300)):
+            if flag not in given:
+                setattr(args, attr, value)
+    return args
 
 
-def build_trl(args, model_path: str, tokenizer, out_dir: Path, reward_fn, on_step_end):
+def long_prompts(path: Path, tok, prompt_tokens: int, rows: int = 64) -> str:
+    """The embedded arithmetic questions behind filler text, each exactly prompt_tokens tokens with the chat
+    template, written as a parquet file both libraries read (same columns as the embedded data)."""
+    import pandas as pd
+
+    from rlkit import embedded
+
+    df = pd.read_parquet(embedded.DATA_DIR / "train.parquet").head(rows).copy()
+    filler = "Read the problem carefully, reason step by step and give the final number. "
+
+    def length(text):
+        return len(
+            tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True, return_dict=False)
+        )
+
+    prompts = []
+    for msgs in df["prompt"]:
+        q = msgs[0]["content"]
+        pad = filler * (prompt_tokens // len(filler) + 2)
+        while pad and length(pad + q) > prompt_tokens:  # cut the filler from the front, then top up with spaces
+            pad = pad[1:]
+        while length(pad + q) < prompt_tokens:
+            pad = " " + pad
+        assert length(pad + q) == prompt_tokens, (length(pad + q), prompt_tokens)
+        prompts.append([{"role": "user", "content": pad + q}])
+    df["prompt"] = prompts
+    df.to_parquet(path)
+    return str(path)
+
+
+class ForcedResponses:
+    """Pre-drawn responses, the same for both sides: draw(k) -> rows lists of token ids for training step k, row
+    i holding L_i - 1 random non-special tokens then EOS, L_i uniform in [lo, hi]."""
+
+    def __init__(self, rows: int, lo: int, hi: int, vocab: int, eos: int, special: list[int], seed: int):
+        self.rows, self.lo, self.hi, self.vocab, self.eos, self.special, self.seed = rows, lo, hi, vocab, eos, set(special), seed
+
+    def draw(self, k: int) -> list[list[int]]:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
+        lengths = torch.randint(self.lo, self.hi + 1, (self.rows,), generator=g).tolist()
+        allowed = torch.tensor([t for t in range(self.vocab) if t not in self.special])
+        return [allowed[torch.randint(len(allowed), (n - 1,), generator=g)].tolist() + [self.eos] for n in lengths]
+
+    def rlkit_generate(self, rollout):
+        """A stand-in for rollout.generate returning draw(k) on its k-th call (k = 1, 2, ...), as rlkit's rows."""
+        import torch
+
+        from rlkit.rollout import assemble
+
+        calls = [0]
+
+        def generate(prompts, max_new_tokens, *a, **kw):
+            calls[0] += 1
+            rows = self.draw(calls[0])
+            assert len(rows) == len(prompts), (len(rows), len(prompts))
+            pad = rollout.tokenizer.pad_token_id
+            resp = torch.full((len(rows), max_new_tokens), pad, dtype=torch.long)
+            for i, r in enumerate(rows):
+                resp[i, : len(r)] = torch.tensor(r)
+            return assemble(prompts, resp, rollout.eos, pad)
+
+        return generate
+
+    def trl_generate(self):
+        """A stand-in for GRPOTrainer._generate_single_turn returning draw(k) on its k-th call."""
+        calls = [0]
+
+        def generate(prompt_ids, *a, **kw):
+            calls[0] += 1
+            rows = self.draw(calls[0])
+            assert len(rows) == len(prompt_ids), (len(rows), len(prompt_ids))
+            return rows, None
+
+        return generate
+
+
+class PeakRSS:
+    """The peak resident memory of this process while each side runs, sampled every 5 ms by a thread
+    (/proc/self/statm); `side` names who runs now."""
+
+    def __init__(self):
+        import os
+        import threading
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.side, self.peak, self.stop = None, {}, False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def rss_mib(self) -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page / 2**20
+
+    def run(self):
+        import time
+
+        while not self.stop:
+            if self.side is not None:
+                self.peak[self.side] = max(self.peak.get(self.side, 0.0), self.rss_mib())
+            time.sleep(0.005)
+
+
+def build_trl(args, model_path: str, tokenizer, out_dir: Path, reward_fn, on_step_end, data_file: str | None = None):
     import datasets
     import torch
     from transformers import TrainerCallback
@@ -72,7 +194,7 @@ def build_trl(args, model_path: str, tokenizer, out_dir: Path, reward_fn, on_ste
 
     from rlkit import embedded
 
-    ds = datasets.load_dataset("parquet", data_files=str(embedded.DATA_DIR / "train.parquet"), split="train")
+    ds = datasets.load_dataset("parquet", data_files=data_file or str(embedded.DATA_DIR / "train.parquet"), split="train")
 
     def arith_reward(prompts, completions, data_source, reward_model, extra_info=None, **_):
         """rlkit's own RewardFn, on TRL's decoded completions."""
@@ -153,7 +275,24 @@ def main(argv=None):
     from transformers import PrinterCallback
 
     work = Path(tempfile.mkdtemp(prefix="rlkit-bench-"))
-    model_path = common.resolve_model(args.model, work, args.hidden, args.layers)
+    gsm8k = args.workload == "gsm8k"
+    if gsm8k and args.model == "random":
+        model_path = common.make_random_model(work / "random-llama-eos", args.hidden, args.layers, sampled_eos=True)
+    else:
+        model_path = common.resolve_model(args.model, work, args.hidden, args.layers)
+    data_file, forced = None, None
+    if gsm8k:
+        tok = transformers.AutoTokenizer.from_pretrained(model_path)
+        data_file = long_prompts(work / "long-prompts.parquet", tok, args.prompt_tokens)
+        special = [t for t in tok.all_special_ids if t is not None]
+        vocab = transformers.AutoConfig.from_pretrained(model_path).vocab_size
+        forced = ForcedResponses(
+            args.prompts * args.n, args.min_new_tokens, args.max_new_tokens, vocab, tok.eos_token_id, special, args.seed
+        )
+        print(
+            f"GSM8K-shaped: prompts of {args.prompt_tokens} tokens, forced responses of {args.min_new_tokens}-{args.max_new_tokens} "
+            "tokens, the same on both sides (generation replaced; see the docstring)"
+        )
     print(
         f"rlkit vs TRL {trl.__version__} (transformers {transformers.__version__}, torch {torch.__version__}), "
         f"{torch.get_num_threads()} thread(s)\nmodel {model_path}\n{args.prompts} prompts x {args.n} samples, "
@@ -162,11 +301,25 @@ def main(argv=None):
 
     rl = {
         name: common.RlkitGRPO(
-            model_path, args.prompts, args.n, args.max_new_tokens, args.lr, args.beta, args.threads, work / name, seed=args.seed, **kw
+            model_path,
+            args.prompts,
+            args.n,
+            args.max_new_tokens,
+            args.lr,
+            args.beta,
+            args.threads,
+            work / name,
+            seed=args.seed,
+            train_files=[data_file] if data_file else None,
+            **kw,
         )
         for name, kw in common.arms(args.variants).items()
     }
+    if forced:
+        for r in rl.values():
+            r.policy.worker.rollout.generate = forced.rlkit_generate(r.policy.worker.rollout)
     first = next(iter(rl.values()))
+    rss = PeakRSS()
     torch.set_num_threads(args.threads)
 
     times = {"trl": [], **{k: [] for k in rl}}
@@ -181,6 +334,7 @@ def main(argv=None):
             print(f"warning: TRL's step ran with {torch.get_num_threads()} torch threads, not {args.threads}")
         for name, r in rl.items():  # then each rlkit arm once: TRL, rlkit, [variants], TRL, rlkit, ...
             torch.set_num_threads(args.threads)
+            rss.side = name if global_step > args.warmup else None
             t = r.step()
             times[name].append(t["step"])
             tokens[name].append(t["gen_tokens"])
@@ -188,15 +342,20 @@ def main(argv=None):
             parts[name].append(t)
         line = " | ".join(f"{k} {v[-1]:.3f}s {tokens[k][-1] if tokens[k] else '?'} tok" for k, v in times.items())
         print(f"step {global_step}{' (warm-up)' if global_step <= args.warmup else ''}: {line}", flush=True)
+        rss.side = "trl" if global_step >= args.warmup else None
         mark[0] = common.now()
 
-    trainer = build_trl(args, model_path, first.tok, work, first.reward_fn, on_trl_step_end)
+    trainer = build_trl(args, model_path, first.tok, work, first.reward_fn, on_trl_step_end, data_file)
+    if forced:
+        trainer._generate_single_turn = forced.trl_generate()
     trainer.remove_callback(PrinterCallback)  # its end-of-training summary is not ours to print
     original = trainer._generate_and_score_completions
+    prompt_tokens = []
 
     def counted(inputs):  # TRL's generated tokens per step, from its own completion mask
         out = original(inputs)
         tokens["trl"].append(int(out["completion_mask"].sum()))
+        prompt_tokens.append(int(out["prompt_mask"].sum()))
         widths["trl"].append(int(out["completion_ids"].shape[1]))
         return out
 
@@ -210,8 +369,11 @@ def main(argv=None):
     ):
         setattr(trainer, attr, timed(getattr(trainer, attr), trl_parts[key]))
     torch.set_num_threads(args.threads)
+    rss.side = "trl" if args.warmup == 0 else None
+    rss_start = rss.rss_mib()
     mark[0] = common.now()
     trainer.train()
+    rss.stop = True
 
     w = args.warmup
     med = {k: common.median(v[w:]) for k, v in times.items()}
@@ -246,6 +408,18 @@ def main(argv=None):
             f"generated tokens differ: TRL {tt} vs rlkit {tr} over the timed steps ({(tr - tt) / max(tt, 1):+.1%}): each side "
             "samples its own responses from its own (diverging) copy of the policy; with the embedded model responses stop "
             "at EOS after a few tokens. Use --model random for identical work (responses run to the cap)."
+        )
+    print(
+        f"peak RSS while each side stepped (timed steps, MiB; the process holds every side's model and optimizer; {rss_start:.0f} before the first step): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in rss.peak.items())
+    )
+    print(
+        "tokens/s (generated or forced response tokens / median s/step): "
+        + ", ".join(f"{k} {common.median(tokens[k][w:]) / med[k]:.0f}" for k in times)
+    )
+    if gsm8k:
+        print(
+            f"prompt tokens per step: TRL {common.median(prompt_tokens[w:]):.0f}, rlkit {common.median([p['prompt_tokens'] for p in parts['rlkit'][w:]]):.0f}"
         )
     fastest = {k: min(v[w:]) for k, v in times.items()}
     print(

@@ -113,6 +113,8 @@ class RolloutConfig:
     """vllm on a GPU: skip CUDA graphs (slower decoding, faster start); always on for CPU"""
     max_num_seqs: int = 0
     """vllm: most sequences decoded at once (0 = vLLM's default)"""
+    lora_adapter_sync: bool = True
+    """vllm with --model.lora-rank > 0: serve the LoRA adapter to vLLM as an adapter (saved to a folder after each update, a new LoRARequest) instead of merging W + BA into the base weights; falls back to merging where vLLM takes no adapter (docs/vllm.md)"""
     log_probs: bool = False
     """hf: also keep the rollout's own log-probs of the sampled tokens (rollout_log_probs), for the rollout_corr/ mismatch metrics and --actor.rollout-correction (vllm and --trainer.async-steps > 0 always keep them)"""
 

@@ -21,9 +21,17 @@ What it does, in order:
 3. **Weight sync after every policy update** (`sync_weights`, called by the worker right after
    `update` and after a checkpoint is loaded): the trainer's weights, under Hugging Face names, are
    streamed into the running engine with vLLM's in-place `reload_weights` -- no restart, no disk.
-   With LoRA the adapter is merged on the fly (W + scale * B @ A per layer; the trainer's model is not
-   touched). Then `reset_prefix_cache()`: otherwise prompts longer than one KV block would reuse KV
-   computed with the old weights and the log-probs would match neither policy.
+   With LoRA (`--model.lora-rank > 0`) only the adapter travels: the engine is built with
+   `enable_lora=True`, the adapter is saved to a folder after each update (a few MB instead of the whole
+   model) and the next `generate` passes a new `LoRARequest` for it (a new id, so vLLM loads the new
+   file; the previous adapter is removed). Where that cannot work -- `--rollout.no-lora-adapter-sync`,
+   an FSDP-sharded model, an adapter with extra trained modules (`modules_to_save`), a rank vLLM does
+   not accept, or an engine that refuses `enable_lora` -- the adapter is merged on the fly instead
+   (W + scale * B @ A per layer; the trainer's model is not touched), with a warning saying why.
+   Then `reset_prefix_cache()`: otherwise prompts longer than one KV block would reuse KV computed with
+   the old weights and the log-probs would match neither policy. A full reload makes vLLM log
+   "RotaryEmbedding: Failed to load weights" (the rotary layer holds a computed cache and no checkpoint
+   weight, and vLLM puts that cache back: harmless); that one line is filtered out, other layers' stay.
 
 4. **Sleep during the trainer's passes (CUDA only)**: the engine is built with `enable_sleep_mode`;
    the worker calls `sleep()` before its log-prob and update passes (level 1: weights copied to CPU
@@ -39,8 +47,11 @@ the engine is built so the rest of the process behaves as before.
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -101,6 +112,43 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield name.replace(".base_layer.", "."), tensor
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (0.32)
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" after an in-place reload (see the module docstring)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith("RotaryEmbedding"))
+
+
+def _silence_rotary_reload_warning() -> None:
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in log.filters):
+        log.addFilter(_RotaryReloadFilter())
+
+
+def lora_adapter_plan(model, wanted: bool) -> tuple[int, str | None]:
+    """(max_lora_rank for vLLM, None) when the model's LoRA adapter can be served to vLLM as an adapter, else
+    (0, why not) -- the caller then merges. A model without LoRA gives (0, None)."""
+    cfg = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
+    if cfg is None:
+        return 0, None
+    if not wanted:
+        return 0, "--rollout.no-lora-adapter-sync"
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return 0, "the model is FSDP-sharded (the adapter would have to be gathered to be saved)"
+    if getattr(cfg, "modules_to_save", None):
+        return 0, f"the adapter also trains whole modules ({cfg.modules_to_save}), which a vLLM adapter cannot carry"
+    rank = next((r for r in VLLM_LORA_RANKS if r >= cfg.r), 0)
+    if not rank:
+        return 0, f"LoRA rank {cfg.r} is over vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
+    return rank, None
+
+
 def _sync_dir(nbytes: int) -> str | None:
     """Where the weights for an engine in another process are written: /dev/shm (memory, no disk) when it has room."""
     import shutil
@@ -156,13 +204,27 @@ class VLLMRollout:
             kwargs["enable_sleep_mode"] = True
         if r.max_num_seqs:
             kwargs["max_num_seqs"] = r.max_num_seqs
+        lora_rank, why_merged = lora_adapter_plan(model, getattr(r, "lora_adapter_sync", True))
+        self.lora_request, self.lora_dir = None, None
         try:
-            self.llm = LLM(**kwargs)
+            if lora_rank:
+                try:
+                    self.llm = LLM(**kwargs, enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+                except Exception as e:  # noqa: BLE001 -- a backend or model vLLM serves without LoRA support
+                    lora_rank, why_merged = 0, f"vLLM refused enable_lora ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            if not lora_rank:
+                self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker makes it a no-op; the trainer needs it
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         self.startup_s = time.perf_counter() - start
+        _silence_rotary_reload_warning()
+        if why_merged and getattr(r, "lora_adapter_sync", True):  # asked for the adapter, could not have it
+            warnings.warn(f"vLLM gets the LoRA adapter merged into the base weights at each sync: {why_merged}", stacklevel=2)
+        if lora_rank:
+            self.lora_dir = tempfile.TemporaryDirectory(prefix="rlkit-lora-", dir=_sync_dir(0))
+            self._save_adapter()
 
     # -- generation ----------------------------------------------------------------------------
     def sampling_params(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
@@ -198,7 +260,8 @@ class VLLMRollout:
         self.wake_up()
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
-        outs = self.llm.generate(requests, self.sampling_params(max_new_tokens, temperature, top_p, top_k), use_tqdm=False)
+        params = self.sampling_params(max_new_tokens, temperature, top_p, top_k)
+        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         pad = self.tokenizer.pad_token_id
         resp = torch.full((len(prompts), max_new_tokens), pad, dtype=torch.long)
         logp = torch.zeros(len(prompts), max_new_tokens)
@@ -219,8 +282,27 @@ class VLLMRollout:
         driver = getattr(executor, "driver_worker", None)
         return getattr(driver, "worker", None)
 
+    def _save_adapter(self) -> None:
+        """Write the trainer's adapter to a fresh sub-folder and point the next requests at it (a new id: vLLM
+        caches adapters by id), removing the previous one from the engine."""
+        from vllm.lora.request import LoRARequest
+
+        old = self.lora_request
+        lora_id = (old.lora_int_id if old else 0) + 1
+        path = os.path.join(self.lora_dir.name, str(lora_id))
+        self.model.save_pretrained(path)
+        self.lora_request = LoRARequest(f"rlkit-{lora_id}", lora_id, path)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)  # False when it was never loaded; fine
+            import shutil
+
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
     def close(self) -> None:
         """Shut the engine down and free its memory (KV cache, weights); generate no more after this."""
+        if self.lora_dir is not None:
+            self.lora_dir.cleanup()
+            self.lora_dir = None
         if self.llm is None:
             return
         self.llm.llm_engine.engine_core.shutdown()
@@ -249,15 +331,16 @@ class VLLMRollout:
     # -- weight sync ---------------------------------------------------------------------------
     @torch.no_grad()
     def sync_weights(self) -> float:
-        """Push the trainer's current weights into the running engine, then drop the prefix cache. Returns seconds."""
+        """Push the trainer's current weights (or only its LoRA adapter) into the running engine, then drop the
+        prefix cache. Returns seconds."""
         start = time.perf_counter()
         self.wake_up(["weights"])  # the KV cache stays asleep until the next generate
         worker = self._worker()
-        if worker is not None:  # same process: tensor by tensor, cast into vLLM's weights as they are copied
+        if self.lora_request is not None:  # the adapter only: save it, the next generate loads it
+            self._save_adapter()
+        elif worker is not None:  # same process: tensor by tensor, cast into vLLM's weights as they are copied
             worker.reload_weights(weights_iterator=hf_weights(self.model))
         else:  # engine in another process: hand the weights over through a folder, in the engine's dtype
-            import tempfile
-
             from safetensors.torch import save_file
 
             nbytes = sum(p.numel() for p in self.model.parameters()) * self.dtype.itemsize

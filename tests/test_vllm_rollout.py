@@ -11,6 +11,7 @@ fp32) within LOGPROB_ATOL = 1e-4 nats per token; observed here ~4e-6.
 import copy
 import importlib.util
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -64,6 +65,37 @@ def test_lora_weights_are_streamed_merged_under_hf_names():
         torch.testing.assert_close(streamed[k], expected[k], rtol=0, atol=1e-6, msg=k)
     # the trainer's model itself is untouched: the adapter is still separate and active
     assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_rotary_reload_line_is_filtered_and_other_layers_are_not():
+    from rlkit.vllm_rollout import _RotaryReloadFilter
+
+    def record(layer):
+        return logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
+
+    f = _RotaryReloadFilter()
+    assert not f.filter(record("RotaryEmbedding"))
+    assert not f.filter(record("Llama3RotaryEmbedding"))
+    assert f.filter(record("QKVParallelLinear"))  # a real failed layer still shows
+    assert f.filter(logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, "RotaryEmbedding ready", (), None))
+
+
+def test_lora_adapter_plan():
+    """When the adapter alone can go to vLLM, with which max_lora_rank; else why it is merged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.vllm_rollout import lora_adapter_plan
+
+    def peft(**kw):
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), LoraConfig(task_type="CAUSAL_LM", **kw))
+
+    assert lora_adapter_plan(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), True) == (0, None)  # no LoRA
+    assert lora_adapter_plan(peft(r=8, target_modules="all-linear"), True) == (8, None)
+    assert lora_adapter_plan(peft(r=12, target_modules="all-linear"), True) == (16, None)  # vLLM's ranks: 1, 8, 16, 32, ...
+    assert "no-lora-adapter-sync" in lora_adapter_plan(peft(r=8, target_modules="all-linear"), False)[1]
+    rank, why = lora_adapter_plan(peft(r=8, target_modules=["q_proj"], modules_to_save=["lm_head"]), True)
+    assert rank == 0 and "lm_head" in why
 
 
 def test_unknown_rollout_name_is_rejected():
@@ -166,22 +198,58 @@ def test_weights_follow_every_update_including_the_prefix_cache(worker, prompts)
         assert max_gap(worker, after) < LOGPROB_ATOL
 
 
+class Records(logging.Handler):
+    """Collects the records a logger passes on (after its filters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
 @needs_vllm
-def test_lora_policy_is_synced_merged(long_model, data_cfg, prompts):
+@pytest.mark.parametrize("adapter", [True, False], ids=["adapter", "merged"])
+def test_lora_policy_is_synced(long_model, data_cfg, prompts, adapter):
+    """--rollout.lora-adapter-sync: vLLM serves the adapter (a new LoRARequest per update) or the merged weights;
+    either way its log-probs are the trainer's adapted policy's, not the base's."""
+    from rlkit.vllm_rollout import _RotaryReloadFilter
     from rlkit.workers import ActorRolloutRefWorker
 
     actor = ActorConfig(lr=5e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
-    w = ActorRolloutRefWorker(
-        ModelConfig(path=long_model, lora_rank=8), actor, RolloutConfig(name="vllm", n=2), data_cfg, device="cpu", seed=1
-    )
-    batch = w.generate(prompts)
-    batch.meta = {}
-    w.update(batch, push_up_sampled)
-    after = w.generate(prompts)
-    assert max_gap(w, after) < LOGPROB_ATOL
-    base = w.engine.compute_log_prob(after, 1.0, 64, ref=True)[0]  # adapter off = the starting weights
-    mask = after["response_mask"].bool()
-    assert (base - after["rollout_log_probs"])[mask].abs().max() > 0.05  # vLLM runs the adapted policy, not the base
+    rollout = RolloutConfig(name="vllm", n=2, lora_adapter_sync=adapter)
+    w = ActorRolloutRefWorker(ModelConfig(path=long_model, lora_rank=8), actor, rollout, data_cfg, device="cpu", seed=1)
+    assert (w.rollout.lora_request is not None) == adapter
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    seen = Records()
+    reload_log.addHandler(seen)
+    try:
+        for step in range(2):
+            batch = w.generate(prompts)
+            batch.meta = {}
+            w.update(batch, push_up_sampled)
+            if adapter:
+                assert w.rollout.lora_request.lora_int_id == step + 2  # one new adapter per sync
+            after = w.generate(prompts)
+            assert max_gap(w, after) < LOGPROB_ATOL
+        base = w.engine.compute_log_prob(after, 1.0, 64, ref=True)[0]  # adapter off = the starting weights
+        mask = after["response_mask"].bool()
+        assert (base - after["rollout_log_probs"])[mask].abs().max() > 0.05  # vLLM runs the adapted policy, not the base
+        assert not [r for r in seen.records if "Failed to load weights" in r.getMessage()]
+        if not adapter:  # control: without rlkit's filter the merged reload does log the rotary line
+            filters = [f for f in reload_log.filters if isinstance(f, _RotaryReloadFilter)]
+            for f in filters:
+                reload_log.removeFilter(f)
+            try:
+                w.rollout.sync_weights()
+            finally:
+                for f in filters:
+                    reload_log.addFilter(f)
+            assert any("RotaryEmbedding: Failed to load weights" in r.getMessage() for r in seen.records)
+    finally:
+        reload_log.removeHandler(seen)
+        w.rollout.close()
 
 
 @needs_vllm
