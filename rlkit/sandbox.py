@@ -125,7 +125,7 @@ def _resolve(spec: str):
     """Import the function named by a spec, in the worker."""
     location, _, name = spec.rpartition(":")
     if location.endswith(".py") or "/" in location:
-        from rlkit.rewards import load_function
+        from rlkit.userfn import load_function
 
         return load_function(spec)
     import importlib

@@ -73,16 +73,3 @@ def test_rlkit_import_graph_has_no_cycle():
     graph = {name: rlkit_imports(path) & set(files) - {name} for name, path in files.items()}
     assert graph["placement"] >= {"workers"} and "fsdp_workers" in rlkit_imports(files["placement"])  # the parser sees lazy imports
     assert find_cycle(graph) is None, f"import cycle in rlkit/: {' -> '.join(find_cycle(graph))}"
-
-
-def test_the_recipes_share_one_actor_loss_word_for_word():
-    """make_actor_loss is duplicated on purpose (the loss stays in the file a student reads): the copies must not drift."""
-    sources = {}
-    for path in sorted((ROOT / "recipes").glob("*.py")):
-        text = path.read_text()
-        for node in ast.parse(text).body:
-            if isinstance(node, ast.FunctionDef) and node.name == "make_actor_loss":
-                sources[path.stem] = ast.get_source_segment(text, node)
-    assert set(sources) == {"grpo", "dapo", "rloo", "reinforce_pp", "ppo"}
-    drifted = [name for name, src in sources.items() if src != sources["grpo"]]
-    assert not drifted, f"make_actor_loss differs from grpo.py's in {drifted}"
