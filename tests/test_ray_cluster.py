@@ -185,6 +185,8 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error_keeps_the_last_checkpoi
             "4",
             "--reward.custom-fn",
             f"{tmp_path / 'killer.py'}:compute_score",
+            "--reward.sandbox",
+            "off",  # the function kills a Ray worker from the trainer's process (a sandbox would rightly stop it)
             "--trainer.default-local-dir",
             str(tmp_path / "out"),
         ],
