@@ -110,16 +110,24 @@ def load_file(file: str | Path) -> dict:
     """torch.load(file, weights_only=True) on the CPU; a file that cannot be read that way fails with one line."""
     file = Path(file)
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ConfigError(
-            f"{file} holds more than tensors and plain values (written by an older rlkit?), and loading it could run code. "
-            f"If you trust it, convert it once: python -m rlkit.checkpoint convert {file.parent}  ({str(e).splitlines()[0][:120]})"
-        ) from e
+        raise _older_format(file, str(e).splitlines()[0][:120]) from e
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as e:
         if isinstance(e, FileNotFoundError):
             raise
         raise ConfigError(f"cannot read {file}: corrupt or cut short ({type(e).__name__}); resume from another checkpoint") from e
+    numpy_rng = state.get("rng", {}).get("numpy") if isinstance(state, dict) else None
+    if numpy_rng is not None and not isinstance(numpy_rng, list):  # an older rlkit's tuple with an ndarray: read only
+        raise _older_format(file, "numpy RNG state as an array")  # because a library allow-listed numpy for weights_only
+    return state
+
+
+def _older_format(file: Path, detail: str) -> ConfigError:
+    return ConfigError(
+        f"{file} holds more than tensors and plain values (written by an older rlkit?), and loading it could run code. "
+        f"If you trust it, convert it once: python -m rlkit.checkpoint convert {file.parent}  ({detail})"
+    )
 
 
 def _fsync_tree(folder: Path) -> None:

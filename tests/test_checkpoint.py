@@ -258,6 +258,10 @@ def test_an_older_checkpoint_with_numpy_rng_fails_with_one_line_and_converts(tmp
     with pytest.raises(ValueError) as info:
         ckpt.load(path)
     assert "\n" not in str(info.value) and f"python -m rlkit.checkpoint convert {path}" in str(info.value)
+    multiarray = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+    allowed = [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
+    with torch.serialization.safe_globals(allowed), pytest.raises(ValueError, match="rlkit.checkpoint convert"):
+        ckpt.load(path)  # still refused when a library has allow-listed numpy for weights_only loads
     expected = np.random.rand(3).tolist()
     import subprocess
     import sys
