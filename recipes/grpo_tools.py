@@ -112,8 +112,6 @@ def main(cfg: Config) -> dict:
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ConfigError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    if cfg.trainer.async_steps:
-        raise ConfigError("grpo_tools.py: --trainer.async-steps is not supported yet (the async worker samples single-turn responses)")
     tools = tools_from_names(cfg.agent.tools, cfg.agent.max_tool_response_chars)  # rlkit/tools.py: calculator, python
     # actor + rollout + reference, whose generate() runs the turn loop (agent.run_turns) with these tools
     policy = agent.AgentPolicy(build_policy(cfg), tools, cfg.agent, cfg.rollout, cfg.data.max_response_length)

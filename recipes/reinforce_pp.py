@@ -92,7 +92,8 @@ def main(cfg: Config) -> dict:
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.baseline and cfg.rollout.n < 2:
         raise ConfigError("REINFORCE++-baseline needs --rollout.n >= 2: the baseline is the mean of the prompt's group")
-    policy = build_policy(cfg, need_ref=cfg.actor.use_kl_loss or cfg.use_kl_in_reward)  # actor + rollout + reference
+    need_ref = cfg.actor.use_kl_loss or cfg.use_kl_in_reward  # the reference policy: for the KL loss or the KL in the reward
+    policy = build_policy(cfg, need_ref=need_ref)  # actor + rollout + reference
     tok = policy.tokenizer
     train = PromptLoader(
         build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
@@ -102,19 +103,23 @@ def main(cfg: Config) -> dict:
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
 
+    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
+        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        return batch.repeat(cfg.rollout.n, interleave=True)
+
+    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
+    rollouts = loop.Rollouts(cfg, policy, prompts, run, need_ref=need_ref)  # (+ rollout_log_probs mu, ref_log_prob, policy version)
+
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-            batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]  # one group id per prompt
-            batch = batch.repeat(cfg.rollout.n, interleave=True)  # B prompts -> B*n rows, a group's rows adjacent
-
-            with loop.timer("gen", timings):  # rollout: sample one response per row
-                batch = policy.generate(batch)  # + responses, response_mask: (B*n, R)
+            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
+                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss or cfg.use_kl_in_reward:
+                if need_ref and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)

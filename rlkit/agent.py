@@ -287,7 +287,8 @@ class AgentPolicy:
                 f"--agent.max-turns must be >= 1 and --agent.max-tool-calls >= 0, got {agent_cfg.max_turns}, {agent_cfg.max_tool_calls}"
             )
         self.policy, self.tools, self.agent_cfg = policy, tools, agent_cfg
-        policy.set_agent(TurnLoop(tools, agent_cfg, rollout_cfg, max_response_length, parse))  # its generate() is now multi-turn
+        self.turn_loop = TurnLoop(tools, agent_cfg, rollout_cfg, max_response_length, parse)  # (--trainer.async-steps: the worker's too)
+        policy.set_agent(self.turn_loop)  # its generate() is now multi-turn
 
     def __getattr__(self, name):
         return getattr(self.policy, name)

@@ -301,7 +301,7 @@ class TrainerConfig:
     num_threads: int = 0
     """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
     async_steps: int = 0
-    """asynchronous k-step off-policy training: a generation process with its own weight copy samples the batches of steps t+1..t+k while step t updates (0 = the synchronous loop; grpo, dapo, rloo; local backend, hf rollout)"""
+    """asynchronous k-step off-policy training: a generation worker (a process, or a Ray actor) with its own weight copy samples the batches of steps t+1..t+k while step t updates (0 = the synchronous loop; every recipe; hf or vllm rollout; not with --trainer.engine megatron)"""
 
 
 def check_flags(cfg) -> None:

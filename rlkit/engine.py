@@ -618,6 +618,27 @@ def num_params(model) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters() if p.requires_grad), total
 
 
+def pack_weights(named) -> tuple[torch.Tensor, list[tuple[str, tuple, int]]]:
+    """[(name, tensor)] -> one flat float32 tensor in shared memory, and its (name, shape, offset) layout: weights in one
+    piece for another process (--trainer.async-steps' generation worker)."""
+    named = list(named)
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for _, t in named]).share_memory_()
+    layout, offset = [], 0
+    for name, t in named:
+        layout.append((name, tuple(t.shape), offset))
+        offset += t.numel()
+    return flat, layout
+
+
+@torch.no_grad()
+def unpack_weights(model, flat: torch.Tensor, layout) -> None:
+    """Copy a pack_weights buffer into the model's parameters of the same names."""
+    params = dict(model.named_parameters())
+    for name, shape, offset in layout:
+        p = params[name]
+        p.copy_(flat[offset : offset + p.numel()].view(shape))
+
+
 def set_threads(num_threads: int = 0) -> int:
     """torch CPU threads: 0 = 1 on small machines (≤ 4 cores), where 2 threads often run slower, else torch's default."""
     if num_threads <= 0:

@@ -305,6 +305,24 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
             torch.cuda.reset_peak_memory_stats()
         return self._mean_over_ranks(metrics)
 
+    @dispatch("rank0")
+    def weights_version(self) -> int:
+        return self.updates
+
+    @dispatch("all")
+    def trainable_weights(self):
+        """The full trainable weights (a collective: every process gathers), packed on rank 0 for the async generation
+        worker; the other processes return None."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from rlkit.engine import pack_weights
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        full = get_model_state_dict(self.engine.model, options=options)
+        if self.rank != 0:
+            return None
+        return pack_weights((n, full[n]) for n, p in self.engine.model.named_parameters() if p.requires_grad)
+
     @dispatch("all")
     def state_dict(self) -> dict:
         return {**self._full_state_dict(), "updates": self.updates}

@@ -242,7 +242,9 @@ class Run:
         stops on an error, the recipe's Rollouts are closed (no generation process outlives the loop)."""
         t = self.cfg.trainer
         if getattr(t, "async_steps", 0) and self.rollouts is None:
-            raise ConfigError(f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (grpo, dapo and rloo have)")
+            raise ConfigError(
+                f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no loop.Rollouts); use 0"
+            )
         if self.start_step == 0 and t.val_before_train and self.val_prompts is not None:
             self.validate(0)
         try:

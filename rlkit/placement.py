@@ -14,6 +14,8 @@ Every group has close(); loop.Run.finish closes the ones it was given.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlkit.errors import ConfigError
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker, LocalWorkerGroup, resolved
 
@@ -63,7 +65,10 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     `.pools`, so that build_critic and build_reward can place their workers beside it.
     """
     t = cfg.trainer
-    args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
+    rollout = cfg.rollout
+    if t.async_steps and rollout.name != "hf":  # the async generation worker owns the vLLM engine; this group validates with HF
+        rollout = dataclasses.replace(rollout, name="hf")
+    args = (cfg.model, cfg.actor, rollout, cfg.data)
     if t.backend == "local" and t.engine != "fsdp":
         raise ConfigError(f"--trainer.engine {t.engine} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N")
     if t.backend == "local":

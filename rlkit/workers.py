@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.engine import TorchEngine, auto_micro_batch, num_params
+from rlkit.engine import TorchEngine, auto_micro_batch, num_params, pack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
@@ -179,6 +179,14 @@ class ActorRolloutRefWorker(CheckpointFiles):
 
     def num_params(self) -> tuple[int, int]:
         return num_params(self.engine.model)
+
+    def weights_version(self) -> int:
+        """Updates applied so far: the version of the weights (--trainer.async-steps tags each batch with the one that sampled it)."""
+        return self.updates
+
+    def trainable_weights(self) -> tuple[torch.Tensor, list]:
+        """The trainable weights in one flat buffer and its layout (engine.pack_weights), for the async generation worker."""
+        return pack_weights((n, p) for n, p in self.engine.model.named_parameters() if p.requires_grad)
 
     def state_dict(self) -> dict:
         return {**self.engine.state_dict(), "updates": self.updates}

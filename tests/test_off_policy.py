@@ -166,10 +166,15 @@ def test_async_steps_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo"])
+ASYNC_RECIPES = ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools", "gspo", "cispo", "gmpo", "remax"]
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools"])
 def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     recipe = load_recipe(name)
     cfg = quick_config(recipe, tmp_path, steps=3, async_steps=1)
+    if name in ("ppo", "reinforce_pp"):  # the worker computes the reference for the KL in the reward as well
+        cfg.use_kl_in_reward = True
     recipe.main(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")  # steps 1, 2, 3
     # step 1 trains on the starting weights' batch (staleness 0); every later one on the batch of the step before's
@@ -177,9 +182,38 @@ def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     assert [r["async/staleness_max"] for r in rows][:1] == [0] and all(r["async/staleness_max"] <= 1 for r in rows)
     if name != "dapo":  # one generation batch per step: exactly one step stale
         assert [r["async/staleness"] for r in rows] == [0, 1, 1]
-    assert rows[0]["rollout_corr/abs_diff_max"] < 1e-5  # same weights, HF: no mismatch
+    # same weights, HF in fp32: no mismatch (the turn loop samples each turn apart, the trainer scores the whole row)
+    assert rows[0]["rollout_corr/abs_diff_max"] < (1e-4 if name == "grpo_tools" else 1e-5)
     assert rows[-1]["rollout_corr/abs_diff_mean"] > 1e-3  # one update of staleness: the correction sees it
+    if name == "ppo":  # the KL in the reward: pi_prox (two updates in) against the worker's reference log-probs
+        assert rows[-1]["actor/reward_kl_penalty"] > 1e-4 and abs(rows[0]["actor/reward_kl_penalty"]) < 1e-6
+    if name == "grpo_tools":
+        assert "agent/turns/mean" in rows[-1]  # the worker ran the turn loop
     assert mp.active_children() == []
+
+
+def test_one_step_off_on_ray_samples_as_the_local_worker_does(tmp_path):
+    """--trainer.backend ray: the generation worker is a Ray actor on a bundle of its own, fed the FSDP workers' gathered
+    weights. Batches 1 and 2 (both sampled by the starting weights, same seed) equal the local backend's token for token;
+    batch 3, sampled by pi_1, sees the update (staleness 1); the actor and its pool are gone at the end."""
+    ray = pytest.importorskip("ray")
+    from rlkit.ray_group import init_ray
+
+    grpo = load_recipe("grpo")
+    grpo.main(quick_config(grpo, tmp_path / "local", steps=3, async_steps=1))
+    init_ray(num_cpus=2)
+    try:
+        grpo.main(quick_config(grpo, tmp_path / "ray", steps=3, async_steps=1, backend="ray", n_workers=1))
+        assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    finally:
+        ray.shutdown()
+    local, on_ray = read_jsonl(tmp_path / "local/metrics.jsonl"), read_jsonl(tmp_path / "ray/metrics.jsonl")
+    assert [r["async/staleness"] for r in on_ray] == [0, 1, 1]
+    for a, b in zip(local[:2], on_ray[:2], strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"] and a["response_length/mean"] == b["response_length/mean"]
+        assert a["rollout_corr/abs_diff_mean"] == pytest.approx(b["rollout_corr/abs_diff_mean"], abs=1e-6)
+    assert on_ray[0]["rollout_corr/abs_diff_max"] < 1e-5 and on_ray[-1]["rollout_corr/abs_diff_mean"] > 1e-3
+    assert on_ray[0]["actor/grad_norm"] == pytest.approx(local[0]["actor/grad_norm"], rel=1e-4)  # the same first update
 
 
 def test_one_step_off_stops_its_worker_when_the_loop_fails(tmp_path, monkeypatch):
@@ -199,10 +233,11 @@ def test_one_step_off_stops_its_worker_when_the_loop_fails(tmp_path, monkeypatch
     assert mp.active_children() == []
 
 
-def test_async_steps_refused_where_there_is_no_async_loop(tmp_path):
-    ppo = load_recipe("ppo")
-    with pytest.raises(ConfigError, match="async-steps"):
-        ppo.main(quick_config(ppo, tmp_path, steps=1, async_steps=1))
+def test_async_steps_refused_by_a_loop_without_rollouts(tmp_path):
+    """A recipe (a user's fork) whose loop generates in turn, without loop.Rollouts, cannot honour the flag: it says so."""
+    grpo = load_recipe("grpo")
+    with pytest.raises(ConfigError, match="async-steps 1: this recipe has no asynchronous loop"):
+        synchronous_grpo(grpo, quick_config(grpo, tmp_path, steps=1, async_steps=1))
 
 
 def test_one_step_off_learns(tmp_path):
@@ -230,5 +265,6 @@ def test_the_off_policy_lines_are_the_same_in_every_recipe():
 
     corr = {n: block(n, "weights, corr = None, {}", "metrics.update(corr)") for n in ("grpo", "dapo", "rloo", "ppo", "reinforce_pp")}
     assert all(b == corr["grpo"] for b in corr.values()) and any("rollout_correction(" in line for line in corr["grpo"])
-    ro = {n: block(n, "# ASYNC: --trainer.async-steps k", "rollouts = loop.Rollouts(") for n in ("grpo", "dapo", "rloo")}
-    assert all(b == ro["grpo"] for b in ro.values())
+    ro = {n: block(n, "# ASYNC: --trainer.async-steps k", "rollouts = loop.Rollouts(") for n in ASYNC_RECIPES}
+    assert all(b[:-1] == ro["grpo"][:-1] for b in ro.values())  # the last line: need_ref= where a KL in the reward needs it
+    assert all(b[-1].startswith("rollouts = loop.Rollouts(cfg, policy, prompts, run") for b in ro.values())

@@ -35,20 +35,14 @@ DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why t
     },
     "reinforce_pp": {
         "policy": "the reference policy is also needed for the KL in the reward",
-        **dict.fromkeys(
-            ("rollouts", "batch['uid']", "batch.repeat", "batch"),
-            "no asynchronous loop yet (--trainer.async-steps is refused): the prompts are drawn and generated in turn",
-        ),
+        "rollouts": "with --trainer.async-steps the worker computes the reference for the KL in the reward too",
     },
     "ppo": {
         "policy": "the reference is needed for the KL in the reward; room for the critic on Ray",
         "run": "the critic and the KL controller are saved in checkpoints",
         "actor_loss": "a critic loss as well",
         "metrics": "the critic's and the KL controller's metrics as well",
-        **dict.fromkeys(
-            ("rollouts", "batch['uid']", "batch.repeat", "batch"),
-            "no asynchronous loop yet (--trainer.async-steps is refused): the prompts are drawn and generated in turn",
-        ),
+        "rollouts": "with --trainer.async-steps the worker computes the reference for the KL in the reward too",
     },
 }
 

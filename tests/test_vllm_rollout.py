@@ -278,6 +278,30 @@ def test_grpo_recipe_runs_with_vllm_rollout(tmp_path):
 
 
 @needs_vllm
+def test_one_step_off_with_vllm_in_the_generation_worker(tmp_path):
+    """--rollout.name vllm --trainer.async-steps 1: the generation process runs the vLLM engine and loads each new version
+    of the weights into it; the trainer has no engine (it validates with HF generate). vLLM's mu is near the trainer's
+    on the starting weights and one update away afterwards."""
+    import multiprocessing as mp
+
+    spec = importlib.util.spec_from_file_location("recipe_grpo_vllm_async", ROOT / "recipes" / "grpo.py")
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    cfg = grpo.Config()
+    cfg.rollout.name, cfg.rollout.n = "vllm", 4
+    cfg.data.train_batch_size, cfg.data.val_max_samples = 8, 16
+    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 4, 16
+    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.save_freq = 3, 3, 0
+    cfg.trainer.async_steps, cfg.trainer.default_local_dir = 1, str(tmp_path)
+    summary = grpo.main(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and [r["async/staleness"] for r in rows[1:]] == [0, 1, 1]
+    assert not any("timing/weight_sync" in r for r in rows)  # no engine in the trainer to sync
+    assert rows[1]["rollout_corr/abs_diff_max"] < 0.05 and rows[3]["rollout_corr/abs_diff_mean"] > rows[1]["rollout_corr/abs_diff_mean"]
+    assert {"val_acc_before", "val_acc_after"} <= set(summary) and mp.active_children() == []
+
+
+@needs_vllm
 def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, data_cfg, prompts):
     """--trainer.backend ray --rollout.name vllm: each FSDP worker runs its own vLLM engine (in a child process)
     and, after every update, gathers the full weights and streams them into it.
