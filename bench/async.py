@@ -14,6 +14,7 @@ in the generation worker; one optimizer step per batch). Prints the machine's lo
 
     python bench/async.py                           # both workloads, 2 runs per arm, ~6 min on 2 shared cores
     python bench/async.py --workloads random --reps 3 --steps 10
+    python bench/async.py --workloads random --backend ray    # the trainer is one FSDP worker, the generator a Ray actor
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ WORKLOADS = {
 }
 
 
-def one_run(grpo, workload: str, k: int, steps: int, out: Path, model: str) -> list[dict]:
+def one_run(grpo, workload: str, k: int, steps: int, out: Path, model: str, backend: str = "local") -> list[dict]:
     """One run of the recipe; the timing/ metrics of each step."""
     import json
 
@@ -46,6 +47,7 @@ def one_run(grpo, workload: str, k: int, steps: int, out: Path, model: str) -> l
     cfg.rollout.n, cfg.data.max_response_length = w["n"], w["max_new_tokens"]
     cfg.data.val_files = []  # no validation: only the steps are timed
     cfg.trainer.total_training_steps, cfg.trainer.async_steps = steps, k
+    cfg.trainer.backend, cfg.trainer.n_workers = backend, 1  # ray: one FSDP worker (+ the generation actor with k >= 1)
     cfg.trainer.default_local_dir, cfg.trainer.val_before_train, cfg.trainer.save_freq = str(out), False, 10**9
     with common.quiet():
         grpo.main(cfg)
@@ -60,7 +62,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps per run (k=1's first step cannot overlap)")
     p.add_argument("--reps", type=int, default=2, help="runs per arm, alternated")
     p.add_argument("--k", type=int, default=1, help="the asynchronous arm's --trainer.async-steps")
+    p.add_argument("--backend", default="local", choices=["local", "ray"], help="--trainer.backend (ray: 1 FSDP worker, 1 CPU each)")
     args = p.parse_args()
+    if args.backend == "ray":
+        from rlkit.ray_group import init_ray
+
+        init_ray(num_cpus=2)  # the trainer's bundle + the generation actor's
     common.set_threads(1)
     grpo = common.load_recipe("grpo")
     print(f"load average before: {os.getloadavg()} on {os.cpu_count()} cores")
@@ -72,7 +79,8 @@ def main() -> None:
             for rep in range(args.reps):
                 for k in (0, args.k):
                     start = time.perf_counter()
-                    steps = one_run(grpo, workload, k, args.warmup + args.steps, tmp / f"{workload}-{k}-{rep}", model)[args.warmup :]
+                    rows = one_run(grpo, workload, k, args.warmup + args.steps, tmp / f"{workload}-{k}-{rep}", model, args.backend)
+                    steps = rows[args.warmup :]
                     run_s = statistics.median(s["step"] for s in steps)
                     times[k].append(run_s)
                     phases = ", ".join(f"{p} {statistics.median(s.get(p, 0.0) for s in steps):.3f}" for p in ("gen", "ref", "update"))

@@ -20,6 +20,8 @@ What it checks, each a row of the PASS/FAIL table:
   checkpointing  one forward/backward with gradient checkpointing on and off: equal loss and gradients, less memory
   ray            --trainer.backend ray --trainer.n-workers 1 (2 with two GPUs): two steps with a checkpoint each,
                  a resumed third step, and the Hugging Face export loaded back
+  async          --trainer.async-steps 1, three steps: staleness 0, 1, 1; the log-prob gap of the generation
+                 process and the trainer on equal weights; the step time and the trainer's wait
   vllm           where vLLM is installed: its log-probs agree with the trainer's before and after a large update
                  (the weight sync), within bf16 tolerance on GPU
 
@@ -337,6 +339,20 @@ def check_ray(ctx: dict) -> str:
     return f"{workers} worker(s): 2 steps, resumed at step 2, step 3 saved, HF export loads ({model.dtype})"
 
 
+def check_async(ctx: dict) -> str:
+    """--trainer.async-steps 1 on the check's model: a generation process beside the trainer (on one GPU, sharing it)."""
+    grpo, cfg = grpo_cfg(ctx, "async", trainer__async_steps=1, trainer__total_training_steps=3)
+    _, rows = run_recipe(grpo, cfg)
+    expect([r["async/staleness"] for r in rows] == [0, 1, 1], f"staleness {[r['async/staleness'] for r in rows]}, expected [0, 1, 1]")
+    first = rows[0]["rollout_corr/abs_diff_mean"]  # the same weights in both processes: the gap of two bf16 passes
+    tol = 0.05 if ctx["device"] == "cuda" else 1e-5
+    expect(first < tol, f"mean |log-prob gap| {first:.2e} on the starting weights (tolerance {tol})")
+    for key in ("actor/loss", "actor/grad_norm"):
+        expect(math.isfinite(rows[-1][key]), f"{key} not finite")
+    step = sorted(r["timing/step"] for r in rows[1:])[0]
+    return f"staleness 0, 1, 1; gap on equal weights {first:.1e}; fastest step {step:.2f} s (wait {rows[-1]['async/wait_s']:.2f} s)"
+
+
 def check_vllm(ctx: dict) -> str:
     import torch
 
@@ -381,7 +397,7 @@ def check_vllm(ctx: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry", action="store_true", help="CPU, the embedded model's size, short lengths (default when CUDA is missing)")
-    p.add_argument("--skip", default="", help="comma-separated checks to leave out: grpo-full,grpo-lora,checkpointing,ray,vllm")
+    p.add_argument("--skip", default="", help="comma-separated checks to leave out: grpo-full,grpo-lora,checkpointing,ray,async,vllm")
     p.add_argument("--out", default=None, help="work folder (default: a new temporary one)")
     args = p.parse_args()
     set_threads(1 if args.dry else 8)
@@ -412,6 +428,7 @@ def main() -> int:
         ("grpo-lora", check_grpo, True),
         ("checkpointing", check_checkpointing),
         ("ray", check_ray),
+        ("async", check_async),
         ("vllm", check_vllm),
     ]:
         if name in skip:

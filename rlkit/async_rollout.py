@@ -27,8 +27,8 @@ update (pi_prox), w = f(pi_prox / mu) (--actor.rollout-correction), see docs/off
 
 With k >= 1 the trainer's own policy generates only for validation, with HF generate (build_policy gives it
 no vLLM engine: the worker owns the one that samples). Not with --trainer.engine megatron (its weights are
-not in Hugging Face layout). Checkpoints save the loader after the k batches already queued: a resumed run
-skips their prompts.
+not in Hugging Face layout). Checkpoints save the loader's position before the batches
+still queued: a resumed run draws the same prompts as an uninterrupted one, sampled afresh by its weights.
 """
 
 from __future__ import annotations
@@ -129,6 +129,8 @@ class Rollouts:
         self.sent_version = None  # the policy version whose weights the worker last received
         self.stats: list[tuple[int, float]] = []  # (staleness, seconds waited) per batch since the last metrics()
         self.proc = self.actor = None
+        self.loader = getattr(run, "loader", None)  # the train PromptLoader prompts(i) draws from
+        self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         if run is not None:
             run.rollouts = self
         if self.k < 0:
@@ -210,6 +212,8 @@ class Rollouts:
     def _submit(self) -> None:
         """Queue the next generation batch, with the trainer's weights when they changed since the last job."""
         self.submitted += 1
+        if self.loader is not None:
+            self.drawn_from[self.submitted] = self.loader.state_dict()
         version = self.policy.weights_version()  # updates applied so far: the version of the trainer's weights
         weights = None
         if version != self.sent_version:
@@ -230,8 +234,14 @@ class Rollouts:
         start = time.perf_counter()
         i, batch = self._ray_get(self.refs.popleft()) if self.actor is not None else self._receive("batch")
         assert i == self.i, (i, self.i)
+        self.drawn_from.pop(i, None)
         self.stats.append((self.policy.weights_version() - batch.meta["policy_version"], time.perf_counter() - start))
         return batch
+
+    def loader_state(self) -> dict | None:
+        """What a checkpoint saves as the loader's position: the state before the oldest batch queued but not yet taken
+        (a resumed run draws those prompts again, sampled by its own weights), or None when none is queued."""
+        return self.drawn_from[min(self.drawn_from)] if self.drawn_from else None
 
     def metrics(self) -> dict:
         """async/ metrics of the batches taken since the last call (loop.Run logs them every step)."""

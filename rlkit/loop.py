@@ -282,7 +282,8 @@ class Run:
     def save(self, step: int) -> Path:
         """Checkpoint `step`: worker groups (the policy, a critic) write their own folders, the rest goes in state.pt."""
         groups = {name: obj for name, obj in {"policy": self.policy, **self.stateful}.items() if hasattr(obj, "save_checkpoint")}
-        state = {"loader": self.loader.state_dict(), "val_history": self.val_history}
+        queued = self.rollouts.loader_state() if self.rollouts is not None else None  # async: before the batches still queued
+        state = {"loader": queued or self.loader.state_dict(), "val_history": self.val_history}
         state.update({name: state_of(obj) for name, obj in self.stateful.items() if name not in groups})
         return checkpoint.save(
             self.ckpt_dir,

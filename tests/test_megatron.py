@@ -18,6 +18,7 @@ from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
 from rlkit import embedded  # noqa: E402
 from rlkit.placement import build_policy  # noqa: E402
+from rlkit.ray_group import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_vocab_parallel_logprobs_equal_the_full_softmax_with_one_rank():
     from rlkit.megatron_workers import vocab_parallel_logprobs
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         z = torch.randn(2, 3, 7, requires_grad=True)
         y = torch.tensor([[0, 4, 6], [1, 2, 3]])
@@ -103,7 +104,7 @@ def test_megatron_forward_equals_hf_for_a_qwen2_shape_with_gqa_qkv_bias_and_left
     from rlkit import megatron_shims
     from rlkit.megatron_workers import build_gpt, hf_to_megatron, local_params
 
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         megatron_shims.apply()
         ps.initialize_model_parallel(tensor_model_parallel_size=1)
