@@ -258,6 +258,7 @@ class Rollouts:
 
     def close(self) -> None:
         """Stop the worker (idempotent)."""
+        atexit.unregister(self.close)  # (which would keep this object, and the policy, alive until exit)
         actor, self.actor = self.actor, None
         if actor is not None:
             import ray

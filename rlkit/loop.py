@@ -231,6 +231,8 @@ class Run:
             describe = policy.describe() + " | "
         except AttributeError:
             describe = ""
+        if getattr(t, "async_steps", 0):  # the trainer's own rollout (above) only validates
+            describe += f"async: a generation worker samples {t.async_steps} batch(es) ahead with {cfg.rollout.name} | "
         self.tracker.message(
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
             f"{self.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples | output {self.out_dir}"
