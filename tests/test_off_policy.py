@@ -235,7 +235,7 @@ def test_one_step_off_stops_its_worker_when_the_loop_fails(tmp_path, monkeypatch
 
 def test_a_resumed_one_step_off_run_draws_the_prompts_an_uninterrupted_run_draws(tmp_path):
     """A checkpoint of an async run saves the loader's position before the batch still queued (drawn, not trained on):
-    the synchronous run's position at the same step. A run resumed from step 2 goes on from there and ends where an
+    the synchronous loop's position at the same step. A run resumed from step 2 goes on from there and ends where an
     uninterrupted run ends, no prompt skipped."""
     from rlkit import checkpoint
 
@@ -244,14 +244,13 @@ def test_a_resumed_one_step_off_run_draws_the_prompts_an_uninterrupted_run_draws
     def loader_at(run_dir, step):
         return checkpoint.load(run_dir / f"checkpoints/global_step_{step}")[0]["loader"]
 
-    grpo.main(quick_config(grpo, tmp_path / "sync", steps=3, save_freq=1, max_ckpt_to_keep=0, async_steps=0))
     grpo.main(quick_config(grpo, tmp_path / "full", steps=3, save_freq=1, max_ckpt_to_keep=0, async_steps=1))
     part = tmp_path / "part"
     grpo.main(quick_config(grpo, part, steps=2, save_freq=1, max_ckpt_to_keep=0, async_steps=1))
     grpo.main(quick_config(grpo, part, steps=3, save_freq=1, max_ckpt_to_keep=0, async_steps=1, resume="auto"))
-    for step in (1, 2, 3):
-        assert loader_at(tmp_path / "full", step) == loader_at(tmp_path / "sync", step), step
-    assert loader_at(part, 3) == loader_at(tmp_path / "full", 3) and loader_at(part, 3)["position"] == 3  # 3 batches drawn
+    # after step s the synchronous loop has drawn s batches (the async one s + 1: batch s + 1 is queued)
+    assert [loader_at(tmp_path / "full", s) for s in (1, 2, 3)] == [{"epoch": 0, "position": s} for s in (1, 2, 3)]
+    assert loader_at(part, 2) == loader_at(tmp_path / "full", 2) and loader_at(part, 3) == loader_at(tmp_path / "full", 3)
     rows = read_jsonl(part / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["async/staleness"] == 0  # resumed: its first batch is fresh
 
