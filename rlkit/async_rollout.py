@@ -11,8 +11,9 @@ samples the batches of steps t+1 .. t+k while the trainer updates on step t's::
     trainer  | update t-1 |  update t  | update t+1 |          k = 1: batch t+1 is sampled by pi_{t-1}
     worker   |  gen t     |  gen t+1   |  gen t+2   |          while the trainer turns pi_{t-1} into pi_t
 
-The worker is a spawned process (--trainer.backend local) or a Ray actor on a one-bundle pool of its own
-(--trainer.backend ray: the FSDP workers gather the full trainable weights for it). Each call of next()
+The worker is a spawned process (--trainer.backend local) or a Ray actor on a pool of its own
+(--trainer.backend ray: the FSDP workers gather the full trainable weights for it); --trainer.async-workers N
+starts N of them, each sampling an equal share of every batch's prompt groups (split_groups). Each call of next()
 (1) hands the worker the trainer's current weights when they changed (one flat float32 buffer: shared
 memory, or Ray's object store), (2) queues the prompts of the batch k calls ahead, (3) waits for the
 oldest queued batch. A job is always generated with the weights sent with it (or the last ones before
@@ -48,7 +49,7 @@ from rlkit.protocol import DataProto
 class Generator:
     """What the generation worker holds: its own model (+ reference), the configured rollout, the turn loop if any."""
 
-    def __init__(self, model_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None):
+    def __init__(self, model_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
         from rlkit.engine import TorchEngine, auto_micro_batch, num_params, set_threads
         from rlkit.workers import make_rollout, resolved
 
@@ -57,8 +58,9 @@ class Generator:
         torch.manual_seed(trainer_cfg.seed)  # the same fresh LoRA weights as the trainer (then overwritten anyway)
         self.engine = TorchEngine(model_cfg, None, trainer_cfg.device, need_ref=need_ref)
         self.tokenizer = self.engine.tokenizer  # the turn loop reads worker.tokenizer and worker.rollout
-        self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, trainer_cfg.seed + 1)
-        torch.manual_seed(trainer_cfg.seed + 1)  # the sampling stream of the worker
+        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank`
+        self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
+        torch.manual_seed(seed)
         self.rollout_cfg, self.max_len, self.need_ref, self.agent = rollout_cfg, data_cfg.max_response_length, need_ref, agent
         self.micro = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
         self.gen_micro = rollout_cfg.micro_batch_size or (None if num_params(self.engine.model)[1] < 10_000_000 else 64)
@@ -116,19 +118,34 @@ def _serve(args, jobs, results) -> None:
             return
 
 
+def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
+    """Row indices of `parts` shares of a batch of `rows` rows in groups of `group_size` adjacent rows: whole groups,
+    as even as can be, in order (the first shares one group larger); empty shares when there are fewer groups."""
+    groups = rows // group_size
+    sizes = [groups // parts + (1 if w < groups % parts else 0) for w in range(parts)]
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start * group_size, (start + size) * group_size)))
+        start += size
+    return out
+
+
 class Rollouts:
-    """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the worker."""
+    """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the workers."""
 
     def __init__(self, cfg, policy, prompts, run=None, need_ref: bool | None = None):
-        """prompts(i): the i-th generation batch's prompt rows (i = 1, 2, ...). run: a loop.Run that logs the
-        async/ metrics and closes this at the end of the loop, or when it stops on an error. need_ref: whether
-        the worker adds ref_log_prob (default: --actor.use-kl-loss)."""
+        """prompts(i): the i-th generation batch's prompt rows (i = 1, 2, ...), groups of --rollout.n adjacent rows.
+        run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or when it stops on an
+        error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss)."""
         self.k, self.policy, self.prompts = cfg.trainer.async_steps, policy, prompts
+        self.n_workers, self.group_size = getattr(cfg.trainer, "async_workers", 1), cfg.rollout.n
         self.i = 0  # generation batches asked for so far
-        self.submitted = 0  # ... and handed to the worker
-        self.sent_version = None  # the policy version whose weights the worker last received
+        self.submitted = 0  # ... and handed to the workers
+        self.sent = {}  # worker -> the policy version whose weights it last received
+        self.packed = (None, None)  # (version, its packed weights): packed once, sent to every worker
         self.stats: list[tuple[int, float]] = []  # (staleness, seconds waited) per batch since the last metrics()
-        self.proc = self.actor = None
+        self.procs, self.actors = [], []
+        self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
         self.loader = getattr(run, "loader", None)  # the train PromptLoader prompts(i) draws from
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         if run is not None:
@@ -137,26 +154,31 @@ class Rollouts:
             raise ConfigError(f"--trainer.async-steps {self.k}: must be >= 0 (0 = synchronous)")
         if self.k == 0:
             return
+        if self.n_workers < 1:
+            raise ConfigError(f"--trainer.async-workers {self.n_workers}: must be >= 1")
         t = cfg.trainer
         if t.backend == "ray" and t.engine == "megatron":
             raise ConfigError(f"--trainer.async-steps {self.k} does not run with --trainer.engine megatron yet; use --trainer.engine fsdp")
         need_ref = cfg.actor.use_kl_loss if need_ref is None else need_ref
         args = (cfg.model, cfg.rollout, cfg.data, t, need_ref, getattr(policy, "turn_loop", None))
+        atexit.register(self.close)  # a script that never reaches loop.Run's close still stops the workers
         if t.backend == "ray":
             self._start_ray(args, t)
         else:
-            self._start_process(args)
-        atexit.register(self.close)  # a script that never reaches loop.Run's close still stops the worker
+            self._start_processes(args)
 
-    # -- the worker: a spawned process (local backend) or a Ray actor ---------------------------------------------
-    def _start_process(self, args) -> None:
+    # -- the workers: spawned processes (local backend) or Ray actors ---------------------------------------------
+    def _start_processes(self, args) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self.jobs, self.results = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_serve, args=(args, self.jobs, self.results), daemon=True, name="rlkit-rollout")
-        self.proc.start()
-        self._receive("ready")
+        for w in range(self.n_workers):
+            jobs, results = ctx.Queue(), ctx.Queue()
+            proc = ctx.Process(target=_serve, args=((*args, w), jobs, results), daemon=True, name=f"rlkit-rollout-{w}")
+            proc.start()
+            self.procs.append((proc, jobs, results))
+        for w in range(self.n_workers):
+            self._receive(w, "ready")
 
     def _start_ray(self, args, t) -> None:
         import ray
@@ -165,76 +187,87 @@ class Rollouts:
         from rlkit.ray_group import ResourcePool, cluster_gpus, gpus_per_worker
 
         gpus = gpus_per_worker(t.device, cluster_gpus())
-        self.pool = ResourcePool(1, t.cpus_per_worker, gpus, name="async_rollout")  # a bundle of its own, beside the trainer's
-        self.refs = collections.deque()  # the queued batches, oldest first (a Ray actor runs its calls in order)
-        self.actor = (
-            ray.remote(Generator)
-            .options(
-                num_cpus=t.cpus_per_worker,
-                num_gpus=gpus,
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pool.pg, placement_group_bundle_index=0),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(int(t.cpus_per_worker), 1))}},
-            )
-            .remote(*args)
-        )
-        self._ray_get(self.actor.__ray_ready__.remote())
+        self.pool = ResourcePool(self.n_workers, t.cpus_per_worker, gpus, name="async_rollout")  # beside the trainer's
+        remote = ray.remote(Generator)
+        for w in range(self.n_workers):
+            strategy = PlacementGroupSchedulingStrategy(self.pool.pg, placement_group_bundle_index=w)
+            env = {"env_vars": {"OMP_NUM_THREADS": str(max(int(t.cpus_per_worker), 1))}}
+            options = dict(num_cpus=t.cpus_per_worker, num_gpus=gpus, max_restarts=0, scheduling_strategy=strategy, runtime_env=env)
+            self.actors.append(remote.options(**options).remote(*args, rank=w))
+        self._ray_get([a.__ray_ready__.remote() for a in self.actors])
 
-    def _ray_get(self, ref):
+    def _ray_get(self, refs):
         import ray
 
         try:
-            return ray.get(ref)
+            return ray.get(refs)
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
             self.close()
-            raise RunFailed(f"the generation worker (--trainer.async-steps {self.k}, a Ray actor) failed:\n{e}") from None
+            raise RunFailed(f"a generation worker (--trainer.async-steps {self.k}, a Ray actor) failed:\n{e}") from None
 
-    def _receive(self, kind: str):
-        """The worker process's next message, which must be `kind`; a crash or an error there raises RunFailed."""
+    def _receive(self, w: int, kind: str):
+        """Worker process w's next message, which must be `kind`; a crash or an error there raises RunFailed."""
+        proc, _, results = self.procs[w]
         while True:
             try:
-                got, i, payload = self.results.get(timeout=2.0)
+                got, i, payload = results.get(timeout=2.0)
                 break
             except queue.Empty:
-                if not self.proc.is_alive():
-                    code = self.proc.exitcode
+                if not proc.is_alive():
+                    code = proc.exitcode
                     self.close()
                     raise RunFailed(
-                        f"the generation worker (--trainer.async-steps {self.k}) died (exit code {code}); a script that calls a "
+                        f"a generation worker (--trainer.async-steps {self.k}) died (exit code {code}); a script that calls a "
                         "recipe's main() needs an `if __name__ == '__main__':` guard (the worker is a spawned process)"
                     ) from None
         if got == "error":
             self.close()
-            raise RunFailed(f"the generation worker (--trainer.async-steps {self.k}) failed:\n{payload}")
+            raise RunFailed(f"a generation worker (--trainer.async-steps {self.k}) failed:\n{payload}")
         assert got == kind, (got, kind)
         return i, payload
 
     def _submit(self) -> None:
-        """Queue the next generation batch, with the trainer's weights when they changed since the last job."""
+        """Queue the next generation batch, a share of its groups per worker, each with the trainer's weights when they
+        changed since that worker's last job."""
         self.submitted += 1
         if self.loader is not None:
             self.drawn_from[self.submitted] = self.loader.state_dict()
         version = self.policy.weights_version()  # updates applied so far: the version of the trainer's weights
-        weights = None
-        if version != self.sent_version:
-            weights, self.sent_version = (*self.policy.trainable_weights(), version), version
-        job = (self.submitted, self.prompts(self.submitted), weights)
-        if self.actor is not None:
-            self.refs.append(self.actor.generate.remote(*job))
-        else:
-            self.jobs.put(job)
+        batch = self.prompts(self.submitted)  # (B*n, P)
+        shares = split_groups(len(batch), self.group_size, self.n_workers)
+        workers = [w for w, rows in enumerate(shares) if rows]
+        handles = []  # Ray: the result refs; processes: the worker numbers
+        for w in workers:
+            weights = None
+            if self.sent.get(w) != version:
+                if self.packed[0] != version:
+                    self.packed = (version, (*self.policy.trainable_weights(), version))
+                    if self.actors:  # one copy in Ray's object store for every actor
+                        import ray
+
+                        self.packed = (version, ray.put(self.packed[1]))
+                weights, self.sent[w] = self.packed[1], version
+            job = (self.submitted, batch if len(workers) == 1 else batch.index(shares[w]), weights)
+            if self.actors:
+                handles.append(self.actors[w].generate.remote(*job))
+            else:
+                self.procs[w][1].put(job)
+                handles.append(w)
+        self.pending.append(handles)  # in row order
 
     def next(self) -> DataProto:
-        """The next generation batch: prompts(i) generated now (k = 0), or k batches ago by the worker."""
+        """The next generation batch: prompts(i) generated now (k = 0), or k batches ago by the workers."""
         self.i += 1
         if self.k == 0:
             return self.policy.generate(self.prompts(self.i))
         while self.submitted < self.i + self.k:  # keep k batches queued beyond this one
             self._submit()
         start = time.perf_counter()
-        i, batch = self._ray_get(self.refs.popleft()) if self.actor is not None else self._receive("batch")
-        assert i == self.i, (i, self.i)
-        self.drawn_from.pop(i, None)
+        shares = self.pending.popleft()
+        got = self._ray_get(shares) if self.actors else [self._receive(w, "batch") for w in shares]
+        assert all(i == self.i for i, _ in got), ([i for i, _ in got], self.i)
+        batch = got[0][1] if len(got) == 1 else DataProto.concat([b for _, b in got])  # (meta: the first share's)
+        self.drawn_from.pop(self.i, None)
         self.stats.append((self.policy.weights_version() - batch.meta["policy_version"], time.perf_counter() - start))
         return batch
 
@@ -257,25 +290,24 @@ class Rollouts:
         }
 
     def close(self) -> None:
-        """Stop the worker (idempotent)."""
+        """Stop the workers (idempotent)."""
         atexit.unregister(self.close)  # (which would keep this object, and the policy, alive until exit)
-        actor, self.actor = self.actor, None
-        if actor is not None:
+        actors, self.actors = self.actors, []
+        if actors:
             import ray
 
             if ray.is_initialized():  # (at exit, Ray may have shut down first: its actors and pools went with it)
-                ray.kill(actor)
+                for actor in actors:
+                    ray.kill(actor)
                 self.pool.remove()
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        try:
-            self.jobs.put(None)
+        procs, self.procs = self.procs, []
+        for _, jobs, _ in procs:
+            jobs.put(None)
+        for proc, jobs, results in procs:
             proc.join(timeout=10)
-        finally:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=10)
-            for q in (self.jobs, self.results):
+            for q in (jobs, results):
                 q.cancel_join_thread()
                 q.close()

@@ -51,6 +51,7 @@ PREFIX = "global_step_"
 # names may: `--trainer.resume PATH` into another folder starts a branch of the run from that checkpoint.
 RESUMABLE_CHANGES = {
     "trainer.resume",
+    "trainer.async_workers",  # how many processes generate: the sampling, not the run's settings
     "trainer.total_epochs",
     "trainer.total_training_steps",
     "trainer.save_freq",

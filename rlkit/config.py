@@ -302,6 +302,8 @@ class TrainerConfig:
     """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
     async_steps: int = 0
     """asynchronous k-step off-policy training: a generation worker (a process, or a Ray actor) with its own weight copy samples the batches of steps t+1..t+k while step t updates (0 = the synchronous loop; every recipe; hf or vllm rollout; not with --trainer.engine megatron)"""
+    async_workers: int = 1
+    """with --trainer.async-steps k >= 1: how many generation workers (processes, or Ray actors on a pool of their own), each sampling an equal share of every batch's prompt groups"""
 
 
 def check_flags(cfg) -> None:

@@ -192,6 +192,36 @@ def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     assert mp.active_children() == []
 
 
+def test_split_groups_gives_each_worker_whole_groups_in_order():
+    from rlkit.async_rollout import split_groups
+
+    assert split_groups(16, 4, 2) == [list(range(8)), list(range(8, 16))]
+    assert split_groups(12, 4, 2) == [list(range(8)), list(range(8, 12))]  # 3 groups: the first share one larger
+    assert split_groups(8, 4, 3) == [list(range(4)), list(range(4, 8)), []]  # fewer groups than workers
+    assert split_groups(6, 2, 1) == [list(range(6))]
+
+
+def test_two_generation_workers_share_each_batch(tmp_path, monkeypatch):
+    """--trainer.async-workers 2: two processes, each sampling half of every batch's groups; the trainer gets the whole
+    batch in row order (the groups intact), the same staleness, and both processes are gone at the end."""
+    grpo = load_recipe("grpo")
+    seen, real = [], loop.score
+
+    def watching(batch, tok, reward_fn):
+        if "uid" in batch:  # a training batch (validation is scored here too)
+            seen.append((len(mp.active_children()), len(batch), batch["uid"][::4].tolist()))
+        return real(batch, tok, reward_fn)
+
+    monkeypatch.setattr(loop, "score", watching)
+    grpo.main(quick_config(grpo, tmp_path, steps=3, async_steps=1, async_workers=2))
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert rows[0]["rollout_corr/abs_diff_max"] < 1e-5 and rows[-1]["rollout_corr/abs_diff_mean"] > 1e-3
+    assert [(n >= 2, b) for n, b, _ in seen] == [(True, 32)] * 3  # both workers alive; 8 prompts x 4 samples each step
+    assert [uids for _, _, uids in seen] == [[f"{i}-{j}" for j in range(8)] for i in (1, 2, 3)]  # one group per 4 rows, in order
+    assert mp.active_children() == []
+
+
 def test_one_step_off_on_ray_samples_as_the_local_worker_does(tmp_path):
     """--trainer.backend ray: the generation worker is a Ray actor on a bundle of its own, fed the FSDP workers' gathered
     weights. Batches 1 and 2 (both sampled by the starting weights, same seed) equal the local backend's token for token;
