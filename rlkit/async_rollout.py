@@ -50,7 +50,7 @@ class Generator:
     """What the generation worker holds: its own model (+ reference), the configured rollout, the turn loop if any."""
 
     def __init__(self, model_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
-        from rlkit.engine import TorchEngine, auto_micro_batch, num_params, set_threads
+        from rlkit.engine import TorchEngine, auto_micro_batch, set_threads
         from rlkit.workers import make_rollout, resolved
 
         set_threads(trainer_cfg.num_threads)
@@ -63,7 +63,7 @@ class Generator:
         torch.manual_seed(seed)
         self.rollout_cfg, self.max_len, self.need_ref, self.agent = rollout_cfg, data_cfg.max_response_length, need_ref, agent
         self.micro = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
-        self.gen_micro = rollout_cfg.micro_batch_size or (None if num_params(self.engine.model)[1] < 10_000_000 else 64)
+        self.gen_micro = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # as the trainer's worker
         self.version = 0
 
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:

@@ -607,8 +607,8 @@ class TorchEngine:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def auto_micro_batch(requested: int, model, small: int, large: int) -> int:
-    """`requested`, or when it is 0: `small` rows for a tiny model (< 10M parameters), else `large`."""
+def auto_micro_batch(requested: int, model, small: int | None, large: int) -> int | None:
+    """`requested`, or when it is 0: `small` rows for a tiny model (< 10M parameters), else `large` (None: no split)."""
     return requested or (small if num_params(model)[1] < 10_000_000 else large)
 
 

@@ -100,7 +100,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.agent = None  # set_agent: generate() runs this turn loop instead of single-turn sampling
         self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
         self.log_prob_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
-        self.gen_micro_batch = rollout_cfg.micro_batch_size or (None if num_params(self.engine.model)[1] < 10_000_000 else 64)
+        self.gen_micro_batch = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # tiny: one generate call
 
     def describe(self) -> str:
         """Device, dtypes, attention implementation, checkpointing and rollout backend, for the start-of-run line."""
