@@ -142,7 +142,6 @@ class Rollouts:
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
         self.sent = {}  # worker -> the policy version whose weights it last received
-        self.packed = (None, None)  # (version, its packed weights): packed once, sent to every worker
         self.stats: list[tuple[int, float]] = []  # (staleness, seconds waited) per batch since the last metrics()
         self.procs, self.actors = [], []
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
@@ -236,17 +235,17 @@ class Rollouts:
         batch = self.prompts(self.submitted)  # (B*n, P)
         shares = split_groups(len(batch), self.group_size, self.n_workers)
         workers = [w for w, rows in enumerate(shares) if rows]
-        handles = []  # Ray: the result refs; processes: the worker numbers
+        handles, packed = [], None  # Ray: the result refs; processes: the worker numbers. packed: this call's weights
         for w in workers:
             weights = None
             if self.sent.get(w) != version:
-                if self.packed[0] != version:
-                    self.packed = (version, (*self.policy.trainable_weights(), version))
+                if packed is None:  # packed once for the workers of this batch, held only by the jobs that carry it
+                    packed = (*self.policy.trainable_weights(), version)
                     if self.actors:  # one copy in Ray's object store for every actor
                         import ray
 
-                        self.packed = (version, ray.put(self.packed[1]))
-                weights, self.sent[w] = self.packed[1], version
+                        packed = ray.put(packed)
+                weights, self.sent[w] = packed, version
             job = (self.submitted, batch if len(workers) == 1 else batch.index(shares[w]), weights)
             if self.actors:
                 handles.append(self.actors[w].generate.remote(*job))
