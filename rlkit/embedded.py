@@ -58,20 +58,23 @@ def arith_row(a: int, b: int, split: str, index: int) -> dict:
     }
 
 
-def write_arith_parquet(out_dir: Path = DATA_DIR, seed: int = 0) -> tuple[Path, Path]:
-    """Write train.parquet and val.parquet of the embedded task; returns their paths."""
+def write_task_parquet(out_dir: Path, train: list, val: list, row) -> tuple[Path, Path]:
+    """Write train.parquet and val.parquet, one verl-format row(a, b, split, index) per (a, b) pair; returns their paths."""
     import datasets
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, val = arith_problems(seed)
     paths = []
     for split, pairs in (("train", train), ("val", val)):
-        rows = [arith_row(a, b, split, i) for i, (a, b) in enumerate(pairs)]
         path = out_dir / f"{split}.parquet"
-        datasets.Dataset.from_list(rows).to_parquet(str(path))
+        datasets.Dataset.from_list([row(a, b, split, i) for i, (a, b) in enumerate(pairs)]).to_parquet(str(path))
         paths.append(path)
     return paths[0], paths[1]
+
+
+def write_arith_parquet(out_dir: Path = DATA_DIR, seed: int = 0) -> tuple[Path, Path]:
+    """Write train.parquet and val.parquet of the embedded task; returns their paths."""
+    return write_task_parquet(out_dir, *arith_problems(seed), arith_row)
 
 
 # ---------------------------------------------------------------------------------------------

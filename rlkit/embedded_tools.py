@@ -27,7 +27,7 @@ import random
 import re
 from pathlib import Path
 
-from rlkit.embedded import ASSETS, build_model, build_tokenizer
+from rlkit.embedded import ASSETS, build_model, build_tokenizer, write_task_parquet
 from rlkit.rewards import register_scorer
 
 MODEL_DIR = ASSETS / "tiny-calc"
@@ -119,17 +119,11 @@ def sft(model, examples, steps: int, batch_size: int = 64, lr: float = 2e-3, war
 
 def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
     """Write the task parquet files and train + save the tool model."""
-    import datasets
     import torch
 
     torch.manual_seed(seed)
     train, val = mult_problems(seed)
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for split, pairs in (("train", train), ("val", val)):
-        datasets.Dataset.from_list([mult_row(a, b, split, i) for i, (a, b) in enumerate(pairs)]).to_parquet(
-            str(data_dir / f"{split}.parquet")
-        )
+    write_task_parquet(data_dir, train, val, mult_row)
     corpus = [f"What is {a}*{b}? ={a * b} {call_text(a, b)}" for a, b in train[:2000]] + ["user assistant system tool Tools: calculator"]
     tok = build_tokenizer(corpus)
     tok.chat_template = CHAT_TEMPLATE
