@@ -49,7 +49,7 @@ from rlkit.protocol import DataProto
 class Generator:
     """What the generation worker holds: its own model (+ reference), the configured rollout, the turn loop if any."""
 
-    def __init__(self, model_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
         from rlkit.engine import TorchEngine, auto_micro_batch, set_threads
         from rlkit.workers import make_rollout, resolved
 
@@ -62,7 +62,8 @@ class Generator:
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         torch.manual_seed(seed)
         self.rollout_cfg, self.max_len, self.need_ref, self.agent = rollout_cfg, data_cfg.max_response_length, need_ref, agent
-        self.micro = auto_micro_batch(rollout_cfg.log_prob_micro_batch_size, self.engine.model, 256, 16)
+        # the reference pass in the trainer's micro-batches (ActorRolloutRefWorker's rule: the update's, unless set)
+        self.micro = rollout_cfg.log_prob_micro_batch_size or auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
         self.gen_micro = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # as the trainer's worker
         self.version = 0
 
@@ -159,7 +160,7 @@ class Rollouts:
         if t.backend == "ray" and t.engine == "megatron":
             raise ConfigError(f"--trainer.async-steps {self.k} does not run with --trainer.engine megatron yet; use --trainer.engine fsdp")
         need_ref = cfg.actor.use_kl_loss if need_ref is None else need_ref
-        args = (cfg.model, cfg.rollout, cfg.data, t, need_ref, getattr(policy, "turn_loop", None))
+        args = (cfg.model, cfg.actor, cfg.rollout, cfg.data, t, need_ref, getattr(policy, "turn_loop", None))
         atexit.register(self.close)  # a script that never reaches loop.Run's close still stops the workers
         if t.backend == "ray":
             self._start_ray(args, t)
