@@ -70,6 +70,7 @@ class Generator:
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
         """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs."""
         from rlkit.engine import unpack_weights
+        from rlkit.rollout import HFRollout
 
         if weights is not None:
             flat, layout, self.version = weights
@@ -80,7 +81,7 @@ class Generator:
         if self.agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
             batch = self.agent(self, prompts)
         else:
-            hf = {"return_log_probs": True} if not hasattr(self.rollout, "sync_weights") else {}  # vllm: always
+            hf = {"return_log_probs": True} if isinstance(self.rollout, HFRollout) else {}  # vllm: always
             batch = self.rollout.generate(prompts, self.max_len, r.temperature, r.top_p, r.top_k, micro_batch_size=self.gen_micro, **hf)
         if self.need_ref:  # log pi_ref(y_t), here, off the trainer's critical path
             batch["ref_log_prob"] = self.engine.compute_log_prob(batch, r.temperature, self.micro, ref=True)[0]
