@@ -13,6 +13,8 @@ from torch.testing import assert_close
 
 from rlkit import algos
 
+pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (tests/numerics.py)
+
 ATOL = 1e-5
 
 

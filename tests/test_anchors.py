@@ -12,6 +12,8 @@ import sys
 import pytest
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
+pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (tests/numerics.py)
+
 KEYS = ("critic/score/mean", "response_length/mean", "actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss")
 KEYS += ("agent/turns/mean", "agent/tool_calls/mean", "agent/tool_tokens/mean")  # grpo_tools: the turn loop (its tool spans) pinned too
 RECIPES = ["grpo", "rloo", "dapo", "reinforce_pp", "ppo", "grpo_tools"]
