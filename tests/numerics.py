@@ -94,6 +94,16 @@ def max_abs_logit(model, batch, temperature: float = 1.0) -> float:
     return out.logits.abs().max().item() / temperature
 
 
+def tiny_log_prob_tol(max_logit: float = 20.0) -> float:
+    """log_prob_tol of the embedded tiny models where a test has no model at hand (a whole recipe run): their
+    |logits| at temperature 1 stay below 10 on the test prompts (measured 9.3), 20 leaves room for training."""
+    from transformers import AutoConfig
+
+    from rlkit import embedded
+
+    return log_prob_tol(AutoConfig.from_pretrained(embedded.MODEL_DIR), max_logit)
+
+
 def max_abs_diff(a, b) -> float:
     """max |a - b| over tensors, lists of tensors or floats."""
     if isinstance(a, (list, tuple)):
