@@ -15,6 +15,10 @@ from rlkit import algos
 
 pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (tests/numerics.py)
 
+# Hand-derived values on short fp32 inputs: the worst-case rounding of a mean of n terms is n * u * mean|x|
+# (u = 2^-24): <= 8 terms of |x| <= 4 in the hand-value tests (1.9e-6); the whitening test's 28 entries of mean |x| ~ 5
+# give 8e-6 in the mean, 3e-6 after dividing by std 3. So 1e-5 holds in any summation order (any CPU), and a wrong
+# formula (a missing Bessel factor, a wrong denominator) is off by >= 1e-2.
 ATOL = 1e-5
 
 
