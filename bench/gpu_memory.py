@@ -26,6 +26,7 @@ Not counted (say so beside any comparison): the CUDA context (~0.5 GiB per proce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import re
@@ -251,8 +252,11 @@ def tiny_model(folder: Path, vocab: int = 151936, hidden: int = 16) -> str:
     return str(folder)
 
 
-def measure_pass(path: str, phase: str, entropy: bool, rows: int = 8, prompt: int = 8, response: int = 48, dtype: str = "float32"):
-    """(measured, predicted) peak bytes of one engine pass on CPU above the weights: phase "log_prob"
+def measure_pass(
+    path: str, phase: str, entropy: bool, rows: int = 8, prompt: int = 8, response: int = 48, dtype: str = "float32", device: str = "cpu"
+):
+    """(measured, predicted) peak bytes of one engine pass above the weights (CPU: LiveBytes; CUDA:
+    torch.cuda.max_memory_allocated above what was allocated before): phase "log_prob"
     (compute_log_prob, no gradient) or "update" (forward + loss + backward of one micro-batch, the entropy in the loss
     with `entropy`). One group of `rows` full-length responses to one prompt. dtype "bfloat16": the engine's float32
     masters under CPU autocast."""
@@ -261,7 +265,7 @@ def measure_pass(path: str, phase: str, entropy: bool, rows: int = 8, prompt: in
     from rlkit.protocol import DataProto
     from rlkit.rollout import assemble
 
-    engine = TorchEngine(ModelConfig(path=path, dtype=dtype), ActorConfig(use_kl_loss=False), device="cpu")
+    engine = TorchEngine(ModelConfig(path=path, dtype=dtype), ActorConfig(use_kl_loss=False), device=device)
     vocab = engine.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (1, prompt), generator=g).expand(rows, prompt)  # one prompt shared by the group
@@ -273,22 +277,28 @@ def measure_pass(path: str, phase: str, entropy: bool, rows: int = 8, prompt: in
         }
     )
     batch = assemble(prompts, torch.randint(3, 250, (rows, response), generator=g), [], 0)
-    counter = LiveBytes()
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    counter = LiveBytes() if not cuda else contextlib.nullcontext()
     if phase == "log_prob":
         with counter:
             engine.compute_log_prob(batch, 1.0, rows, with_entropy=entropy)
     else:
         with counter:
             logp, ent = engine.forward(engine.model, batch, 1.0, entropy)
-            mask = batch["response_mask"]
+            mask = batch["response_mask"].to(logp.device)
             loss = -(logp * mask).sum() / mask.sum() - (0.01 * (ent * mask).sum() / mask.sum() if entropy else 0)
             loss.backward()
+    measured = torch.cuda.max_memory_allocated() - base if cuda else counter.peak
     compute = torch.finfo(engine.dtype).bits // 8
     setup = Setup(entropy=entropy)
     predicted = logits_bytes(setup, phase, compute, rows * response, vocab, engine_code())
     if phase == "update":
         predicted += 4 * sum(p.numel() for p in engine.model.parameters())  # the weights' float32 gradients
-    return counter.peak, predicted
+    return measured, predicted
 
 
 def setups() -> list[Setup]:

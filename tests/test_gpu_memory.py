@@ -63,3 +63,50 @@ def test_the_docs_table_is_what_the_model_writes_now():
     text = gm.DOC.read_text()
     start, end = text.index(gm.BEGIN), text.index(gm.END) + len(gm.END)
     assert text[start:end] == gm.doc_block(), "docs/gpu.md's memory table is stale: run python bench/gpu_memory.py --write-docs"
+
+
+# ----------------------------------------------------------------------------- bench/gpu_check.py's machinery
+
+
+@pytest.fixture(scope="module")
+def gc():
+    import gpu_check
+
+    return gpu_check
+
+
+def test_update_flops_count_each_shared_prompt_once_and_the_head_on_response_positions(gc):
+    shape = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=100)
+    # per layer: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 3 x 8x16 = 64 + 64 + 64 + 384 = 576 weights
+    # positions: 2 prompts x 10 (once each) + 2 x 3 responses x 5 tokens = 50; the head reads the 30 response positions
+    forward = 2 * 2 * 576 * 50 + 2 * 8 * 100 * 30
+    assert gc.update_flops(shape, 2, 3, 10, 5, lora=False, checkpointing=False) == 3 * forward
+    assert gc.update_flops(shape, 2, 3, 10, 5, lora=True, checkpointing=True) == 3 * forward  # 2 (no weight grads) + 1 recompute
+    # the count it replaces, rows x (P + R) x 6N with N = all parameters (embedding = the tied head), at the check's GPU
+    # sizes (0.5B-shaped, 8 prompts x n 8, 512 + 512): about twice the FLOPs actually computed
+    big = gc.sizes(False)["model"]
+    n = gm.counts("0.5B")["n"]
+    old = 64 * 1024 * 6 * n
+    assert 1.7 < old / gc.update_flops(big, 8, 8, 512, 512, lora=False, checkpointing=False) < 2.3
+
+
+def test_skip_words_and_a_row_past_its_timeout_fails_and_the_check_goes_on(gc, monkeypatch, tmp_path):
+    assert gc.skipped("ray-vllm", {"vllm"}) and gc.skipped("async-vllm", {"vllm"}) and gc.skipped("ray", {"ray"})
+    assert not gc.skipped("async", {"vllm", "ray"})
+    import time
+
+    monkeypatch.setitem(gc.ROWS, "slow", (lambda ctx: time.sleep(30),))
+    monkeypatch.setitem(gc.ROWS, "quick", (lambda ctx: "fine",))
+    check = gc.Check()
+    gc.run_in_process(check, "slow", {}, 1)
+    gc.run_in_process(check, "quick", {}, 5)
+    assert check.rows[0][:2] == ("slow", "FAIL") and "timeout after 1 s" in check.rows[0][2]
+    assert check.rows[1][:2] == ("quick", "PASS")
+    # on a GPU each row is a process of its own, killed with what it started: here one that hangs
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(gc, "__file__", str(hang))
+    start = time.perf_counter()
+    gc.run_in_subprocess(check, "hang", {"out": str(tmp_path)}, 2)
+    assert check.rows[2][:2] == ("hang", "FAIL") and "timeout after 2 s" in check.rows[2][2]
+    assert time.perf_counter() - start < 30
