@@ -151,6 +151,7 @@ def make_data(folder: Path, prompt_tokens: int) -> str:
 
     from rlkit import embedded
 
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "train.parquet"
     if not path.exists():
         df = pd.read_parquet(embedded.DATA_DIR / "train.parquet").head(64)
@@ -488,38 +489,53 @@ def check_logits_memory(ctx: dict) -> str:
 
 def check_bf16_learning(ctx: dict) -> str:
     """bf16 compute learns: every weight moves as in float32 over 5 AdamW steps of 1e-5, and GRPO raises a learnable toy
-    reward within 50 steps (the tiny model, bf16 over float32 masters)."""
+    reward within 50 steps (the tiny model, bf16 over float32 masters; on CPU autocast it went 0.13 -> 0.29)."""
+    gpu_only(ctx, " (50 steps; tests/test_gpu_readiness.py checks on CPU that bf16 weights move as float32 ones)")
+    tiny = make_model(ctx["out"] / "model-tiny", sizes(True)["model"])
+    frac, cos = bf16_moves_as_fp32(tiny, "cuda")
+    expect(frac["bfloat16"] >= frac["float32"] - 1e-3, f"bf16 moved {frac['bfloat16']:.3f} of the weights, float32 {frac['float32']:.3f}")
+    expect(cos > 0.9, f"bf16 and float32 updates point apart (cosine {cos:.2f})")
+    rows = learn_toy_reward(ctx, tiny, "cuda")
+    first, last = (sum(r["critic/score/mean"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
+    expect(last > first + 0.05, f"the toy reward went {first:.3f} -> {last:.3f} in 50 bf16 steps (expected a rise of 0.05+)")
+    return f"moved {100 * frac['bfloat16']:.1f} % of weights (float32 {100 * frac['float32']:.1f} %), cosine {cos:.3f}; reward {first:.2f} -> {last:.2f}"
+
+
+def bf16_moves_as_fp32(model: str, device: str) -> tuple[dict, float]:
+    """5 AdamW steps (lr 1e-5) of a language-model loss in float32 and in bf16 over float32 masters: the share of weights
+    that moved in each, and the cosine of the two updates."""
     import torch
 
     from rlkit.config import ActorConfig, ModelConfig
     from rlkit.engine import TorchEngine
 
-    gpu_only(ctx, " (50 steps; tests/test_gpu_readiness.py checks on CPU that bf16 weights move as float32 ones)")
-    tiny = make_model(ctx["out"] / "model-tiny", sizes(True)["model"])
     moved = {}
+    ids = torch.arange(3, 67, device=device)[None]  # (1, 64)
     for dtype in ("float32", "bfloat16"):
         torch.manual_seed(0)
         with quiet():
-            eng = TorchEngine(ModelConfig(path=tiny, dtype=dtype), ActorConfig(lr=1e-5, use_kl_loss=False), device="cuda")
+            eng = TorchEngine(ModelConfig(path=model, dtype=dtype), ActorConfig(lr=1e-5, use_kl_loss=False), device=device)
         before = [p.detach().float().clone() for p in eng.model.parameters()]
         for _ in range(5):
             eng.optimizer.zero_grad()
             with eng.autocast():
-                loss = eng.model(input_ids=torch.arange(3, 67, device="cuda")[None], labels=torch.arange(3, 67, device="cuda")[None]).loss
+                loss = eng.model(input_ids=ids, labels=ids).loss
             loss.backward()
             eng.optimizer.step()
-        moved[dtype] = torch.cat([(p.detach().float() - b).flatten() for p, b in zip(eng.model.parameters(), before)])
+        moved[dtype] = torch.cat([(p.detach().float() - b).flatten() for p, b in zip(eng.model.parameters(), before, strict=True)])
     frac = {k: (v != 0).float().mean().item() for k, v in moved.items()}
-    expect(frac["bfloat16"] >= frac["float32"] - 1e-3, f"bf16 moved {frac['bfloat16']:.3f} of the weights, float32 {frac['float32']:.3f}")
-    cos = torch.nn.functional.cosine_similarity(moved["float32"], moved["bfloat16"], dim=0).item()
-    expect(cos > 0.9, f"bf16 and float32 updates point apart (cosine {cos:.2f})")
-    grpo, cfg = grpo_cfg(ctx, "bf16-learning", trainer__total_training_steps=50)
-    cfg.model.path, cfg.actor.lr, cfg.reward.custom_fn = tiny, 1e-4, f"{ctx['reward']}:learnable"
-    cfg.data.max_prompt_length, cfg.data.max_response_length = 64, 32
-    _, rows = run_recipe(grpo, cfg)
-    first, last = (sum(r["critic/score/mean"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
-    expect(last > first + 0.05, f"the toy reward went {first:.3f} -> {last:.3f} in 50 bf16 steps (expected a rise of 0.05+)")
-    return f"moved {100 * frac['bfloat16']:.1f} % of weights (float32 {100 * frac['float32']:.1f} %), cosine {cos:.3f}; reward {first:.2f} -> {last:.2f}"
+    return frac, torch.nn.functional.cosine_similarity(moved["float32"], moved["bfloat16"], dim=0).item()
+
+
+def learn_toy_reward(ctx: dict, model: str, device: str, steps: int = 50) -> list[dict]:
+    """GRPO in bf16 (float32 masters) on the tiny model, short prompts, the learnable toy reward: the metric rows."""
+    s = sizes(True)
+    grpo, cfg = grpo_cfg(ctx, "bf16-learning", trainer__total_training_steps=steps, trainer__device=device)
+    cfg.model.path, cfg.actor.lr, cfg.reward.custom_fn = model, 3e-4, f"{ctx['reward']}:learnable"
+    cfg.data.train_files = [make_data(ctx["out"] / "short", s["prompt"])]
+    cfg.data.max_prompt_length, cfg.data.max_response_length = s["prompt"], s["response"]
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 8, 8, 8, 64
+    return run_recipe(grpo, cfg)[1]
 
 
 def check_critic(ctx: dict) -> str:

@@ -61,7 +61,7 @@ TIED = {"0.5B": True, "1.5B": True, "7B": False}
 #     product); with gradient the backward adds their gradient in the same dtype (+ chunks: log p, p, g). The same
 #     with or without the entropy. bf16 compute: 0.5 U without gradient, 1 U with it; float32 (CPU): 1 U, 2 U.
 #  "float32-copy" (the engine before it; kept to check the model on that code): out.float() (a float32 copy in 16-bit
-#     compute), then logsumexp (no temporary on CPU, whose kernel is fused; one more U on CUDA), the entropy's
+#     compute), then logsumexp (no temporary on CPU, whose kernel is fused; CUDA's may hold one more U), the entropy's
 #     clamp_min, softmax and product (3 U), and in the backward the float32 gradients of each: measured on CPU
 #     4 U (update) and 7.9 U (update with the entropy in the loss) at float32, the figures issue #23 quotes for CUDA.
 LOGITS = {
@@ -199,7 +199,8 @@ def predict(s: Setup, gpu_gb: float) -> dict:
     full = not s.lora
     compute = 4 if megatron else 2  # Megatron runs float32 throughout; otherwise bf16 compute
     groups = math.ceil(s.micro / s.n)
-    if megatron:  # padded rows, the LM head on every position, vocabulary split tp ways
+    if megatron:  # padded rows, the LM head on every position, vocabulary split tp ways; its vocab-parallel log-softmax
+        # (float32 copies, masked_fill, the entropy's softmax) is approximated by the float32-copy engine's constants
         tokens, read, vocab = s.micro * (s.prompt + s.response), s.micro * (s.prompt + s.response), c["vocab"] / tp
         code = "float32-copy"
     else:  # packed: each group's prompt once; the head on the positions read

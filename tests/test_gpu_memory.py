@@ -48,7 +48,7 @@ def tiny(tmp_path_factory):
 def test_model_predicts_the_engines_measured_peak_within_30_percent(tiny, phase, entropy, dtype):
     """The engine's real pass on CPU (bf16: float32 masters under CPU autocast), its peak counted by LiveBytes, against
     the model's logits term for the engine code installed (gm.engine_code()): 8 rows x 48 response tokens x V = 151,936,
-    U = 117 MiB, the logits term dominates (the weights are 2.4 M parameters). +-30 % is what docs/gpu.md promises."""
+    U = 223 MiB, the logits term dominates (the weights are 2.4 M parameters). +-30 % is what docs/gpu.md promises."""
     measured, predicted = gm.measure_pass(tiny, phase, entropy, dtype=dtype)
     u = 8 * 48 * 151936 * 4
     assert measured > 0.5 * u  # the pass did hold its logits
