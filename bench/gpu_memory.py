@@ -145,11 +145,16 @@ def layer_bytes(name: str, tokens: int, dtype: str, grad: bool) -> int:
     """Peak bytes of one decoder layer's forward (+ backward) at `tokens` positions, traced on fake tensors: its
     activations, autocast's copies of its weights, and (backward) its weight gradients. dtype: the compute dtype;
     "bfloat16" over float32 weights runs under autocast (the engine's float32 masters)."""
+    return layer_peak(qwen_config(name), tokens, dtype, grad, fake=True)
+
+
+def layer_peak(cfg, tokens: int, dtype: str, grad: bool, fake: bool = True) -> int:
+    """layer_bytes for any Qwen2 config; fake=False runs it on real CPU tensors (the check that tracing is faithful)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-    cfg = qwen_config(name)
-    with FakeTensorMode():
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        torch.manual_seed(0)
         layer, rotary = Qwen2DecoderLayer(cfg, 0), Qwen2RotaryEmbedding(cfg)
         x = torch.randn(1, tokens, cfg.hidden_size, requires_grad=grad)  # the residual stream: float32 under autocast
         pos = torch.arange(tokens)[None]

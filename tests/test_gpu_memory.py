@@ -110,3 +110,17 @@ def test_skip_words_and_a_row_past_its_timeout_fails_and_the_check_goes_on(gc, m
     gc.run_in_subprocess(check, "hang", {"out": str(tmp_path)}, 2)
     assert check.rows[2][:2] == ("hang", "FAIL") and "timeout after 2 s" in check.rows[2][2]
     assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_layer_traced_on_fake_tensors_peaks_as_the_real_layer_on_cpu(dtype):
+    """The activations term is traced on fake tensors (nothing allocated): the same layer run on real CPU tensors holds
+    the same bytes at its peak (the same ops, the same storages; only kernel-internal scratch is invisible to both)."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    cfg._attn_implementation = "sdpa"
+    for grad in (False, True):
+        fake = gm.layer_peak(cfg, 96, dtype, grad, fake=True)
+        real = gm.layer_peak(cfg, 96, dtype, grad, fake=False)
+        assert fake == real and real > 96 * 64 * 4  # more than the layer's output alone
