@@ -11,8 +11,10 @@ No download: the configs are written here from the published sizes, and every mo
   a dispatch mode that counts the bytes of live tensor storages (LiveBytes): the activations a checkpointed layer
   recomputes, and what every layer keeps without checkpointing. FakeTensorMode runs the real modules without
   allocating (a 7B layer at 4k tokens costs nothing), and LiveBytes counts what each op would hold, views and
-  in-place ops once. torch.distributed._tools.mem_tracker.MemTracker does the same bookkeeping per module, but
-  needs a torch.distributed build and an optimizer to attribute state; one number per pass is all this needs.
+  in-place ops once. torch.distributed._tools.mem_tracker.MemTracker also runs under FakeTensorMode with this
+  torch (2.13) and splits memory by module and kind (parameters, gradients, activations, optimizer state); it is a
+  private API whose peak includes the tracked modules' weights, while one number per pass, above the weights, on
+  real and fake tensors alike, is all this needs: LiveBytes is that, in 30 lines.
 - the logits term of each pass (the largest at a 152k vocabulary), in U = one float32 copy of the logits read
   (positions read x V x 4 bytes): constants per engine code path (LOGITS), derived from the code below and checked
   on CPU against the engine itself by tests/test_gpu_memory.py (LiveBytes on real tensors, V = 151,936, +-30 %).
