@@ -171,6 +171,14 @@ def layer_peak(cfg, tokens: int, dtype: str, grad: bool, fake: bool = True) -> i
     return counter.peak
 
 
+def activation_bytes(cfg, tokens: int, dtype: str, residual: int, grad: bool, layer: int | None = None) -> float:
+    """Activations of a pass at `tokens` positions with gradient checkpointing: one residual-stream tensor per layer
+    kept (`residual` bytes per value: 4 under autocast over float32 masters, else the weights' dtype) and one layer's
+    forward (+ backward) at a time, traced on fake tensors (layer_peak; `layer` = its precomputed value)."""
+    one = layer if layer is not None else layer_peak(cfg, tokens, dtype, grad)
+    return (cfg.num_hidden_layers * tokens * cfg.hidden_size * residual if grad else 0) + one
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """One run's flags, as docs/gpu.md documents them (defaults: its settings)."""
@@ -195,7 +203,7 @@ def logits_bytes(s: Setup, phase: str, compute: int, positions: int, vocab: int,
     """The logits term of a pass: LOGITS' (a, b, f, k) at `positions` read x `vocab` (this GPU's share)."""
     a, b, f, k = LOGITS[code or s.code][(phase, s.entropy)]
     u = positions * vocab * 4
-    return a * u + b * u * compute / 4 + (f * u if compute < 4 else 0) + k * CHUNK
+    return a * u + b * u * compute / 4 + (f * u if compute < 4 else 0) + k * min(CHUNK, u)  # a chunk is at most the logits
 
 
 def predict(s: Setup, gpu_gb: float) -> dict:
@@ -223,8 +231,9 @@ def predict(s: Setup, gpu_gb: float) -> dict:
     held = weights + ref + hf_copy
     ckpt_dtype = "float32" if megatron else "bfloat16"
     residual = 2 if s.lora else 4  # the residual stream: float32 under autocast over float32 masters; bf16 LoRA base
-    acts_update = c["layers"] * tokens * c["hidden"] * residual / tp + layer_bytes(s.model, tokens, ckpt_dtype, True) / tp
-    acts_lp = layer_bytes(s.model, tokens, ckpt_dtype, False) / tp
+    cfg = qwen_config(s.model)
+    acts_update = activation_bytes(cfg, tokens, ckpt_dtype, residual, True, layer_bytes(s.model, tokens, ckpt_dtype, True)) / tp
+    acts_lp = activation_bytes(cfg, tokens, ckpt_dtype, residual, False, layer_bytes(s.model, tokens, ckpt_dtype, False)) / tp
     update = held + grads + casts + acts_update + logits_bytes(s, "update", compute, read, vocab, code)
     log_prob = held + casts + acts_lp + logits_bytes(s, "log_prob", compute, read, vocab, code)
     kv_bytes = 2  # the KV cache in the compute dtype (bf16) under autocast
