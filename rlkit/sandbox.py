@@ -26,8 +26,9 @@ crosses back (never pickle). Levels, weakest first:
               dies with its owner (PR_SET_PDEATHSIG)
     network   + no network: a network namespace (unshare), or Landlock TCP rules (Linux >= 6.7)
     strict    + no writes outside the temp dir (Landlock, Linux >= 5.13), no metadata changes outside it
-              (chmod, chown, utime, xattrs: / mounted read-only in a mount namespace) and no other
-              process in sight (a PID namespace with its own /proc: the trainer's environment is unreadable)
+              (chmod, chown, utime, xattrs: / mounted read-only in a mount namespace), the trainer's credential
+              files emptied there (SECRETS), and no other process in sight (a PID namespace with its own
+              /proc: the trainer's environment is unreadable)
 
 Fork loops are bounded by a pids cgroup where /sys/fs/cgroup/pids is writable, else by RLIMIT_NPROC
 (which the kernel ignores for root). Code that escapes a verifier can still lie about its own score:
@@ -167,6 +168,7 @@ class _Worker:
             "cgroup": self.cgroup,
             "network": pool.network,
             "parent": os.getpid(),
+            "home": os.path.expanduser("~"),
         }
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -416,14 +418,14 @@ def level_of(layers: list[str], network_allowed: bool = False) -> str:
     have = set(layers)
     if not (network_allowed or have & {"netns", "landlock-tcp"}):
         return "process"
-    return "strict" if {"landlock-fs", "ro-root", "pidns"} <= have else "network"
+    return "strict" if {"landlock-fs", "ro-root", "pidns", "hidden-secrets"} <= have else "network"
 
 
 _NEEDS = {  # layer -> what provides it, for the one-line error
     "landlock-fs": "Landlock (Linux >= 5.13)",
     "ro-root": "a mount namespace (root, or unprivileged user namespaces)",
     "pidns": "a PID namespace with its own /proc (root, or unprivileged user namespaces)",
-}
+}  # ("hidden-secrets" comes with "ro-root": the same mount namespace)
 
 
 def level_error(flag: str, wanted: str, level: str, layers: list[str]) -> str:
@@ -626,12 +628,36 @@ def _mount_setattr(path: str, set_: int, clear: int) -> bool:
     return rc == 0
 
 
-def _private_pids_and_mounts(tmp: str) -> list[str]:
+# Credential files and folders under the trainer's home, emptied in the sandbox's mount namespace (readable otherwise).
+SECRETS = (
+    ".ssh", ".netrc", ".git-credentials", ".aws", ".azure", ".config/gcloud", ".config/wandb", ".docker", ".kube",
+    ".pypirc", ".npmrc", ".huggingface", ".cache/huggingface/token", ".cache/huggingface/stored_tokens",
+)  # fmt: skip
+
+
+def _hide_secrets(home: str) -> bool:
+    """Mount an empty read-only tmpfs over each SECRETS folder and /dev/null over each such file; True if all went."""
+    libc = _libc()
+    for rel in SECRETS:
+        path = os.path.join(home, rel)
+        if os.path.isdir(path):
+            rc = libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=4k,mode=000")
+        elif os.path.exists(path):
+            rc = libc.mount(b"/dev/null", path.encode(), None, _MS_BIND, None)
+        else:
+            continue
+        if rc != 0:
+            return False
+    return True
+
+
+def _private_pids_and_mounts(tmp: str, home: str) -> list[str]:
     """A PID namespace and a mount namespace: this process forks the namespace's first process (pid 1, which goes on
     as the worker) and only waits for it. There /proc is mounted afresh (only the namespace's processes: the
     trainer's /proc/<pid>/environ is out of reach), and every mount is read-only but the temp dir (no chmod, chown,
     utime, xattrs or writes anywhere else). When pid 1 ends, the kernel kills every process left in the namespace.
-    Returns the layers that applied ("pidns", "ro-root"; [] when namespaces are not allowed)."""
+    The trainer's credential files (SECRETS under its home) are emptied. Returns the layers that applied ("pidns",
+    "hidden-secrets", "ro-root"; [] when namespaces are not allowed)."""
     libc = _libc()
     if libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID) != 0:
         return []
@@ -650,6 +676,8 @@ def _private_pids_and_mounts(tmp: str) -> list[str]:
         return layers
     if libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) == 0:
         layers.append("pidns")
+    if _hide_secrets(home):
+        layers.append("hidden-secrets")
     t = tmp.encode()
     if (
         libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0
@@ -708,7 +736,7 @@ def _worker_main(cfg: dict) -> None:
         network = not cfg["network"] and _unshare_net()
         if network:
             layers.append("netns")
-        layers += _private_pids_and_mounts(cfg["tmp"])  # from here on this may be pid 1 of a new PID namespace
+        layers += _private_pids_and_mounts(cfg["tmp"], cfg["home"])  # from here on this may be pid 1 of a new PID namespace
     except Exception as e:
         print(json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"}), flush=True)
         return

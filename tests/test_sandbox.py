@@ -183,6 +183,21 @@ def test_the_trainers_secrets_and_other_processes_are_out_of_reach():
     assert "secret-h3" not in out["stdout"] + out["stderr"]
 
 
+def test_the_trainers_credential_files_are_emptied(tmp_path):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("secret-h3-ssh")
+    (home / ".netrc").write_text("machine api.wandb.ai password secret-h3-netrc")
+    code = "import os\nfor p in ('.ssh/id_ed25519', '.netrc'):\n    try:\n        print(open(os.path.join(HOME, p)).read())\n    except OSError as e:\n        print(type(e).__name__)"
+    proc, hello = start_owner(code.replace("HOME", repr(str(home))), 10, HOME=str(home))
+    out = json.loads(proc.stdout.readline())
+    proc.wait()
+    if "hidden-secrets" not in hello["layers"]:
+        assert hello["level"] != "strict"
+        pytest.skip(f"this machine lacks the hidden-secrets layer (it has: {', '.join(hello['layers'])})")
+    assert (out["status"], out["stdout"]) == ("ok", "PermissionError\n\n"), out  # a folder without access, an empty file
+
+
 def test_metadata_changes_outside_the_temp_dir_are_refused(box, tmp_path):
     target = tmp_path / "checkpoint.bin"
     target.write_bytes(b"weights")
@@ -331,7 +346,7 @@ def test_a_minimum_level_the_machine_lacks_fails_fast():
     with pytest.raises(ConfigError, match=r"--reward.sandbox-level strict: this machine gives only level 'process'.*Landlock"):
         pool._on_hello({"layers": ["process", "rlimits"], "level": "process"})
     layers = ["process", "netns", "landlock-fs", "landlock-tcp"]  # Landlock but no namespaces (Docker, Ubuntu >= 23.10)
-    assert level_of(layers) == "network" and level_of(layers + ["pidns", "ro-root"]) == "strict"
+    assert level_of(layers) == "network" and level_of(layers + ["pidns", "ro-root", "hidden-secrets"]) == "strict"
     with pytest.raises(ConfigError, match=r"only level 'network'.*needs a mount namespace .* and a PID namespace") as info:
         SandboxPool(min_level="strict")._on_hello({"layers": layers, "level": "network"})
     assert "\n" not in str(info.value)
