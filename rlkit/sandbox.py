@@ -651,7 +651,31 @@ def _hide_secrets(home: str) -> bool:
     return True
 
 
-def _private_pids_and_mounts(tmp: str, home: str) -> list[str]:
+def _hide_sockets(tmp: str, keep: list[str]) -> bool:
+    """Empty tmpfs over /run and over the temp root holding `tmp` (with `tmp` bound back in): the unix socket files
+    of other programs there (Ray's raylet and plasma store, docker.sock, dbus) are out of reach. Skipped for a
+    folder that holds a path in `keep` (the Python installation). True if it applied to both."""
+    libc, done = _libc(), 0
+    root = os.path.dirname(tmp)
+    for d in ("/run", root):
+        if d == "/" or not os.path.isdir(d) or any(p == d or p.startswith(d + "/") for p in keep):
+            continue
+        fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY) if d == root else None
+        try:
+            if libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=64k,mode=755") != 0:
+                continue
+            if fd is not None:
+                os.mkdir(tmp, 0o700)
+                if libc.mount(f"/proc/self/fd/{fd}".encode(), tmp.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+                    raise OSError("cannot bind the temp dir back")
+            done += 1
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return done == 2
+
+
+def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
     """A PID namespace and a mount namespace: this process forks the namespace's first process (pid 1, which goes on
     as the worker) and only waits for it. There /proc is mounted afresh (only the namespace's processes: the
     trainer's /proc/<pid>/environ is out of reach), and every mount is read-only but the temp dir (no chmod, chown,
@@ -678,6 +702,8 @@ def _private_pids_and_mounts(tmp: str, home: str) -> list[str]:
         layers.append("pidns")
     if _hide_secrets(home):
         layers.append("hidden-secrets")
+    if "pidns" in layers and _hide_sockets(tmp, keep):  # (needs the fresh /proc to bind the temp dir back)
+        layers.append("hidden-sockets")
     t = tmp.encode()
     if (
         libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0
@@ -728,6 +754,7 @@ def _worker_main(cfg: dict) -> None:
     sys.dont_write_bytecode = True
     die_with_parent(lambda: os.getppid() == cfg["parent"])  # a SIGKILLed trainer takes its workers (and their jobs) along
     layers = ["process", "session", "clean-env", "temp-dir", "dies-with-parent"]
+    fatal = lambda e: json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"})  # noqa: E731
     try:
         if cfg["cgroup"]:
             with open(f"{cfg['cgroup']}/cgroup.procs", "w") as f:
@@ -736,12 +763,6 @@ def _worker_main(cfg: dict) -> None:
         network = not cfg["network"] and _unshare_net()
         if network:
             layers.append("netns")
-        layers += _private_pids_and_mounts(cfg["tmp"], cfg["home"])  # from here on this may be pid 1 of a new PID namespace
-    except Exception as e:
-        print(json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"}), flush=True)
-        return
-    out = os.fdopen(os.dup(1), "w")  # the channel back; fds 0/1 are taken away from jobs
-    try:
         for spec in cfg["preload"]:  # imports happen once, here, before the restrictions
             _resolve(spec)
         signal.signal(signal.SIGALRM, _on_alarm)
@@ -753,12 +774,20 @@ def _worker_main(cfg: dict) -> None:
                 pass
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+        files = [spec.rpartition(":")[0] for spec in cfg["preload"] if spec.rpartition(":")[0].endswith(".py")]
+        keep = [os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, *cfg["sys_path"], *files) if p]
+        layers += _private_pids_and_mounts(cfg["tmp"], cfg["home"], keep)  # from here on this may be pid 1 of a PID namespace
+    except Exception as e:
+        print(fatal(e), flush=True)
+        return
+    out = os.fdopen(os.dup(1), "w")  # the channel back; fds 0/1 are taken away from jobs
+    try:
         layers += _set_limits(cfg["limits"])
         if _drop_capabilities():
             layers.append("no-caps")
         layers += landlock_restrict([cfg["tmp"]])
     except Exception as e:
-        out.write(json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"}) + "\n")
+        out.write(fatal(e) + "\n")
         out.flush()
         return
     level = level_of(layers, cfg["network"])

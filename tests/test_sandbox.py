@@ -33,6 +33,16 @@ def box():
         yield sb
 
 
+@pytest.fixture
+def outside():
+    """A folder outside the temp roots (/tmp is emptied in the sandbox's view where it can be): writes there
+    test the write and metadata layers, not the hiding of /tmp."""
+    path = Path(__file__).parent / f".sandbox-outside-{os.getpid()}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def need(box, *layers):
     """Skip unless one of `layers` applied on this machine."""
     if not set(layers) & set(box.layers):
@@ -108,14 +118,14 @@ def test_a_fork_loop_is_bounded(box):
     assert box.call("math:factorial", 3) == 6
 
 
-def test_the_temp_dir_is_fresh_and_removed_and_writes_elsewhere_fail(box, tmp_path):
+def test_the_temp_dir_is_fresh_and_removed_and_writes_elsewhere_fail(box, outside):
     r = box.run_code("import os\nopen('mine.txt', 'w').write('x')\nprint(os.getcwd())")
     cwd = Path(r.stdout.strip())
     assert r.exit_code == 0 and cwd != Path.cwd() and not cwd.exists()
     need(box, "landlock-fs")
-    r = box.run_code(f"open({str(tmp_path / 'escaped.txt')!r}, 'w').write('x')")
+    r = box.run_code(f"open({str(outside / 'escaped.txt')!r}, 'w').write('x')")
     assert r.exit_code == 1 and ("PermissionError" in r.stderr or "Read-only file system" in r.stderr)  # Landlock / ro-root
-    assert not (tmp_path / "escaped.txt").exists()
+    assert not (outside / "escaped.txt").exists()
 
 
 def test_no_connection_to_a_local_port(box):
@@ -183,8 +193,8 @@ def test_the_trainers_secrets_and_other_processes_are_out_of_reach():
     assert "secret-h3" not in out["stdout"] + out["stderr"]
 
 
-def test_the_trainers_credential_files_are_emptied(tmp_path):
-    home = tmp_path / "home"
+def test_the_trainers_credential_files_are_emptied(outside):
+    home = outside / "home"
     (home / ".ssh").mkdir(parents=True)
     (home / ".ssh" / "id_ed25519").write_text("secret-h3-ssh")
     (home / ".netrc").write_text("machine api.wandb.ai password secret-h3-netrc")
@@ -198,8 +208,18 @@ def test_the_trainers_credential_files_are_emptied(tmp_path):
     assert (out["status"], out["stdout"]) == ("ok", "PermissionError\n\n"), out  # a folder without access, an empty file
 
 
-def test_metadata_changes_outside_the_temp_dir_are_refused(box, tmp_path):
-    target = tmp_path / "checkpoint.bin"
+def test_unix_sockets_in_the_temp_root_and_run_are_out_of_reach(box, tmp_path):
+    need(box, "hidden-sockets")  # (not where the Python installation or a scorer file lives in /tmp: then /tmp stays)
+    path = str(tmp_path / "raylet.sock")  # where Ray keeps its sockets: /tmp/ray/session_*/sockets
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(1)
+        r = box.run_code(f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')")
+    assert r.exit_code == 1 and "FileNotFoundError" in r.stderr and "connected" not in r.stdout
+
+
+def test_metadata_changes_outside_the_temp_dir_are_refused(box, outside):
+    target = outside / "checkpoint.bin"
     target.write_bytes(b"weights")
     os.chmod(target, 0o600)
     os.utime(target, (1e9, 1e9))
@@ -224,7 +244,7 @@ for f in ({str(target)!r}, 'mine'):
         assert box.level != "strict"
         pytest.skip(f"this machine lacks the ro-root layer (it has: {', '.join(box.layers)})")
     lines = r.stdout.splitlines()
-    assert [line.split()[2] for line in lines] == ["refused"] * 4 + ["done"] * 4, r.stdout + r.stderr  # its own files: as usual
+    assert [line.split()[2:] for line in lines] == [["refused", "30"]] * 4 + [["done"]] * 4, r.stdout + r.stderr  # EROFS; its own: as usual
     st = target.stat()
     assert (st.st_mode & 0o777, st.st_mtime) == (0o600, 1e9) and "user.rlkit" not in os.listxattr(target)
 
