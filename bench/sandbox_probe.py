@@ -37,7 +37,12 @@ ATTACKS = [  # (attack, code run in the sandbox, what its output holds only if t
     ("TCP to 127.0.0.1", "import socket\nsocket.create_connection(('127.0.0.1', PORT), timeout=1)\nprint('connected')", "connected"),
     ("UDP out", "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('1.1.1.1', 53))\nprint('sent')", "sent"),
     (
-        "connect to a unix socket file of the host",
+        "connect to a unix socket file elsewhere (home, project)",
+        "import socket\nsocket.socket(socket.AF_UNIX).connect('OUTSIDE/s.sock')\nprint('connected')",
+        "connected",
+    ),
+    (
+        "connect to a unix socket file in /tmp (as Ray's)",
         "import socket\nsocket.socket(socket.AF_UNIX).connect('UNIX_PATH')\nprint('connected')",
         "connected",
     ),
@@ -63,14 +68,17 @@ ATTACKS = [  # (attack, code run in the sandbox, what its output holds only if t
 
 
 def main() -> None:
-    outside = tempfile.mkdtemp(prefix="rlkit-probe-")
+    outside = tempfile.mkdtemp(prefix=".rlkit-probe-", dir=os.path.expanduser("~"))  # not under /tmp (hidden there)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    unix_path = os.path.join(outside, "s.sock")
+    unix_path = os.path.join(tempfile.mkdtemp(prefix="rlkit-probe-"), "raylet.sock")  # where Ray keeps its sockets
     unix = socket.socket(socket.AF_UNIX)
     unix.bind(unix_path)
     unix.listen(1)
+    unix2 = socket.socket(socket.AF_UNIX)
+    unix2.bind(os.path.join(outside, "s.sock"))
+    unix2.listen(1)
     subs = {"OUTSIDE": outside, "PORT": str(server.getsockname()[1]), "UNIX_PATH": unix_path, "TRAINER_PID": str(os.getpid())}
     subs["TRAINER_HOME"] = os.path.expanduser("~")
     clean = ("PATH", "HOME", "TMPDIR", "LANG", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -97,7 +105,8 @@ def main() -> None:
     t = time.perf_counter()
     with Sandbox(Limits(timeout_s=3)) as box:
         box.run_code("pass")  # started
-    shutil.rmtree(outside, ignore_errors=True)
+    for d in (outside, os.path.dirname(unix_path)):
+        shutil.rmtree(d, ignore_errors=True)
     print(
         f"\nworker start {1e3 * (time.perf_counter() - t):.0f} ms; one trivial job: median {1e3 * statistics.median(times):.1f} ms, ",
         end="",
