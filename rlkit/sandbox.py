@@ -11,14 +11,17 @@ RL trains a policy to find whatever earns reward, so every response is adversari
 How (each layer is probed when a worker starts; `level` says what applied, see docs/sandbox.md):
 
     trainer --JSON lines--> worker (a fresh `python -E -s`: own session, clean env, temp cwd, rlimits,
-                                    no network, no writes outside its temp dir)
+                                    no network, dies with the trainer; in PID + mount namespaces it
+                                    forks pid 1, which goes on as the worker: own /proc, / read-only
+                                    but the temp dir, credentials hidden; no capabilities, Landlock)
                               fork per job --> job child (own process group, CPU limit, nested Landlock)
                             <--JSON lines--  {"status": "ok" | "error" | "timeout" | "crash" | "exit", ...}
 
 The worker is started from a small entry string (no `preexec_fn`: the trainer has threads) and sets
 itself up. Each job runs in a fork of the worker, so a job that exits, crashes, hangs or patches the
 verifier never affects the next one; the worker kills the job's process group at the wall-clock limit,
-and the trainer kills the worker's whole session if the worker itself stops answering. Only JSON
+and the trainer kills the worker's whole session if the worker itself stops answering; as pid 1 of its
+namespace the worker then kills whatever the job left (even in a session of its own). Only JSON
 crosses back (never pickle). Levels, weakest first:
 
     process   separate process + session, wall-clock kill, rlimits (CPU, address space, file size,
