@@ -341,7 +341,7 @@ def test_mult_scorer_reads_the_answer_after_the_tool_call():
     assert embedded_tools.mult_score("rlkit/mult", "=407", "408")["score"] == 0.0
 
 
-def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path):
+def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path, capsys):
     import importlib.util
     import json
     from pathlib import Path
@@ -353,6 +353,10 @@ def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path):
     cfg.data.train_batch_size, cfg.data.val_max_samples, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 4, 16, 4, 4
     cfg.trainer.total_training_steps, cfg.trainer.default_local_dir = 2, str(tmp_path)
     summary = recipe.main(cfg)
+    from rlkit import sandbox
+
+    start = next(line for line in capsys.readouterr().out.splitlines() if "M trainable" in line)
+    assert f"| sandbox level {sandbox.probe()[0]} |" in start  # the run's start line says how model text is contained
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     last = rows[-1]
