@@ -112,7 +112,7 @@ def main(cfg: Config) -> dict:
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ConfigError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    tools = tools_from_names(cfg.agent.tools, cfg.agent.max_tool_response_chars)  # rlkit/tools.py: calculator, python
+    tools = tools_from_names(cfg.agent.tools, cfg.agent.max_tool_response_chars, cfg.agent.sandbox_level)  # calculator, python
     # actor + rollout + reference, whose generate() runs the turn loop (agent.run_turns) with these tools
     policy = agent.AgentPolicy(build_policy(cfg), tools, cfg.agent, cfg.rollout, cfg.data.max_response_length)
     tok = policy.tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import checkpoint
+from rlkit import checkpoint, sandbox
 from rlkit.async_rollout import Rollouts  # noqa: F401  (recipes call loop.Rollouts)
 from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
@@ -231,6 +231,7 @@ class Run:
             describe = policy.describe() + " | "
         except AttributeError:
             describe = ""
+        describe += sandbox.start_clause(cfg) + " | "  # where model-written text runs, and how contained (docs/sandbox.md)
         if getattr(t, "async_steps", 0):  # the trainer's own rollout (above) only validates
             describe += f"async: a generation worker samples {t.async_steps} batch(es) ahead with {cfg.rollout.name} | "
         self.tracker.message(
