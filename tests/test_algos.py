@@ -682,6 +682,25 @@ def test_gmpo_token_clip_in_log_space():
     assert_close(logp.grad, t([[0.0, -0.161203, -0.161203], [0.525636, 0.0, 0.0]]), atol=ATOL, rtol=0)
 
 
+def test_forked_losses_take_norm_with_dp_size():
+    """token-sum under data parallelism: x dp_size, as agg_loss does for every other term (verl: x dp_size)."""
+    norm = algos.Norm(num_tokens=5, num_seqs=2, dp_size=2)
+    logp, old, adv, m = _gspo_case()  # L = -2 s0 on 2 tokens, +s1 on 3: -4.420684 + 2.456193 = -1.964491
+    loss, _ = algos.gspo_loss(logp, old, adv, m, 0.2, 0.2, loss_agg_mode="token-sum", norm=norm)
+    assert_close(loss, t(2 * -1.964491), atol=ATOL, rtol=0)
+    logp, old, adv, m = _cispo_case()  # L = [1.2, -1.0, 1.1]: sum 1.3
+    loss, _ = algos.cispo_loss(logp, old, adv, m, loss_agg_mode="token-sum", norm=norm)
+    assert_close(loss, t(2 * 1.3), atol=ATOL, rtol=0)
+    logp = t([[0.5, -0.6, 0.1], [0.5, -0.6, 3.0]])  # test_gmpo_token_clip_in_log_space's case: L = [-0.967216, 2.102542]
+    m = t([[1, 1, 1], [1, 1, 0]])  # on 3 and 2 tokens: -2.901648 + 4.205084 = 1.303436
+    loss, _ = algos.gmpo_loss(logp, torch.zeros(2, 3), t([[1.0] * 3, [-2.0] * 3]), m, loss_agg_mode="token-sum", norm=norm)
+    assert_close(loss, t(2 * 1.303436), atol=ATOL, rtol=0)
+    # seq-mean-token-mean takes G from norm: GSPO's -0.695806 over 2 rows becomes -1.391612 / 4 rows
+    logp, old, adv, m = _gspo_case()
+    loss, _ = algos.gspo_loss(logp, old, adv, m, 0.2, 0.2, norm=algos.Norm(num_tokens=5, num_seqs=4, dp_size=2))
+    assert_close(loss, t(-1.391612 / 4), atol=ATOL, rtol=0)
+
+
 # ---------------------------------------------------------------------------
 # rollout-vs-trainer mismatch and its correction
 # ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
-from rlkit import embedded, loop
+from rlkit import algos, embedded, loop
+from rlkit.protocol import DataProto
 
 
 @pytest.mark.parametrize("name,extra", [("gspo", {}), ("gspo", {"gspo_token": True}), ("cispo", {}), ("gmpo", {})])
@@ -77,3 +78,31 @@ def test_remax_uses_one_greedy_response_per_prompt_as_the_baseline(tmp_path, mon
         expected = (samples - greedy.repeat_interleave(n))[:, None] * mask  # A = s - b(x) on every valid token
         assert torch.equal(adv, expected.to(adv.dtype))
     assert any(s.sum() > 0 for s in scored[::2]), "every greedy score was 0: the baseline check above proved little"
+
+
+# -- the forks' own losses inside their recipes -------------------------------------------------------------------
+
+# One micro-batch, on-policy (log pi = log pi_old): row 0 has 3 valid tokens with A = 1, row 1 has 4 with A = -2.
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+ADV = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-2.0, -2.0, -2.0, -2.0]])
+OLD = torch.log(torch.tensor([[0.5, 0.2, 0.9, 1.0], [0.3, 0.6, 0.7, 0.4]]))
+# token-sum of the policy term, by hand: GSPO and GMPO put -A_i s_i (s_i = 1) on each valid token of row i:
+# -(3 * 1 + 4 * (-2)) = 5; CISPO puts -A_t log pi_t: -(ln .5 + ln .2 + ln .9) + 2 (ln .3 + ln .6 + ln .7 + ln .4) = -3.567582
+TOKEN_SUM = {"gspo": 5.0, "cispo": -3.567582, "gmpo": 5.0}
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo", "gmpo"])
+def test_token_sum_policy_term_is_scaled_by_dp_size_like_the_other_terms(name):
+    """Under data parallelism (gradients averaged over dp_size processes) "token-sum" is multiplied by dp_size (verl's
+    agg_loss): the fork's policy term must be, like the entropy term, or it is dp_size times too small beside it."""
+    recipe = load_recipe(name)
+    cfg = recipe.Config()
+    cfg.actor.loss_agg_mode, cfg.actor.entropy_coeff, cfg.actor.use_kl_loss = "token-sum", 0.1, False
+    loss_fn = recipe.make_actor_loss(cfg)
+    mb = DataProto.from_dict({"response_mask": MASK, "advantages": ADV, "old_log_probs": OLD})
+    entropy = torch.full((2, 4), 0.5)
+    for dp in (1, 2):
+        _, parts, _ = loss_fn(mb, OLD.clone(), entropy, algos.Norm(num_tokens=7, num_seqs=2, dp_size=dp))
+        # float32 sums of 7 terms of size <= 2.4: rounding below 1e-5
+        assert parts["pg_loss"].item() == pytest.approx(dp * TOKEN_SUM[name], abs=1e-5), dp
+        assert parts["entropy_loss"].item() == pytest.approx(-dp * 7 * 0.5, abs=1e-5), dp
