@@ -912,27 +912,28 @@ def rollout_mismatch_metrics(
         chi2_token                    mean_t rho_t^2 - 1
         ratio_fraction_high / _low    mean_t 1[rho_t > C] / mean_t 1[rho_t < 1/C]   (C = threshold)
 
-    Sequence means run over rows with at least one valid token.  Delta is
-    clamped to +-20 before exp.  Names and formulas follow verl 0.9's
-    rollout_corr/ metrics (compute_offpolicy_metrics) and TRL's
-    sampling_logp_difference.  All values are python floats; 0.0 when no
-    token is valid.  HF rollouts give all zeros (same model code).
+    Sequence means run over rows with at least one valid token.  As verl
+    (compute_offpolicy_metrics), only chi2_token clamps Delta to +-20 before
+    exp; the others use it as it is (a Delta beyond 88 makes k3_kl inf in
+    float32: a mismatch no correction can rescue).  Names and formulas follow
+    verl 0.9's rollout_corr/ metrics and TRL's sampling_logp_difference.  All
+    values are python floats; 0.0 when no token is valid.  HF rollouts give
+    all zeros (same model code).
     """
     mask = mask.to(log_prob.dtype)
-    delta = _log_ratio(log_prob, rollout_log_prob)  # (B, T)
+    delta = torch.where(mask > 0, (log_prob - rollout_log_prob).detach(), 0.0)  # (B, T); padding: 0, never inf * 0
     rows = mask.sum(-1) > 0  # (B,)
     log_ppl_diff = -masked_mean(delta, mask, dim=-1)[rows]  # (B',)
-    abs_diff = torch.where(mask > 0, delta.abs(), torch.zeros_like(delta))
     log_c = math.log(threshold)
     metrics = {
         "abs_diff_mean": masked_mean(delta.abs(), mask),
-        "abs_diff_max": abs_diff.max() if mask.any() else delta.new_zeros(()),
+        "abs_diff_max": delta.abs().max() if mask.any() else delta.new_zeros(()),
         "kl": masked_mean(-delta, mask),
         "k3_kl": masked_mean(torch.exp(delta) - delta - 1, mask),
         "log_ppl_diff": log_ppl_diff.mean() if rows.any() else delta.new_zeros(()),
         "log_ppl_abs_diff": log_ppl_diff.abs().mean() if rows.any() else delta.new_zeros(()),
         "ppl_ratio": torch.exp(log_ppl_diff).mean() if rows.any() else delta.new_zeros(()),
-        "chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1 if mask.any() else delta.new_zeros(()),
+        "chi2_token": masked_mean(torch.exp(2 * _log_ratio(log_prob, rollout_log_prob)), mask) - 1 if mask.any() else delta.new_zeros(()),
         "ratio_fraction_high": masked_mean((delta > log_c).to(delta.dtype), mask),
         "ratio_fraction_low": masked_mean((delta < -log_c).to(delta.dtype), mask),
     }

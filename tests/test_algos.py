@@ -735,6 +735,23 @@ def test_rollout_mismatch_metrics():
         assert math.isclose(got["rollout_corr/" + k], v, abs_tol=ATOL), k
 
 
+def test_rollout_mismatch_metrics_use_the_log_ratio_unclamped_as_verl():
+    """verl's compute_offpolicy_metrics clamps Delta to +-20 only for chi2 (and the weights): kl, k3_kl and the
+    perplexity ratios see a token 30 nats off as 30, not 20."""
+    mu = t([[-31.0, -1.0], [-2.0, -0.5]])
+    pi = mu + t([[30.0, 0.0], [0.0, 7.0]])  # row 1's last token is padding (its Delta 7 is ignored)
+    m = t([[1, 1], [1, 0]])
+    got = {k.removeprefix("rollout_corr/"): v for k, v in algos.rollout_mismatch_metrics(pi, mu, m).items()}
+    assert math.isclose(got["abs_diff_mean"], 10.0, rel_tol=1e-6) and got["abs_diff_max"] == 30.0  # 30/3
+    assert math.isclose(got["kl"], -10.0, rel_tol=1e-6)  # -(30 + 0 + 0)/3 (clamped: -20/3)
+    # (e^30 - 30 - 1 + 0 + 0)/3 = 3.5622e12 (clamped: (e^20 - 21)/3 = 1.6174e8); float32: 7 digits
+    assert math.isclose(got["k3_kl"], (math.exp(30) - 31) / 3, rel_tol=1e-5)
+    # rows: -mean Delta = -15 and 0 -> log_ppl_diff -7.5, abs 7.5, ppl_ratio (e^-15 + 1)/2 (clamped: -5, 5, (e^-10 + 1)/2)
+    assert math.isclose(got["log_ppl_diff"], -7.5, rel_tol=1e-6) and math.isclose(got["log_ppl_abs_diff"], 7.5, rel_tol=1e-6)
+    assert math.isclose(got["ppl_ratio"], (math.exp(-15) + 1) / 2, rel_tol=1e-6)
+    assert math.isclose(got["chi2_token"], (math.exp(40) + 1 + 1) / 3 - 1, rel_tol=1e-5)  # chi2 keeps verl's clamp: e^(2*20)
+
+
 def test_rollout_mismatch_metrics_zero_for_identical_log_probs():
     pi, _, m = _mismatch_case()
     got = algos.rollout_mismatch_metrics(pi, pi.clone(), m, prefix="mm/")
