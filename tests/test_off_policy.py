@@ -49,10 +49,11 @@ def test_hf_rollout_log_probs_equal_the_trainers_in_fp32():
     assert abs(m["rollout_corr/ppl_ratio"] - 1) < 1e-6 and m["rollout_corr/ratio_fraction_high"] == 0
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "cispo"])
 def test_actor_loss_weights_each_token_by_the_correction(name):
     """An induced mismatch mu = pi_old - delta: the recipe's loss logs it and scales each token's gradient by the
-    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N, so
+    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N (CISPO's gradient too:
+    -sg(1) A_t grad log pi_t), so
     d loss / d log pi_t = -w_t A_t / N with w_t = min(e^delta_t, 2) for token-tis, and e^delta_t * 1[0.5 <= e^delta_t <= 2]
     for token-mis."""
     recipe = load_recipe(name)
