@@ -170,7 +170,7 @@ def test_async_steps_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
 ASYNC_RECIPES = ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools", "gspo", "cispo", "gmpo", "remax"]
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools"])
+@pytest.mark.parametrize("name", ASYNC_RECIPES)
 def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     recipe = load_recipe(name)
     cfg = quick_config(recipe, tmp_path, steps=3, async_steps=1)
