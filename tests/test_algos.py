@@ -813,6 +813,31 @@ def test_rollout_correction_modes():
         algos.rollout_correction(pi, mu, m, "tis")
 
 
+def test_rollout_correction_tis_modes_use_the_given_cap():
+    """--actor.rollout-is-cap C reaches the -tis weights (a cap other than the default 2.0 changes them)."""
+    pi, mu, m = _mismatch_case()  # token ratios e^0.1, e^-0.2, 1 | e^1, e^-1; sequence ratios e^-0.1, e^0
+    w, _, metrics = algos.rollout_correction(pi, mu, m, "token-tis", threshold=1.5)
+    assert_close(w, t([[math.exp(0.1), math.exp(-0.2), 1.0], [1.5, math.exp(-1), 0.0]]), atol=ATOL, rtol=0)
+    assert math.isclose(metrics["rollout_corr/is_max"], 1.5, abs_tol=ATOL)
+    w, _, _ = algos.rollout_correction(pi, mu, m, "seq-tis", threshold=0.95)
+    assert_close(w, t([[math.exp(-0.1)] * 3, [0.95, 0.95, 0.0]]), atol=ATOL, rtol=0)
+
+
+def test_cispo_loss_defaults_to_token_mean_over_rows_of_different_lengths():
+    """The paper's 1/sum_i |y_i|: a 1-token row and a 3-token row weigh their tokens alike (seq-mean would not)."""
+    logp = t([[-1.0, 0.0, 0.0], [-2.0, -0.5, -0.25]])
+    m, adv = t([[1, 0, 0], [1, 1, 1]]), t([[1.0] * 3, [1.0] * 3])
+    loss, _ = algos.cispo_loss(logp, logp, adv, m)  # on-policy: w = 1, L_t = -log pi_t
+    assert_close(loss, t((1.0 + 2.0 + 0.5 + 0.25) / 4), atol=ATOL, rtol=0)  # seq-mean-token-mean: (1 + 2.75/3)/2 = 0.958333
+
+
+def test_group_advantages_refuse_a_uid_list_of_another_length():
+    with pytest.raises(ValueError, match="got 3 uids for 4 scores"):
+        algos.grpo_advantage(t([1.0, 0.0, 1.0, 0.0]), ["a", "a", "b"])
+    with pytest.raises(ValueError, match="got 5 uids for 4 scores"):
+        algos.rloo_advantage(t([1.0, 0.0, 1.0, 0.0]), ["a", "a", "b", "b", "b"])
+
+
 # ---------------------------------------------------------------------------
 # decoupled PPO (proximal vs behaviour policy)
 # ---------------------------------------------------------------------------
