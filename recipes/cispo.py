@@ -70,8 +70,7 @@ def make_actor_loss(cfg: Config):
             a.clip_low,
             a.clip_high,
             loss_agg_mode=mode,
-            num_tokens=norm.num_tokens,
-            num_seqs=norm.num_seqs,
+            norm=norm,
             weights=weights,
         )
         metrics.update(corr)

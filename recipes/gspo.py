@@ -73,8 +73,7 @@ def make_actor_loss(cfg: Config):
             a.clip_high,
             token_level=cfg.gspo_token,
             loss_agg_mode=mode,
-            num_tokens=norm.num_tokens,
-            num_seqs=norm.num_seqs,
+            norm=norm,
             weights=weights,
         )
         metrics.update(corr)

@@ -593,6 +593,7 @@ def gspo_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """GSPO: PPO's clip on the sequence-level ratio (Zheng et al. 2025, arXiv 2507.18071).
 
@@ -605,7 +606,11 @@ def gspo_loss(
             L_it = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
 
         log s is clamped at <= 10 (as verl); then loss_t *= sg(w_t) if `weights`
-        w are given, and loss = agg_loss(L, mask, loss_agg_mode, ...).
+        w are given, and loss = agg_loss(L, mask, loss_agg_mode, ..., norm).
+
+    `norm` is the engine's Norm (mini-batch counts and dp_size), as for
+    ppo_clip_loss: "token-sum" is multiplied by its dp_size like every other
+    term of the loss.
 
     The default seq-mean-token-mean makes the loss mean_i L_i, the paper's
     objective.  With an advantage that is constant along each response (GRPO's)
@@ -631,7 +636,7 @@ def gspo_loss(
     per_token = torch.maximum(loss1, loss2)
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss2 > loss1).to(log_prob.dtype), mask).item(),
@@ -660,12 +665,13 @@ def cispo_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """CISPO: REINFORCE weighted by a clipped, stop-gradient IS ratio (MiniMax-M1, arXiv 2506.13585).
 
         r_t  = exp(clamp(log pi_t - log pi_old_t, -20, 20))
         L_t  = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi_t
-        loss = agg_loss(L * sg(w), mask, loss_agg_mode, ...)      (w = `weights`, if given)
+        loss = agg_loss(L * sg(w), mask, loss_agg_mode, ..., norm)    (w = `weights`, if given)
 
     Unlike PPO, no token loses its gradient when the ratio leaves the range:
     only its weight is capped.  The loss *value* is not meaningful (it contains
@@ -681,7 +687,7 @@ def cispo_loss(
     per_token = -clipped.detach() * advantages * log_prob
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((ratio != clipped).to(ratio.dtype), mask).item(),
@@ -709,6 +715,7 @@ def gmpo_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """GMPO: maximise the geometric mean of the token ratios (Zhao et al. 2025, arXiv 2507.20673).
 
@@ -721,7 +728,7 @@ def gmpo_loss(
     The clip is pessimistic like PPO's: it only removes the incentive to move
     l_t further past the bound in the direction A favours.  L_i is put on every
     valid token of row i and reduced with agg_loss (seq-mean-token-mean, the
-    default, gives mean_i L_i).  As verl 0.9's compute_policy_loss_geo_mean,
+    default, gives mean_i L_i; `norm`: the engine's counts and dp_size).  As verl 0.9's compute_policy_loss_geo_mean,
     which takes a plain mean over the micro-batch's rows instead.
 
     Returns (loss, metrics): "pg_clipfrac" / "pg_clipfrac_lower" (fraction of
@@ -739,7 +746,7 @@ def gmpo_loss(
     if weights is not None:
         seq_loss = seq_loss * torch.exp(masked_sum(torch.log(weights.detach() + 1e-10), mask, dim=-1) / length)
     per_token = seq_loss[:, None].expand_as(log_prob)  # (B, T)
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
         clipped = (log_ratio != log_ratio_clipped).to(log_prob.dtype)
         metrics = {
@@ -905,27 +912,28 @@ def rollout_mismatch_metrics(
         chi2_token                    mean_t rho_t^2 - 1
         ratio_fraction_high / _low    mean_t 1[rho_t > C] / mean_t 1[rho_t < 1/C]   (C = threshold)
 
-    Sequence means run over rows with at least one valid token.  Delta is
-    clamped to +-20 before exp.  Names and formulas follow verl 0.9's
-    rollout_corr/ metrics (compute_offpolicy_metrics) and TRL's
-    sampling_logp_difference.  All values are python floats; 0.0 when no
-    token is valid.  HF rollouts give all zeros (same model code).
+    Sequence means run over rows with at least one valid token.  As verl
+    (compute_offpolicy_metrics), only chi2_token clamps Delta to +-20 before
+    exp; the others use it as it is (a Delta beyond 88 makes k3_kl inf in
+    float32: a mismatch no correction can rescue).  Names and formulas follow
+    verl 0.9's rollout_corr/ metrics and TRL's sampling_logp_difference.  All
+    values are python floats; 0.0 when no token is valid.  HF rollouts give
+    all zeros (same model code).
     """
     mask = mask.to(log_prob.dtype)
-    delta = _log_ratio(log_prob, rollout_log_prob)  # (B, T)
+    delta = torch.where(mask > 0, (log_prob - rollout_log_prob).detach(), 0.0)  # (B, T); padding: 0, never inf * 0
     rows = mask.sum(-1) > 0  # (B,)
     log_ppl_diff = -masked_mean(delta, mask, dim=-1)[rows]  # (B',)
-    abs_diff = torch.where(mask > 0, delta.abs(), torch.zeros_like(delta))
     log_c = math.log(threshold)
     metrics = {
         "abs_diff_mean": masked_mean(delta.abs(), mask),
-        "abs_diff_max": abs_diff.max() if mask.any() else delta.new_zeros(()),
+        "abs_diff_max": delta.abs().max() if mask.any() else delta.new_zeros(()),
         "kl": masked_mean(-delta, mask),
         "k3_kl": masked_mean(torch.exp(delta) - delta - 1, mask),
         "log_ppl_diff": log_ppl_diff.mean() if rows.any() else delta.new_zeros(()),
         "log_ppl_abs_diff": log_ppl_diff.abs().mean() if rows.any() else delta.new_zeros(()),
         "ppl_ratio": torch.exp(log_ppl_diff).mean() if rows.any() else delta.new_zeros(()),
-        "chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1 if mask.any() else delta.new_zeros(()),
+        "chi2_token": masked_mean(torch.exp(2 * _log_ratio(log_prob, rollout_log_prob)), mask) - 1 if mask.any() else delta.new_zeros(()),
         "ratio_fraction_high": masked_mean((delta > log_c).to(delta.dtype), mask),
         "ratio_fraction_low": masked_mean((delta < -log_c).to(delta.dtype), mask),
     }

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import queue
 import time
 import traceback
@@ -47,50 +48,36 @@ from rlkit.protocol import DataProto
 
 
 class Generator:
-    """What the generation worker holds: its own model (+ reference), the configured rollout, the turn loop if any."""
+    """The generation worker: the trainer's rollout worker (ActorRolloutRefWorker: the same rollout, turn loop,
+    micro-batches and reference pass) as a generation-only copy, loaded with the trainer's weights job by job."""
 
     def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
-        from rlkit.engine import TorchEngine, auto_micro_batch, set_threads
-        from rlkit.workers import make_rollout, resolved
+        from rlkit.engine import set_threads
+        from rlkit.workers import ActorRolloutRefWorker
 
         set_threads(trainer_cfg.num_threads)
-        model_cfg = resolved(model_cfg)
-        torch.manual_seed(trainer_cfg.seed)  # the same fresh LoRA weights as the trainer (then overwritten anyway)
-        self.engine = TorchEngine(model_cfg, None, trainer_cfg.device, need_ref=need_ref)
-        self.tokenizer = self.engine.tokenizer  # the turn loop reads worker.tokenizer and worker.rollout
-        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank`
-        self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
+        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank` (its fresh LoRA: overwritten by job 1)
+        rollout_cfg = dataclasses.replace(rollout_cfg, log_probs=True)  # every batch carries mu, rollout_log_probs
+        device = trainer_cfg.device
+        self.worker = ActorRolloutRefWorker(model_cfg, actor_cfg, rollout_cfg, data_cfg, device, seed, need_ref, trains=False)
+        if agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
+            self.worker.set_agent(agent)
         torch.manual_seed(seed)
-        self.rollout_cfg, self.max_len, self.need_ref, self.agent = rollout_cfg, data_cfg.max_response_length, need_ref, agent
-        # the reference pass in the trainer's micro-batches (ActorRolloutRefWorker's rule: the update's, unless set)
-        self.micro = rollout_cfg.log_prob_micro_batch_size or auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
-        self.gen_micro = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # as the trainer's worker
-        self.version = 0
+        self.need_ref, self.version = need_ref, 0
 
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
         """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs."""
-        from rlkit.engine import unpack_weights
-        from rlkit.rollout import HFRollout
-
         if weights is not None:
             flat, layout, self.version = weights
-            unpack_weights(self.engine.model, flat, layout)
-            if hasattr(self.rollout, "sync_weights"):  # vllm: into its engine
-                self.rollout.sync_weights()
-        r = self.rollout_cfg
-        if self.agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
-            batch = self.agent(self, prompts)
-        else:
-            hf = {"return_log_probs": True} if isinstance(self.rollout, HFRollout) else {}  # vllm: always
-            batch = self.rollout.generate(prompts, self.max_len, r.temperature, r.top_p, r.top_k, micro_batch_size=self.gen_micro, **hf)
+            self.worker.load_weights(flat, layout)
+        batch = self.worker.generate(prompts)
         if self.need_ref:  # log pi_ref(y_t), here, off the trainer's critical path
-            batch["ref_log_prob"] = self.engine.compute_log_prob(batch, r.temperature, self.micro, ref=True)[0]
+            batch = batch.union(self.worker.compute_ref_log_prob(batch))
         batch.meta["policy_version"] = self.version
         return i, batch
 
     def close(self) -> None:
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.worker.close()
 
 
 def _serve(args, jobs, results) -> None:

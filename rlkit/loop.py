@@ -103,7 +103,7 @@ def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: i
 
 def mean_metrics(batches: list[tuple[dict, int]]) -> dict:
     """The metrics of several batches as one: each name's mean over the batches that report it, weighted by their
-    rows; a count (reward/errors) is summed instead.
+    rows; a count (reward/errors, reward/timeouts) is summed instead.
 
     batches: [(metrics, number of rows), ...], e.g. the reward metrics of every generation batch of a DAPO step.
     """
@@ -117,7 +117,7 @@ def mean_metrics(batches: list[tuple[dict, int]]) -> dict:
     return {k: sums[k] / rows[k] if k not in COUNTS else sums[k] for k in sums}
 
 
-COUNTS = {"reward/errors"}  # metrics that count events in a batch, rather than average over its rows
+COUNTS = {"reward/errors", "reward/timeouts"}  # metrics that count events in a batch (summed), rather than average over its rows
 
 
 def validate(policy, prompts, reward_fn, batch_size: int) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.engine import TorchEngine, auto_micro_batch, num_params, pack_weights
+from rlkit.engine import TorchEngine, auto_micro_batch, num_params, pack_weights, unpack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
@@ -85,13 +85,25 @@ class ActorRolloutRefWorker(CheckpointFiles):
     engine_class = TorchEngine  # a distributed worker may use another (rlkit/megatron_workers.py)
 
     def __init__(
-        self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None, wrap=None
+        self,
+        model_cfg,
+        actor_cfg,
+        rollout_cfg,
+        data_cfg,
+        device: str = "auto",
+        seed: int = 0,
+        need_ref: bool | None = None,
+        wrap=None,
+        trains: bool = True,
     ):
+        """trains=False: a generation-only copy (the async generation worker, rlkit/async_rollout.py): no optimizer,
+        weights from load_weights; actor_cfg still sets its log-prob micro-batches."""
         if rollout_cfg.name not in ("hf", "vllm"):
             raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
-        self.engine = self.engine_class(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
+        self.trains = trains
+        self.engine = self.engine_class(model_cfg, actor_cfg if trains else None, device, need_ref=need_ref, wrap=wrap)
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
@@ -128,8 +140,9 @@ class ActorRolloutRefWorker(CheckpointFiles):
         )
 
     def _trainer_pass(self) -> None:
-        """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate."""
-        if hasattr(self.rollout, "sleep"):
+        """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate.
+        (A generation-only worker keeps it awake: it holds no optimizer state or gradients to make room for.)"""
+        if self.trains and hasattr(self.rollout, "sleep"):
             self.rollout.sleep()
 
     def is_on_policy(self) -> bool:
@@ -187,6 +200,12 @@ class ActorRolloutRefWorker(CheckpointFiles):
     def trainable_weights(self) -> tuple[torch.Tensor, list]:
         """The trainable weights in one flat buffer and its layout (engine.pack_weights), for the async generation worker."""
         return pack_weights((n, p) for n, p in self.engine.model.named_parameters() if p.requires_grad)
+
+    def load_weights(self, flat: torch.Tensor, layout: list) -> None:
+        """The inverse of trainable_weights: copy such a buffer into this worker's model, and into its vllm engine if any."""
+        with torch.no_grad():
+            unpack_weights(self.engine.model, flat, layout)
+        self.sync_rollout()
 
     def state_dict(self) -> dict:
         return {**self.engine.state_dict(), "updates": self.updates}

@@ -79,3 +79,10 @@ def test_mean_metrics_weights_means_by_rows_and_sums_counts():
     """DAPO's reward metrics over its generation batches: a mean per response, not per batch."""
     got = loop.mean_metrics([({"reward/acc": 1.0, "reward/errors": 2.0}, 24), ({"reward/acc": 0.0, "reward/errors": 1.0}, 8)])
     assert got == {"reward/acc": 0.75, "reward/errors": 3.0}
+
+
+def test_mean_metrics_sums_reward_timeouts_like_errors():
+    """reward/timeouts counts timed-out calls (a subset of reward/errors): 2 + 1 over two batches is 3, not their row-weighted
+    mean (2*24 + 1*8) / 32 = 1.75."""
+    got = loop.mean_metrics([({"reward/errors": 2.0, "reward/timeouts": 2.0}, 24), ({"reward/errors": 1.0, "reward/timeouts": 1.0}, 8)])
+    assert got == {"reward/errors": 3.0, "reward/timeouts": 3.0}

@@ -56,10 +56,11 @@ def test_hf_rollout_log_probs_equal_the_trainers_in_fp32():
     assert m["rollout_corr/ratio_fraction_high"] == 0
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "cispo"])
 def test_actor_loss_weights_each_token_by_the_correction(name):
     """An induced mismatch mu = pi_old - delta: the recipe's loss logs it and scales each token's gradient by the
-    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N, so
+    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N (CISPO's gradient too:
+    -sg(1) A_t grad log pi_t), so
     d loss / d log pi_t = -w_t A_t / N with w_t = min(e^delta_t, 2) for token-tis, and e^delta_t * 1[0.5 <= e^delta_t <= 2]
     for token-mis."""
     recipe = load_recipe(name)
@@ -177,7 +178,7 @@ def test_async_steps_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
 ASYNC_RECIPES = ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools", "gspo", "cispo", "gmpo", "remax"]
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools"])
+@pytest.mark.parametrize("name", ASYNC_RECIPES)
 def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     recipe = load_recipe(name)
     cfg = quick_config(recipe, tmp_path, steps=3, async_steps=1)
@@ -198,6 +199,32 @@ def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     if name == "grpo_tools":
         assert "agent/turns/mean" in rows[-1]  # the worker ran the turn loop
     assert mp.active_children() == []
+
+
+def test_the_generation_worker_is_the_trainers_rollout_worker_loaded_with_its_weights():
+    """The async Generator is an ActorRolloutRefWorker (generation only: no optimizer, its micro-batch rules): after
+    load_weights of the trainer's (changed) weights it samples with mu = the trainer's log-probs, and its reference pass
+    is the trainer's (HF, fp32: the same model code, so equal up to float rounding across batch shapes)."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+
+    actor, rollout, data = ActorConfig(ppo_micro_batch_size=4), RolloutConfig(n=2, micro_batch_size=3), DataConfig()
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True)
+    with torch.no_grad():
+        for p in trainer.engine.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # weights the generation worker cannot start with
+    gen = Generator(ModelConfig(), actor, rollout, data, TrainerConfig(device="cpu"), need_ref=True)
+    assert isinstance(gen.worker, ActorRolloutRefWorker) and gen.worker.engine.optimizer is None
+    assert (gen.worker.log_prob_micro_batch, gen.worker.gen_micro_batch) == (4, 3)  # the trainer's rules, not copies
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    i, batch = gen.generate(5, prompts, (*trainer.trainable_weights(), 3))
+    assert i == 5 and batch.meta["policy_version"] == 3
+    mask = batch["response_mask"].bool()
+    mu, pi = batch["rollout_log_probs"][mask], trainer.compute_log_prob(batch)["old_log_probs"][mask]
+    assert mask.sum() > 20 and (mu - pi).abs().max() < 1e-5  # fp32 rounding; unloaded, the worker is > 1 nat off
+    assert torch.allclose(batch["ref_log_prob"], trainer.compute_ref_log_prob(batch)["ref_log_prob"], atol=1e-5)
+    gen.close()
 
 
 def test_split_groups_gives_each_worker_whole_groups_in_order():

@@ -7,7 +7,9 @@ A recipe is grpo.py with its own header, config fields and `# ALGO LOGIC` lines.
 2. every recipe: each plumbing statement of grpo.py's main() (setup, step preamble, metrics and
    end of step, compared as code, comments aside) appears in the recipe's main(), except the
    deliberate differences listed in DIFFERS, each with its reason;
-3. the recipes that use the PPO clip loss unchanged (PPO_CLIP): make_actor_loss is grpo.py's.
+3. the recipes that use the PPO clip loss unchanged (PPO_CLIP): make_actor_loss is grpo.py's;
+4. the recipes with a policy loss of their own (OWN_LOSS): make_actor_loss is grpo.py's outside the statement that
+   computes pg_loss (the rollout correction, the entropy and KL terms, the total are shared).
 
 `python tests/test_recipe_drift.py` prints the table "recipe -> lines that differ from grpo.py" of
 docs/algorithms.md.
@@ -24,6 +26,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.py") if p.stem != "grpo")
 FORKS = ("cispo", "gmpo", "gspo", "remax", "rloo")
 PPO_CLIP = ("dapo", "grpo_tools", "ppo", "reinforce_pp", "remax", "rloo")
+OWN_LOSS = ("cispo", "gmpo", "gspo")
 DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why the recipe changes it}
     "dapo": {
         "train": "prompts come in generation batches of --gen-batch-size, filtered down to train_batch_size",
@@ -115,7 +118,8 @@ def diff(a: list[str], b: list[str], name: str) -> str:
 
 
 def test_the_lists_name_real_recipes():
-    assert set(FORKS) | set(PPO_CLIP) | set(DIFFERS) <= set(RECIPES)
+    assert set(FORKS) | set(PPO_CLIP) | set(DIFFERS) | set(OWN_LOSS) <= set(RECIPES)
+    assert not set(PPO_CLIP) & set(OWN_LOSS)
     assert not set(FORKS) & set(DIFFERS)
 
 
@@ -145,6 +149,24 @@ def test_recipes_on_the_ppo_clip_loss_share_make_actor_loss(name):
     assert mine == grpo, f"recipes/{name}.py: make_actor_loss differs from grpo.py's:\n{diff(grpo, mine, name)}"
 
 
+def loss_without_pg_loss(name: str) -> list[str]:
+    """make_actor_loss's lines without the statement that assigns pg_loss (the recipe's own policy loss)."""
+    src = source(name)
+    fn = function(src, "make_actor_loss")
+    pg = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and "pg_loss" in ast.unparse(n.targets[0])]
+    assert len(pg) == 1, f"recipes/{name}.py: make_actor_loss should assign pg_loss once"
+    cut = set(range(pg[0].lineno, pg[0].end_lineno + 1))
+    lines = src.splitlines()
+    return [lines[i - 1] for i in range(fn.lineno, fn.end_lineno + 1) if i not in cut]
+
+
+@pytest.mark.parametrize("name", OWN_LOSS)
+def test_recipes_with_their_own_loss_share_the_rest_of_make_actor_loss(name):
+    """The rollout correction, the entropy bonus, the KL term and their sum stay grpo.py's in GSPO, CISPO and GMPO."""
+    grpo, mine = loss_without_pg_loss("grpo"), loss_without_pg_loss(name)
+    assert mine == grpo, f"recipes/{name}.py: make_actor_loss differs from grpo.py's outside pg_loss:\n{diff(grpo, mine, name)}"
+
+
 def test_the_guard_sees_a_drifted_line(tmp_path, monkeypatch):
     drifted = source("rloo").replace("cfg.data.shuffle, cfg.trainer.seed", "True, cfg.trainer.seed")
     assert drifted != source("rloo")
@@ -158,6 +180,11 @@ def test_the_guard_sees_a_drifted_line(tmp_path, monkeypatch):
     (tmp_path / "rloo.py").write_text(source("grpo").replace("a.kl_loss_coef * parts", "0.1 * parts"))
     with pytest.raises(AssertionError, match=r"(?s)rloo.py: make_actor_loss differs.*\+.*0.1 \* parts"):
         test_recipes_on_the_ppo_clip_loss_share_make_actor_loss("rloo")
+    gspo = (Path(__file__).resolve().parents[1] / "recipes" / "gspo.py").read_text()
+    (tmp_path / "gspo.py").write_text(gspo.replace("a.rollout_correction", "'none'"))  # a fork that ignores the correction flag
+    assert source("gspo") != gspo
+    with pytest.raises(AssertionError, match=r"(?s)gspo.py: make_actor_loss differs from grpo.py's outside pg_loss.*\+.*'none'"):
+        test_recipes_with_their_own_loss_share_the_rest_of_make_actor_loss("gspo")
 
 
 def test_docs_algorithms_md_shows_the_current_drift_table():
