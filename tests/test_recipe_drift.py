@@ -9,6 +9,9 @@ A recipe is grpo.py with its own header, config fields and `# ALGO LOGIC` lines.
    deliberate differences listed in DIFFERS, each with its reason;
 3. the recipes that use the PPO clip loss unchanged (PPO_CLIP): make_actor_loss is grpo.py's.
 
+Every line of every recipe, comments and strings included, fits in 100 columns (recipes/ruff.toml formats
+the code to that width; rlkit/ keeps 140).
+
 `python tests/test_recipe_drift.py` prints the table "recipe -> lines that differ from grpo.py" of
 docs/algorithms.md.
 """
@@ -146,18 +149,34 @@ def test_recipes_on_the_ppo_clip_loss_share_make_actor_loss(name):
 
 
 def test_the_guard_sees_a_drifted_line(tmp_path, monkeypatch):
-    drifted = source("rloo").replace("cfg.data.shuffle, cfg.trainer.seed", "True, cfg.trainer.seed")
+    drifted = source("rloo").replace("        cfg.data.shuffle,\n", "        True,\n")
     assert drifted != source("rloo")
     (tmp_path / "rloo.py").write_text(drifted)
     (tmp_path / "grpo.py").write_text(source("grpo"))
     monkeypatch.setattr(sys.modules[__name__], "RECIPES_DIR", tmp_path)
-    with pytest.raises(AssertionError, match=r"(?s)rloo.py: main\(\) drifted.*\+.*True, cfg.trainer.seed"):
+    with pytest.raises(AssertionError, match=r"(?s)rloo.py: main\(\) drifted.*\+ +True,"):
         test_a_fork_of_grpo_changes_main_only_in_its_algo_logic_lines("rloo")
     with pytest.raises(AssertionError, match=r"rloo.py: grpo.py's plumbing changed.*\n.*train = PromptLoader"):
         test_every_recipe_keeps_grpos_plumbing_statements("rloo")
     (tmp_path / "rloo.py").write_text(source("grpo").replace("a.kl_loss_coef * parts", "0.1 * parts"))
     with pytest.raises(AssertionError, match=r"(?s)rloo.py: make_actor_loss differs.*\+.*0.1 \* parts"):
         test_recipes_on_the_ppo_clip_loss_share_make_actor_loss("rloo")
+
+
+MAX_COLUMNS = 100
+
+
+@pytest.mark.parametrize("name", ["grpo", *RECIPES])
+def test_every_recipe_line_fits_in_100_columns(name):
+    long = [(i, len(line)) for i, line in enumerate(source(name).splitlines(), 1) if len(line) > MAX_COLUMNS]
+    assert not long, f"recipes/{name}.py: lines over {MAX_COLUMNS} characters (line, length): {long}"
+
+
+def test_the_column_check_sees_a_long_line(tmp_path, monkeypatch):
+    (tmp_path / "rloo.py").write_text(source("rloo") + "# " + "x" * 99 + "\n")
+    monkeypatch.setattr(sys.modules[__name__], "RECIPES_DIR", tmp_path)
+    with pytest.raises(AssertionError, match=r"rloo.py: lines over 100 characters .*101\)\]"):
+        test_every_recipe_line_fits_in_100_columns("rloo")
 
 
 def test_docs_algorithms_md_shows_the_current_drift_table():
