@@ -292,7 +292,7 @@ class TorchEngine:
         # FSDP (wrap) has its own mixed precision policy, LoRA trains float32 adapters on a frozen base
         self.master_fp32 = actor_cfg is not None and not self.lora and wrap is None and self.dtype in (torch.bfloat16, torch.float16)
         self.param_dtype = torch.float32 if self.master_fp32 else self.dtype
-        self.attn_implementation = resolve_attn_implementation(getattr(model_cfg, "attn_implementation", "auto"), self.device)
+        self.attn_implementation = resolve_attn_implementation(model_cfg.attn_implementation, self.device)
         # FSDP: load in CPU memory; sharding moves each process's 1/N to its GPU (no full copy, no reference copy on the GPU)
         load_on = torch.device("cpu") if wrap is not None else self.device
         model = load_model(
@@ -310,15 +310,15 @@ class TorchEngine:
             self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
         self.keep_logits = accepts_logits_to_keep(model)
         # padding-free passes (rlkit/packing.py): a 4D block mask, which flash_attention_2 does not take
-        self.remove_padding = getattr(model_cfg, "remove_padding", True) and self.attn_implementation in ("sdpa", "eager")
-        self.share_prompt = self.remove_padding and getattr(model_cfg, "share_prompt", True)
-        if getattr(model_cfg, "remove_padding", True) and not self.remove_padding:
+        self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager")
+        self.share_prompt = self.remove_padding and model_cfg.share_prompt
+        if model_cfg.remove_padding and not self.remove_padding:
             warnings.warn(
                 f"--model.remove-padding: attention {self.attn_implementation} takes no 4D mask; passes use the padded layout",
                 stacklevel=2,
             )
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
-        self.max_tokens = getattr(actor_cfg, "max_token_len_per_micro_batch", 0) if actor_cfg is not None else 0
+        self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
         if wrap is not None:
             model = wrap(model)
             self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None

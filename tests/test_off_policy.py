@@ -93,6 +93,22 @@ def test_actor_loss_without_rollout_log_probs_is_unchanged():
     assert not any(k.startswith("rollout_corr/") for k in metrics)
 
 
+def test_a_batch_with_reference_log_probs_gets_its_own_back_without_a_pass(monkeypatch):
+    """The async generation worker computes ref_log_prob; the recipe's reference pass (no async clause) returns them
+    as they are, without a forward pass; a batch without them gets the reference's."""
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=2), DataConfig(), device="cpu")
+    from rlkit.data import build_prompts
+
+    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig())
+    batch = worker.generate(prompts.batch(list(range(4)), worker.tokenizer.pad_token_id).repeat(2, interleave=True))
+    computed = worker.compute_ref_log_prob(batch)["ref_log_prob"]  # a pass of the frozen reference
+    assert (computed * batch["response_mask"]).abs().sum() > 0
+    batch["ref_log_prob"] = torch.full_like(computed, -1.5)  # as the generation worker would send them
+    monkeypatch.setattr(worker.engine, "compute_log_prob", lambda *a, **k: pytest.fail("a reference pass was run"))
+    assert torch.equal(worker.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
+    assert torch.equal(batch.union(worker.compute_ref_log_prob(batch))["ref_log_prob"], batch["ref_log_prob"])
+
+
 def test_flag_thresholds_resolve_per_mode():
     a = ActorConfig()
     assert a.rollout_correction == "token-tis" and a.rollout_is_threshold == 2.0
