@@ -144,7 +144,7 @@ def main(cfg: Config) -> dict:
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
             with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
-                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weights
+                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
         metrics = {

@@ -221,7 +221,7 @@ def main(cfg: Config) -> dict:
             actor_metrics = {}
             if step > cfg.critic_warmup:
                 with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
-                    actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weights
+                    actor_metrics = policy.update(batch, actor_loss)  # then the weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
         metrics = {

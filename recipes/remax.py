@@ -134,7 +134,7 @@ def main(cfg: Config) -> dict:
             reward_metrics["critic/greedy_score/mean"] = baseline.mean().item()
 
             with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
-                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weights
+                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
         metrics = {
