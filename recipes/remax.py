@@ -109,7 +109,15 @@ def main(cfg: Config) -> dict:
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train, run)  # each step: B prompts from train x n samples
+
+    # ALGO LOGIC: the baseline -- one greedy response per prompt, scored like the samples
+    def greedy_baseline(batch):  # the B prompts of a batch, before Rollouts repeats them n times
+        greedy = policy.generate(batch, validate=True)  # + responses, response_mask: (B, R), greedy
+        batch["greedy_score"] = loop.score(greedy, tok, reward_fn)[0].tolist()  # b(x), per prompt
+        return batch  # greedy_score is kept through the repeat and generate()
+
+    # each step: B prompts from train, + their greedy score, x n samples
+    rollouts = loop.Rollouts(cfg, policy, train, run, prepare=greedy_baseline)
 
     for step in run.steps():
         timings = {}

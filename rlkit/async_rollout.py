@@ -137,11 +137,13 @@ def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
 class Rollouts:
     """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the workers."""
 
-    def __init__(self, cfg, policy, train, run=None, need_ref: bool | None = None):
+    def __init__(self, cfg, policy, train, run=None, need_ref: bool | None = None, prepare=None):
         """train: the PromptLoader that prompts(i) draws B prompts from (next_batch(); its position is what a
         checkpoint saves). run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or
-        when it stops on an error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss)."""
-        self.k, self.policy, self.loader = cfg.trainer.async_steps, policy, train
+        when it stops on an error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss).
+        prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
+        here, when the batch is queued (remax.py: its greedy baseline b(x))."""
+        self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
         self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
@@ -173,6 +175,8 @@ class Rollouts:
         """Generation batch i (1, 2, ...): the loader's next B prompts, uid "i-j" for prompt j, each repeated n times."""
         batch = self.loader.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
         batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        if self.prepare is not None:
+            batch = self.prepare(batch)
         return batch.repeat(self.group_size, interleave=True)  # (B*n, P), a group's rows adjacent
 
     # -- the workers: spawned processes (local backend) or Ray actors ---------------------------------------------

@@ -25,7 +25,7 @@ import pytest
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.py") if p.stem != "grpo")
-FORKS = ("cispo", "gmpo", "gspo", "remax", "rloo")
+FORKS = ("cispo", "gmpo", "gspo", "rloo")
 PPO_CLIP = ("dapo", "grpo_tools", "ppo", "reinforce_pp", "remax", "rloo")
 DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why the recipe changes it}
     "dapo": {
@@ -35,6 +35,9 @@ DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why t
         "policy": "the worker group is wrapped so that generate() runs the multi-turn turn loop with the tools",
         "train": "the prompts offer the tools (their JSON schemas go to the chat template)",
         "val": "the validation prompts offer the tools too",
+    },
+    "remax": {
+        "rollouts": "each batch's prompts get their greedy response's score, the baseline, before they are repeated",
     },
     "reinforce_pp": {
         "policy": "the reference policy is also needed for the KL in the reward",
