@@ -27,7 +27,7 @@ Contents
     new policy losses     gspo_loss (and GSPO-token), cispo_loss, gmpo_loss
     off-policy            rollout_mismatch_metrics, token_tis_weights, token_mis_weights,
                           seq_tis_weights, seq_mis_weights, geo_mask, is_weight_metrics,
-                          rollout_correction, decoupled_ppo_loss
+                          rollout_correction, rollout_weights, decoupled_ppo_loss
     logit helpers         entropy_from_logits, logprobs_from_logits
     KL coefficient        FixedKLController, AdaptiveKLController
     DAPO pieces           overlong_reward_penalty, informative_groups
@@ -88,6 +88,7 @@ __all__ = [
     "CORRECTION_MODES",
     "CORRECTION_DEFAULTS",
     "rollout_correction",
+    "rollout_weights",
     "decoupled_ppo_loss",
 ]
 
@@ -1077,6 +1078,21 @@ def rollout_correction(
         weights = fn(log_prob, rollout_log_prob, mask, *threshold)
     metrics.update(is_weight_metrics(weights, mask, prefix))
     return weights, mask, metrics
+
+
+def rollout_weights(mb, actor_cfg):
+    """A recipe's rollout correction for one micro-batch: (weights, mask, metrics); a no-op on-policy.
+
+    Without rollout log-probs in mb (HF generation, the default): (None, mb["response_mask"], {}), so the
+    loss is exactly the uncorrected one. With them (mb["rollout_log_probs"] = log mu: --rollout.name vllm,
+    --rollout.log-probs, --trainer.async-steps k >= 1): rollout_correction(mb["old_log_probs"], log mu,
+    mask, --actor.rollout-correction, its cap/bounds). actor_cfg: an ActorConfig. docs/off-policy.md.
+    """
+    mask = mb["response_mask"]
+    if "rollout_log_probs" not in mb:
+        return None, mask, {}
+    mode, threshold = actor_cfg.rollout_correction, actor_cfg.rollout_is_threshold
+    return rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, mode, threshold)
 
 
 def decoupled_ppo_loss(

@@ -1,9 +1,11 @@
 """Rollouts for the recipe's loop: generated here in turn (k = 0), or k steps ahead by a generation worker (k >= 1).
 
-    rollouts = Rollouts(cfg, policy, prompts, run)   # prompts(i) -> the i-th batch of prompt rows (B*n, P)
+    rollouts = Rollouts(cfg, policy, train, run)     # train: the PromptLoader of B prompts per batch
     batch = rollouts.next()                          # the next generated batch, (B*n, ...)
 
-k = --trainer.async-steps. With k = 0, next() is `policy.generate(prompts(i))`, the synchronous loop exactly.
+Batch i is prompts(i): the loader's next B prompts, one group id uid = "i-j" per prompt, each repeated
+--rollout.n times (a group's rows adjacent). k = --trainer.async-steps. With k = 0, next() is
+`policy.generate(prompts(i))`, the synchronous loop exactly.
 With k >= 1 a generation worker -- another process with its own copy of the weights (and of the frozen
 reference, when a KL term needs it) and its own rollout (hf or vllm, the turn loop of grpo_tools too) --
 samples the batches of steps t+1 .. t+k while the trainer updates on step t's::
@@ -122,19 +124,20 @@ def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
 class Rollouts:
     """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the workers."""
 
-    def __init__(self, cfg, policy, prompts, run=None, need_ref: bool | None = None):
-        """prompts(i): the i-th generation batch's prompt rows (i = 1, 2, ...), groups of --rollout.n adjacent rows.
-        run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or when it stops on an
-        error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss)."""
-        self.k, self.policy, self.prompts = cfg.trainer.async_steps, policy, prompts
-        self.n_workers, self.group_size = getattr(cfg.trainer, "async_workers", 1), cfg.rollout.n
+    def __init__(self, cfg, policy, train, run=None, need_ref: bool | None = None, prepare=None):
+        """train: the PromptLoader that prompts(i) draws B prompts from (next_batch(); its position is what a
+        checkpoint saves). run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or
+        when it stops on an error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss).
+        prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
+        here, when the batch is queued (remax.py: its greedy baseline b(x))."""
+        self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
+        self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
         self.sent = {}  # worker -> the policy version whose weights it last received
         self.stats: list[tuple[int, float]] = []  # (staleness, seconds waited) per batch since the last metrics()
         self.procs, self.actors = [], []
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
-        self.loader = getattr(run, "loader", None)  # the train PromptLoader prompts(i) draws from
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         if run is not None:
             run.rollouts = self
@@ -154,6 +157,14 @@ class Rollouts:
             self._start_ray(args, t)
         else:
             self._start_processes(args)
+
+    def prompts(self, i: int) -> DataProto:
+        """Generation batch i (1, 2, ...): the loader's next B prompts, uid "i-j" for prompt j, each repeated n times."""
+        batch = self.loader.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        if self.prepare is not None:
+            batch = self.prepare(batch)
+        return batch.repeat(self.group_size, interleave=True)  # (B*n, P), a group's rows adjacent
 
     # -- the workers: spawned processes (local backend) or Ray actors ---------------------------------------------
     def _start_processes(self, args) -> None:
@@ -218,8 +229,7 @@ class Rollouts:
         """Queue the next generation batch, a share of its groups per worker, each with the trainer's weights when they
         changed since that worker's last job."""
         self.submitted += 1
-        if self.loader is not None:
-            self.drawn_from[self.submitted] = self.loader.state_dict()
+        self.drawn_from[self.submitted] = self.loader.state_dict()
         version = self.policy.weights_version()  # updates applied so far: the version of the trainer's weights
         batch = self.prompts(self.submitted)  # (B*n, P)
         shares = split_groups(len(batch), self.group_size, self.n_workers)

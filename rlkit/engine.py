@@ -244,6 +244,26 @@ def global_counts(num_tokens: int, num_seqs: int) -> Norm:
     return Norm(num_tokens=max(num_tokens, 1), num_seqs=num_seqs)
 
 
+class UpdateMetrics:
+    """An update's metrics: each name's mean over the times it is added (micro-batches, optimizer steps), a name ending
+    in _max / _min its max / min, skipped_steps a count; a name without a "/" gets the role's prefix (actor/...)."""
+
+    def __init__(self, role: str):
+        self.role, self.sums, self.counts = role, {}, {}
+
+    def add(self, key: str, value) -> None:
+        key = key if "/" in key else f"{self.role}/{key}"
+        if key.endswith(("_max", "_min")) and key in self.sums:  # a max (min) over micro-batches and steps stays one
+            self.sums[key] = (max if key.endswith("_max") else min)(self.sums[key], float(value))
+            return
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def result(self) -> dict:
+        count = f"{self.role}/skipped_steps"
+        return {k: v / self.counts[k] if k != count else v for k, v in self.sums.items()}
+
+
 class TorchEngine:
     """A causal LM (or, value_head=True, a value model) on one device with its optimizer; see the module docstring."""
 
@@ -272,7 +292,7 @@ class TorchEngine:
         # FSDP (wrap) has its own mixed precision policy, LoRA trains float32 adapters on a frozen base
         self.master_fp32 = actor_cfg is not None and not self.lora and wrap is None and self.dtype in (torch.bfloat16, torch.float16)
         self.param_dtype = torch.float32 if self.master_fp32 else self.dtype
-        self.attn_implementation = resolve_attn_implementation(getattr(model_cfg, "attn_implementation", "auto"), self.device)
+        self.attn_implementation = resolve_attn_implementation(model_cfg.attn_implementation, self.device)
         # FSDP: load in CPU memory; sharding moves each process's 1/N to its GPU (no full copy, no reference copy on the GPU)
         load_on = torch.device("cpu") if wrap is not None else self.device
         model = load_model(
@@ -290,15 +310,15 @@ class TorchEngine:
             self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
         self.keep_logits = accepts_logits_to_keep(model)
         # padding-free passes (rlkit/packing.py): a 4D block mask, which flash_attention_2 does not take
-        self.remove_padding = getattr(model_cfg, "remove_padding", True) and self.attn_implementation in ("sdpa", "eager")
-        self.share_prompt = self.remove_padding and getattr(model_cfg, "share_prompt", True)
-        if getattr(model_cfg, "remove_padding", True) and not self.remove_padding:
+        self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager")
+        self.share_prompt = self.remove_padding and model_cfg.share_prompt
+        if model_cfg.remove_padding and not self.remove_padding:
             warnings.warn(
                 f"--model.remove-padding: attention {self.attn_implementation} takes no 4D mask; passes use the padded layout",
                 stacklevel=2,
             )
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
-        self.max_tokens = getattr(actor_cfg, "max_token_len_per_micro_batch", 0) if actor_cfg is not None else 0
+        self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
         if wrap is not None:
             model = wrap(model)
             self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None
@@ -466,17 +486,6 @@ class TorchEngine:
             for m in flagged:
                 m.training = False
 
-    def _skipped(self, what: str) -> None:
-        """Count a skipped optimizer step (nan_policy skip); too many in a row stop the run."""
-        self.skips_in_a_row = getattr(self, "skips_in_a_row", 0) + 1
-        limit = getattr(self.actor_cfg, "max_skipped_steps", 0)
-        if limit and self.skips_in_a_row >= limit:
-            raise NonFinite(
-                f"{self.skips_in_a_row} optimizer steps in a row skipped for a non-finite {what} in the {self.role} update "
-                f"(--{self.role}.max-skipped-steps {limit}): the run no longer trains. Lower --{self.role}.lr, check rewards for NaN/inf, "
-                f"or resume from an earlier checkpoint"
-            )
-
     def update(
         self,
         batch: DataProto,
@@ -487,86 +496,103 @@ class TorchEngine:
         temperature: float = 1.0,
         shuffle_seed: int | None = None,
     ) -> dict:
-        """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
+        """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches:
 
-        One optimizer step per mini-batch; loss_fn follows the contract above (LossFn). Returns metrics
-        averaged over optimizer steps, each prefixed with the role (actor/..., critic/... for a value
-        model): loss, grad_norm (before clipping), lr, the loss's parts (summed over the micro-batches of
-        a mini-batch, so they do not depend on the micro-batch size) and its metrics (averaged).
+            for epoch in range(epochs):
+                for mini in batch.split(mini_batch_size):             # one optimizer step each
+                    zero_grad()
+                    for micro in mini.split(micro_batch_size):       # memory only: the same gradient
+                        loss_fn(micro, log_prob, entropy, norm).backward()   # norm: the mini-batch's counts
+                    clip_grad_norm(grad_clip); optimizer.step()
+
+        loss_fn follows the contract above (LossFn). A non-finite loss or gradient norm stops the run before
+        the step (NonFinite), or with nan_policy skip skips that step (counted, actor/skipped_steps). Returns
+        metrics averaged over optimizer steps, each prefixed with the role (actor/..., critic/... for a value
+        model): loss, grad_norm (before clipping), lr, the loss's parts (summed over the micro-batches of a
+        mini-batch, so they do not depend on the micro-batch size) and its metrics (averaged).
         """
-        cfg, role = self.actor_cfg, self.role
-        with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        # On-policy shortcut: a batch without old log-probs is updated in exactly one optimizer step, where
-        # pi_old = pi, so log pi_old is this step's own log-probs, detached (rho = 1, the gradient unchanged).
+        # One optimizer step on a batch without old log-probs: pi_old = pi, so log pi_old is this step's own
+        # log-probs, detached (rho = 1, the gradient unchanged), and needs no pass of its own.
         reuse_old = not self.value_head and "old_log_probs" not in batch
         if reuse_old and (epochs != 1 or len(batch) > mini_batch_size):
             raise ValueError(
                 "the batch has no old_log_probs, but its update takes more than one optimizer step "
                 "(ppo_epochs > 1 or several mini-batches): compute them with policy.compute_log_prob first"
             )
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def add(key, value):
-            key = key if "/" in key else f"{role}/{key}"
-            if key.endswith(("_max", "_min")) and key in sums:  # a max (min) over micro-batches and steps stays a max (min)
-                sums[key] = (max if key.endswith("_max") else min)(sums[key], float(value))
-                return
-            sums[key] = sums.get(key, 0.0) + float(value)
-            counts[key] = counts.get(key, 0) + 1
-
+        log = UpdateMetrics(self.role)
         with self._checkpointing():
             for epoch in range(epochs):
                 data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
-                for mini in data.split(mini_batch_size):
-                    norm = global_counts(int(mini["response_mask"].sum()), len(mini))
+                for mini in data.split(mini_batch_size):  # one optimizer step per mini-batch
                     self.optimizer.zero_grad(set_to_none=True)
-                    total, part_sums = 0.0, {}  # the mini-batch's loss and loss parts, summed over micro-batches
-                    for mb in self.micro_batches(mini, micro_batch_size):
-                        logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
-                        mb = mb.to(self.device)
-                        if reuse_old:  # the old log-probs and the entropy metric, from this very pass
-                            mb["old_log_probs"] = logp.detach()
-                            add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
-                        loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
-                        if not all_finite(loss):
-                            if cfg.nan_policy == "skip":
-                                add("skipped_steps", 1)
-                                self._skipped("loss")
-                                break
-                            raise NonFinite(
-                                f"non-finite loss ({loss.item()}) in the {role} update; no step was taken and no checkpoint written. "
-                                f"Lower --{role}.lr, check rewards for NaN/inf, or pass --{role}.nan-policy skip"
-                            )
-                        loss.backward()
-                        total += loss.item()
-                        for k, v in parts.items():
-                            part_sums[k] = part_sums.get(k, 0.0) + float(v.detach())
-                        for k, v in metrics.items():
-                            add(k, v)
-                    else:
-                        params = [p for p in self.model.parameters() if p.requires_grad]
-                        grad_norm = self.clip_grad_norm(params, cfg.grad_clip)  # the norm before clipping
-                        if not all_finite(grad_norm):
-                            if cfg.nan_policy == "skip":
-                                add("skipped_steps", 1)
-                                self._skipped("gradient norm")
-                                self.optimizer.zero_grad(set_to_none=True)
-                                continue
-                            raise NonFinite(
-                                f"non-finite gradient norm in the {role} update; no step was taken and no checkpoint written. "
-                                f"Lower --{role}.lr or pass --{role}.nan-policy skip"
-                            )
-                        add("lr", self.optimizer.param_groups[0]["lr"])
-                        self.optimizer.step()
-                        self.scheduler.step()
-                        self.skips_in_a_row = 0
-                        add("loss", total)
-                        for k, v in part_sums.items():
-                            add(k, v)
-                        add("grad_norm", grad_norm.item())
+                    summed = self._backward(mini, loss_fn, micro_batch_size, temperature, reuse_old, log)
+                    if summed is not None:  # None: a non-finite loss, the step skipped
+                        self._step(*summed, log)
         self.optimizer.zero_grad(set_to_none=True)
-        return {k: sums[k] / counts[k] if k != f"{role}/skipped_steps" else sums[k] for k in sums}
+        return log.result()
+
+    def _backward(self, mini: DataProto, loss_fn: LossFn, micro_batch_size: int, temperature: float, reuse_old: bool, log):
+        """loss -> backward on each micro-batch of a mini-batch, the gradients accumulating. Returns the mini-batch's
+        loss and loss parts (each summed over the micro-batches), or None after a non-finite loss (nan_policy skip)."""
+        with_entropy = bool(getattr(loss_fn, "needs_entropy", False))  # (an attribute of the loss, not a config field)
+        norm = global_counts(int(mini["response_mask"].sum()), len(mini))  # the mini-batch's, whatever the split
+        total, part_sums = 0.0, {}
+        for mb in self.micro_batches(mini, micro_batch_size):
+            logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
+            mb = mb.to(self.device)
+            if reuse_old:  # the old log-probs and the entropy metric, from this very pass
+                mb["old_log_probs"] = logp.detach()
+                log.add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
+            loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
+            if not self._finite(loss, "loss", log):
+                return None
+            loss.backward()
+            total += loss.item()
+            for k, v in parts.items():
+                part_sums[k] = part_sums.get(k, 0.0) + float(v.detach())
+            for k, v in metrics.items():
+                log.add(k, v)
+        return total, part_sums
+
+    def _step(self, total: float, part_sums: dict, log) -> None:
+        """Clip the accumulated gradient's global norm and take the optimizer (and scheduler) step; a non-finite norm
+        skips it (nan_policy skip)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = self.clip_grad_norm(params, self.actor_cfg.grad_clip)  # the norm before clipping
+        if not self._finite(grad_norm, "gradient norm", log):
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        log.add("lr", self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.skips_in_a_row = 0
+        log.add("loss", total)
+        for k, v in part_sums.items():
+            log.add(k, v)
+        log.add("grad_norm", grad_norm.item())
+
+    def _finite(self, x: torch.Tensor, what: str, log) -> bool:
+        """Whether x (a loss, a gradient norm) is finite on every process; if not, with nan_policy skip count a
+        skipped step (too many in a row stop the run), else stop with NonFinite before any weight changes."""
+        if all_finite(x):
+            return True
+        role = self.role
+        if self.actor_cfg.nan_policy != "skip":
+            value, rewards = (f" ({x.item()})", ", check rewards for NaN/inf,") if what == "loss" else ("", "")
+            raise NonFinite(
+                f"non-finite {what}{value} in the {role} update; no step was taken and no checkpoint written. "
+                f"Lower --{role}.lr{rewards} or pass --{role}.nan-policy skip"
+            )
+        log.add("skipped_steps", 1)
+        self.skips_in_a_row = getattr(self, "skips_in_a_row", 0) + 1
+        limit = self.actor_cfg.max_skipped_steps
+        if limit and self.skips_in_a_row >= limit:
+            raise NonFinite(
+                f"{self.skips_in_a_row} optimizer steps in a row skipped for a non-finite {what} in the {role} update "
+                f"(--{role}.max-skipped-steps {limit}): the run no longer trains. Lower --{role}.lr, check rewards for NaN/inf, "
+                f"or resume from an earlier checkpoint"
+            )
+        return False
 
     def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a total norm of max_norm; returns the norm before clipping (a distributed engine

@@ -232,7 +232,7 @@ class Run:
         except AttributeError:
             describe = ""
         describe += sandbox.start_clause(cfg) + " | "  # where model-written text runs, and how contained (docs/sandbox.md)
-        if getattr(t, "async_steps", 0):  # the trainer's own rollout (above) only validates
+        if t.async_steps:  # the trainer's own rollout (above) only validates
             describe += f"async: a generation worker samples {t.async_steps} batch(es) ahead with {cfg.rollout.name} | "
         self.tracker.message(
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
@@ -244,7 +244,7 @@ class Run:
         """Step numbers still to run (1-based); validates before the first when asked. When the loop ends, or
         stops on an error, the recipe's Rollouts are closed (no generation process outlives the loop)."""
         t = self.cfg.trainer
-        if getattr(t, "async_steps", 0) and self.rollouts is None:
+        if t.async_steps and self.rollouts is None:
             raise ConfigError(
                 f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no loop.Rollouts); use 0"
             )
@@ -369,7 +369,10 @@ def cli(main, config_cls):
 
     import tyro
 
-    cfg = tyro.cli(config_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:]))
+    from rlkit.config import cli_view
+
+    view_cls, to_config = cli_view(config_cls)  # the system options in boxes of their own, after the learning options
+    cfg = to_config(tyro.cli(view_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:])))
     try:
         return main(cfg)
     except UserError as e:

@@ -145,9 +145,11 @@ class ActorRolloutRefWorker(CheckpointFiles):
         if self.trains and hasattr(self.rollout, "sleep"):
             self.rollout.sleep()
 
-    def is_on_policy(self) -> bool:
-        """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old = π
-        and the old log-probs need no pass of their own (the update takes its own, detached)."""
+    def update_is_one_step(self) -> bool:
+        """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old is the
+        policy before that step, the update's own log-probs (detached), and needs no pass of its own. (Not "the
+        batch is on-policy": an asynchronous batch sampled k updates ago qualifies too; its correction compares
+        those log-probs with the sampler's.)"""
         return self.actor_cfg.ppo_epochs == 1 and self.actor_cfg.ppo_mini_batch_size >= self.data_cfg.train_batch_size
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -157,13 +159,17 @@ class ActorRolloutRefWorker(CheckpointFiles):
         return DataProto.from_dict(tensors={"old_log_probs": lp, "entropys": ent})
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy)."""
+        """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy). A batch that
+        carries them already (--trainer.async-steps: the generation worker computed them) gets its own back."""
+        if "ref_log_prob" in batch:
+            return DataProto.from_dict(tensors={"ref_log_prob": batch["ref_log_prob"]})
         self._trainer_pass()
         lp, _ = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, ref=True)
         return DataProto.from_dict(tensors={"ref_log_prob": lp})
 
     def update(self, batch: DataProto, loss_fn) -> dict:
-        """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
+        """The policy update (ppo_mini_batch_size prompts × n trajectories per optimizer step: engine.update), then
+        the weight sync: the rollout samples the new weights from the next batch on (sync_rollout)."""
         a = self.actor_cfg
         self._trainer_pass()
         metrics = self.engine.update(
@@ -176,7 +182,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
         self.updates += 1
-        synced = self.sync_rollout()
+        synced = self.sync_rollout()  # vllm: the new weights into its engine; hf samples this very model
         if synced is not None:
             metrics["timing/weight_sync"] = synced
         return metrics

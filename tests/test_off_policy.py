@@ -101,6 +101,22 @@ def test_actor_loss_without_rollout_log_probs_is_unchanged():
     assert not any(k.startswith("rollout_corr/") for k in metrics)
 
 
+def test_a_batch_with_reference_log_probs_gets_its_own_back_without_a_pass(monkeypatch):
+    """The async generation worker computes ref_log_prob; the recipe's reference pass (no async clause) returns them
+    as they are, without a forward pass; a batch without them gets the reference's."""
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=2), DataConfig(), device="cpu")
+    from rlkit.data import build_prompts
+
+    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig())
+    batch = worker.generate(prompts.batch(list(range(4)), worker.tokenizer.pad_token_id).repeat(2, interleave=True))
+    computed = worker.compute_ref_log_prob(batch)["ref_log_prob"]  # a pass of the frozen reference
+    assert (computed * batch["response_mask"]).abs().sum() > 0
+    batch["ref_log_prob"] = torch.full_like(computed, -1.5)  # as the generation worker would send them
+    monkeypatch.setattr(worker.engine, "compute_log_prob", lambda *a, **k: pytest.fail("a reference pass was run"))
+    assert torch.equal(worker.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
+    assert torch.equal(batch.union(worker.compute_ref_log_prob(batch))["ref_log_prob"], batch["ref_log_prob"])
+
+
 def test_flag_thresholds_resolve_per_mode():
     a = ActorConfig()
     assert a.rollout_correction == "token-tis" and a.rollout_is_threshold == 2.0
@@ -155,7 +171,7 @@ def synchronous_grpo(grpo, cfg):
         batch = policy.generate(batch.repeat(cfg.rollout.n, interleave=True))
         scores, reward_metrics = loop.score(batch, tok, reward_fn)
         batch = batch.union(policy.compute_ref_log_prob(batch))
-        if not policy.is_on_policy():
+        if not policy.update_is_one_step():
             batch = batch.union(policy.compute_log_prob(batch))
         batch["advantages"] = algos.grpo_advantage(scores, batch["uid"])[:, None] * batch["response_mask"]
         actor_metrics = policy.update(batch, actor_loss)
@@ -343,17 +359,23 @@ def test_one_step_off_learns(tmp_path):
 
 
 def test_the_off_policy_lines_are_the_same_in_every_recipe():
-    """The correction block (every recipe) and the Rollouts block (the async loops) are copied verbatim."""
+    """The correction (every recipe's loss: one line, a no-op without rollout log-probs, its weights passed on and its
+    metrics logged) and the Rollouts line (every loop) are the same everywhere."""
     from test_grpo_recipe import ROOT
 
-    def block(name, first, last):
-        lines = (ROOT / "recipes" / f"{name}.py").read_text().splitlines()
-        start = next(i for i, line in enumerate(lines) if first in line)
-        end = next(i for i in range(start, len(lines)) if last in lines[i])
-        return [line.strip() for line in lines[start : end + 1]]
+    for name in ASYNC_RECIPES:
+        code = [line.split("#")[0].strip() for line in (ROOT / "recipes" / f"{name}.py").read_text().splitlines()]
+        assert "weights, mask, corr = algos.rollout_weights(mb, a)" in code, name
+        assert "weights=weights," in code and "metrics.update(corr)" in code, name
+        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train, run") for line in code), name
 
-    corr = {n: block(n, "weights, corr = None, {}", "metrics.update(corr)") for n in ("grpo", "dapo", "rloo", "ppo", "reinforce_pp")}
-    assert all(b == corr["grpo"] for b in corr.values()) and any("rollout_correction(" in line for line in corr["grpo"])
-    ro = {n: block(n, "# ASYNC: --trainer.async-steps k", "rollouts = loop.Rollouts(") for n in ASYNC_RECIPES}
-    assert all(b[:-1] == ro["grpo"][:-1] for b in ro.values())  # the last line: need_ref= where a KL in the reward needs it
-    assert all(b[-1].startswith("rollouts = loop.Rollouts(cfg, policy, prompts, run") for b in ro.values())
+
+def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction_with_them():
+    mask, old = torch.tensor([[1, 1, 0]]), torch.log(torch.tensor([[0.5, 0.25, 1.0]]))
+    a = ActorConfig()  # token-tis, cap 2
+    assert algos.rollout_weights(DataProto.from_dict({"response_mask": mask, "old_log_probs": old}), a) == (None, mask, {})
+    mu = old - torch.tensor([[1.0, -0.5, 0.0]])  # pi_old / mu = e, e^-0.5 on the two response tokens
+    mb = DataProto.from_dict({"response_mask": mask, "old_log_probs": old, "rollout_log_probs": mu})
+    weights, got_mask, metrics = algos.rollout_weights(mb, a)
+    assert torch.allclose(weights[0, :2], torch.tensor([2.0, math.exp(-0.5)])) and got_mask is mask  # min(e, 2) = 2
+    assert metrics["rollout_corr/abs_diff_max"] == pytest.approx(1.0)
