@@ -350,16 +350,15 @@ def verify(path: str | Path) -> None:
         try:
             with zipfile.ZipFile(file) as z:
                 bad = z.testzip()
-        except (zipfile.BadZipFile, EOFError, ValueError) as e:
+        except FileNotFoundError as e:
+            raise MissingFile(f"{file} is missing; resume from another checkpoint") from e
+        except (zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
             raise ConfigError(f"cannot read {file}: corrupt or cut short ({type(e).__name__}); resume from another checkpoint") from e
         if bad is not None:
             raise ConfigError(f"cannot read {file}: its record {bad} fails its CRC (the file is damaged); resume from another checkpoint")
     load_file(path / "state.pt")
-    try:
-        json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise ConfigError(f"cannot read {path / 'config.json'}: not JSON ({e}); resume from another checkpoint") from e
-    digests = json.loads((path / DIGESTS).read_text()) if (path / DIGESTS).is_file() else {}  # none before rlkit wrote them
+    _read_json(path / "config.json")
+    digests = _read_json(path / DIGESTS) if (path / DIGESTS).is_file() else {}  # none before rlkit wrote them, or no DCP part
     for name, digest in digests.items():
         file = path / name
         if not file.is_file():
@@ -371,6 +370,18 @@ def verify(path: str | Path) -> None:
             )
     for meta in sorted(path.glob("*/.metadata")):
         read_dcp_metadata(meta)
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError as e:
+        raise MissingFile(f"{file} is missing; resume from another checkpoint") from e
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {file}: corrupt or cut short ({type(e).__name__}); resume from another checkpoint") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"cannot read {file}: not a JSON object; resume from another checkpoint")
+    return data
 
 
 def readable(path: str | Path) -> str | None:

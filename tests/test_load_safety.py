@@ -197,6 +197,19 @@ def test_explicit_resume_of_an_intact_checkpoint_without_digests_still_works(tmp
     assert ckpt.find_resume_path(str(path), tmp_path) == path
 
 
+@pytest.mark.parametrize("damage", ["config.json cut short", "config.json missing", "shard missing"])
+def test_explicit_resume_names_a_damaged_or_missing_file_in_one_line(tmp_path, damage):
+    path = ckpt.save(tmp_path, 1, {"loader": {}}, CONFIG, parts={"policy": dcp_part})
+    file = path / ("policy/__0_0.distcp" if damage == "shard missing" else "config.json")
+    if damage == "config.json cut short":
+        file.write_text(file.read_text()[:5])
+    else:
+        file.unlink()
+    with pytest.raises(UserError) as info:
+        ckpt.find_resume_path(str(path), tmp_path)
+    assert str(file) in one_line_user_error(info) and "resume from another checkpoint" in str(info.value)
+
+
 # -- Megatron engine's per-rank files ------------------------------------------------------------------------------
 def megatron_worker(tmp_path, loaded):
     from rlkit.megatron_workers import MegatronActorRolloutRefWorker
@@ -242,6 +255,23 @@ def test_convert_refuses_a_payload_without_trust_this_file_and_changes_nothing(t
     assert not marker.exists() and (path / "state.pt").read_bytes() == before and not list(path.glob("*.tmp"))
     help_text = subprocess.run([sys.executable, "-m", "rlkit.checkpoint", "convert", "-h"], capture_output=True, text=True).stdout
     assert "--trust-this-file" in help_text and "RUNS" in help_text
+
+
+def test_convert_with_trust_this_file_loads_what_the_safe_path_refuses(tmp_path):
+    import numpy as np
+
+    path = ckpt.save(tmp_path, 1, {"loader": {}}, CONFIG)
+    state = torch.load(path / "state.pt", weights_only=True)
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["rng"]["numpy"] = (name, keys, pos, has_gauss, np.float64(cached))  # a numpy scalar: not in the safe allow-list
+    torch.save(state, path / "state.pt")
+    with pytest.raises(ConfigError, match="--trust-this-file"):
+        ckpt.convert(path)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlkit.checkpoint", "convert", "--trust-this-file", str(path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "converted 1 file" in out.stdout, out.stderr
+    assert ckpt.load(path)[0]["rng"]["numpy"][1] == keys.tolist()  # now weights_only-loadable, the RNG state intact
 
 
 # -- disk full -------------------------------------------------------------------------------------------------
