@@ -293,7 +293,7 @@ def tiny_disk(tmp_path):
             subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
-@pytest.mark.parametrize("writer", ["torch.save", "safetensors"])
+@pytest.mark.parametrize("writer", ["torch.save", "safetensors", "dcp"])
 def test_a_real_full_disk_ends_with_the_documented_line_and_keeps_the_previous_checkpoint(tiny_disk, writer):
     from safetensors.torch import save_file
 
@@ -301,8 +301,16 @@ def test_a_real_full_disk_ends_with_the_documented_line_and_keeps_the_previous_c
     big = torch.zeros(1 << 19)  # 2 MiB of float32 on a 1 MiB disk
     if writer == "torch.save":
         args = {"state": {"loader": {}, "w": big}}
-    else:
+    elif writer == "safetensors":  # the hf/ export
         args = {"state": {"loader": {}}, "save_hf": lambda f: f.mkdir() or save_file({"w": big}, str(f / "model.safetensors"))}
+    else:  # an FSDP part: DCP raises its CheckpointException (a BaseException) holding the OSError
+
+        def dcp_big(folder):
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"w": big}, checkpoint_id=str(folder), no_dist=True)
+
+        args = {"state": {"loader": {}}, "parts": {"policy": dcp_big}}
     with pytest.raises(RunFailed) as info:
         ckpt.save(tiny_disk, 2, config=CONFIG, **args)
     msg = one_line_user_error(info)
