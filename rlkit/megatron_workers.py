@@ -465,7 +465,9 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         file = Path(folder) / f"rank{self.rank}.pt"
         if not file.is_file():
             raise MissingFile(f"{file} is missing: resume a Megatron checkpoint with the same --trainer.engine, tp-size and n-workers")
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        from rlkit.checkpoint import load_file
+
+        state = load_file(file)  # weights_only: a shared checkpoint cannot run code (a pickled object is refused in one line)
         if (state["world_size"], state["tp_size"]) != (self.world_size, self.engine.tp):
             raise ConfigError(
                 f"{folder} was saved with --trainer.n-workers {state['world_size']} --trainer.tp-size {state['tp_size']}: resume with the same"
