@@ -38,11 +38,11 @@ class ModelConfig:
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute each layer's activations in the backward pass: less memory, ~30 % slower update (auto = on for a model of 10M+ parameters on a GPU, off on CPU)"""
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
-    """attention kernel: auto = flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa"""
+    """attention kernel: auto = flash_attention_2 on CUDA when the flash-attn package imports with its kernel, else sdpa (one line says why)"""
     remove_padding: bool = True
-    """log-prob, value and update passes on real tokens only: sequences packed into rows with a block attention mask (rlkit/packing.py; sdpa and eager, the padded layout with flash_attention_2)"""
+    """log-prob, value and update passes on real tokens only: sequences packed into rows with a block attention mask (rlkit/packing.py; sdpa and eager), or end to end in one row without a mask with flash_attention_2 (varlen)"""
     share_prompt: bool = True
-    """with remove_padding: consecutive rows with the same prompt (a GRPO group) compute it once in those passes"""
+    """with remove_padding: consecutive rows with the same prompt (a GRPO group) compute it once in those passes (sdpa and eager; flash_attention_2's varlen layout cannot share a prompt)"""
 
 
 @dataclass
