@@ -795,6 +795,91 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+LOGITS_CHUNK_BYTES = 2**24  # token_logprob_entropy's float32 buffers per chunk: 16 MiB (27 positions at V = 151,936)
+
+
+def _chunk_rows(n: int, vocab: int) -> int:
+    return max(1, min(n, LOGITS_CHUNK_BYTES // (4 * max(vocab, 1))))
+
+
+class _LogProbEntropy(torch.autograd.Function):
+    """token_logprob_entropy's forward and backward, chunked over positions (see there). At most two chunk-sized
+    buffers live at a time: z - m (then log p) and e (then p); everything else is (N,) or done in place."""
+
+    @staticmethod
+    def forward(ctx, logits, pos, labels, temperature, with_entropy):
+        n, vocab = logits.shape
+        work = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.empty(n, dtype=work, device=logits.device)  # (N,)
+        ent = torch.empty(n if with_entropy else 0, dtype=work, device=logits.device)  # (N,)
+        step = _chunk_rows(n, vocab)
+        for a in range(0, n, step):
+            zm = logits[a : a + step].to(work) / temperature  # (c, V), a new buffer
+            m = zm.amax(-1, keepdim=True)  # (c, 1)
+            zm.sub_(m)  # z - m
+            e = zm.exp()  # (c, V)
+            s = e.sum(-1)  # (c,)
+            lse[a : a + step] = m.squeeze(-1) + s.log()
+            if with_entropy:  # H = lse - sum_v p_v z_v = log s - sum_v e_v (z_v - m) / s; a -inf logit has e = 0: no NaN
+                ent[a : a + step] = s.log() - torch.einsum("cv,cv->c", e, zm.clamp_min_(torch.finfo(work).min)) / s
+            del zm, e
+        logp = logits[pos, labels].to(work) / temperature - lse[pos]  # (T,)
+        ctx.save_for_backward(logits, pos, labels, lse, ent)
+        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, pos, labels, lse, ent = ctx.saved_tensors
+        t = ctx.temperature
+        n, vocab = logits.shape
+        work = lse.dtype
+        g_lse = torch.zeros(n, dtype=work, device=logits.device)  # d loss / d lse, (N,): -sum of g_lp over the tokens read there
+        if g_lp is not None:
+            g_lse.index_add_(0, pos, -g_lp)
+        use_ent = ctx.with_entropy and g_ent is not None
+        grad = torch.empty_like(logits)  # (N, V) in the logits' dtype: the pass's one gradient copy
+        step = _chunk_rows(n, vocab)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            logp = (logits[a:b].to(work) / t).sub_(lse[a:b, None])  # (c, V) log p
+            if use_ent:  # dz = p * (g_lse - g_H * (log p + H)):  dlse/dz = p,  dH/dz_k = -p_k (log p_k + H)
+                p = logp.exp()
+                g = logp.clamp_min_(torch.finfo(work).min).add_(ent[a:b, None]).mul_(-g_ent[a:b, None]).add_(g_lse[a:b, None]).mul_(p)
+                del p
+            else:
+                g = logp.exp_().mul_(g_lse[a:b, None])
+            grad[a:b] = g.div_(t)
+            del logp, g
+        if g_lp is not None:  # d z_y / dz = onehot(y)
+            grad.index_put_((pos, labels), (g_lp / t).to(grad.dtype), accumulate=True)
+        return grad, None, None, None, None
+
+
+def token_logprob_entropy(
+    logits: Tensor, pos: Tensor, labels: Tensor, temperature: float = 1.0, with_entropy: bool | str = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of tokens read at positions, and (optionally) the entropy at every position, from one log-sum-exp:
+
+        z = logits / T,   lse_i = logsumexp(z_i),   log p(y_t) = z[pos_t, y_t] - lse[pos_t],   H_i = lse_i - sum_v softmax(z_i)_v z_iv
+
+    logits (N, V) in any float dtype (bf16 stays bf16: no float32 copy of the whole tensor), pos (T,) row of
+    each token in logits (a position may serve several tokens: a shared prompt's last one), labels (T,)
+    -> log-probs (T,) and entropy (N,) (None without with_entropy) in float32 (float64 for float64 logits).
+
+    Memory: the passes run over chunks of positions (LOGITS_CHUNK_BYTES of float32 each) and the backward
+    recomputes softmax chunk by chunk from the saved logits and lse, so a pass holds the logits, their
+    gradient (backward only) and a few chunk-sized buffers: with U = one float32 copy of the logits read,
+    about 1 U + chunks without gradient, 2 U + chunks with it, with or without entropy (tests/test_gpu_construction.py
+    measures it at V = 151,936). with_entropy "metric": the entropy comes without gradient.
+    """
+    lp, ent = _LogProbEntropy.apply(logits, pos, labels, float(temperature), bool(with_entropy))
+    if not with_entropy:
+        return lp, None
+    return lp, (ent.detach() if with_entropy == "metric" else ent)
+
+
 # ---------------------------------------------------------------------------
 # KL coefficient controllers (for a KL penalty inside the reward)
 # ---------------------------------------------------------------------------

@@ -38,11 +38,11 @@ class ModelConfig:
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute activations in the backward: less memory, ~30 % slower update (auto: on for 10M+ parameters on a GPU)"""
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
-    """attention kernel: auto = flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa"""
+    """attention kernel: auto = flash_attention_2 on CUDA when flash-attn imports with its kernel, else sdpa"""
     remove_padding: bool = True
-    """passes on real tokens only, sequences packed into rows (rlkit/packing.py; not with flash_attention_2)"""
+    """passes on real tokens only, sequences packed into rows (rlkit/packing.py; varlen with flash_attention_2)"""
     share_prompt: bool = True
-    """with remove_padding: consecutive rows with the same prompt (a GRPO group) compute it once in those passes"""
+    """with remove_padding: a group's shared prompt computed once in those passes (sdpa and eager, not varlen)"""
 
 
 @dataclass

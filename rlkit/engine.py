@@ -15,11 +15,17 @@ read at the same positions. The update loop is shared: the loss function gets va
 log-probs.
 
 Layout. The passes run on real tokens only (rlkit/packing.py): sequences packed into rows with a block attention
-mask, each group's shared prompt computed once (GRPO's n rows of a prompt), position ids per sequence, the LM
-head on the positions read. Same log-probs as the padded rows to float rounding; --model.remove-padding false
-(and flash_attention_2, which takes no 4D mask) keeps the padded layout. Micro-batches hold
+mask (built on the device from segment ids), each group's shared prompt computed once (GRPO's n rows of a prompt),
+position ids per sequence, the LM head on the positions read. Same log-probs as the padded rows to float rounding;
+--model.remove-padding false keeps the padded layout. flash_attention_2 takes no 4D mask: its passes pack every
+prompt ++ response end to end in one row (varlen, no shared prompt). Micro-batches hold
 --actor.ppo-micro-batch-size rows, or with --actor.max-token-len-per-micro-batch > 0 as many rows as fit in that
-many positions; the loss's Norm is the mini-batch's either way.
+many positions, in as many micro-batches as the data-parallel process that needs the most (agreed_count); the
+loss's Norm is the mini-batch's either way.
+
+Logits. Log-probs and entropy come from one log-sum-exp per position, in chunks, with a backward that recomputes
+softmax chunk by chunk (algos.token_logprob_entropy): a pass holds the logits, in the backward their gradient,
+and a few 16 MiB buffers; no float32 copy of the whole logits, with or without an entropy term.
 
 Dropout stays off (eval mode) in every pass, so the log-probs of the update equal the old
 log-probs when the weights have not moved: the PPO ratio is exactly 1 on-policy.
@@ -86,11 +92,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def flash_attn_problem() -> str | None:
+    """None when flash-attn imports with its compiled kernel (what transformers' flash_attention_2 calls), else why not.
+
+    Finding the package is not enough: a wheel built against another torch (common once vLLM pins its own) is found
+    but fails to import (undefined symbol), and then every forward pass would crash."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "not installed"
+    try:
+        from flash_attn import flash_attn_varlen_func  # imports flash_attn_2_cuda, the compiled extension
+    except Exception as e:  # noqa: BLE001 -- ImportError, OSError (a missing .so), RuntimeError: all mean "unusable"
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else 'no message'}"
+    if not callable(flash_attn_varlen_func):
+        return "flash_attn.flash_attn_varlen_func is missing"
+    return None
+
+
 def resolve_attn_implementation(name: str, device: torch.device) -> str:
-    """'auto' -> flash_attention_2 on CUDA when the flash-attn package is importable, else sdpa; otherwise as given."""
+    """'auto' -> flash_attention_2 on CUDA when flash-attn imports with its kernel (flash_attn_problem), else sdpa (with one
+    line saying why when flash-attn is installed but broken); otherwise as given."""
     if name != "auto":
         return name
-    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+    if device.type != "cuda":
+        return "sdpa"
+    why = flash_attn_problem()
+    if why is None:
+        return "flash_attention_2"
+    if why != "not installed":
+        warnings.warn(
+            f"flash-attn is installed but unusable ({why}); attention sdpa. Reinstall it for this torch, or uninstall it", stacklevel=2
+        )
+    return "sdpa"
 
 
 def resolve_gradient_checkpointing(setting, device: torch.device, n_params: int) -> bool:
@@ -227,6 +259,22 @@ def all_finite(x: torch.Tensor) -> bool:
     return ok
 
 
+def agreed_count(n: int) -> int:
+    """The largest n over all data-parallel processes (n itself with one process).
+
+    Each process splits its own rows by tokens (--actor.max-token-len-per-micro-batch), so the counts differ; but FSDP
+    gathers weights in every forward and backward pass and all_finite is agreed per micro-batch, so a process with
+    fewer passes would leave the others waiting in a collective until the timeout. All run the largest count
+    instead (packing.split_to_count), as verl does."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([n], dtype=torch.int64)  # on CPU: gloo serves it beside NCCL
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+    return n
+
+
 def global_counts(num_tokens: int, num_seqs: int) -> Norm:
     """The loss normalisers of a mini-batch: its token and sequence counts, over all data-parallel processes.
 
@@ -309,12 +357,15 @@ class TorchEngine:
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
         self.keep_logits = accepts_logits_to_keep(model)
-        # padding-free passes (rlkit/packing.py): a 4D block mask, which flash_attention_2 does not take
-        self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager")
-        self.share_prompt = self.remove_padding and model_cfg.share_prompt
+        # padding-free passes (rlkit/packing.py): sdpa/eager take the 4D block mask (a shared prompt computed once);
+        # flash_attention_2 takes packed sequences without a mask (varlen: each response with its own copy of its prompt)
+        self.varlen = self.attn_implementation == "flash_attention_2"
+        self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager", "flash_attention_2")
+        self.share_prompt = self.remove_padding and model_cfg.share_prompt and not self.varlen
         if model_cfg.remove_padding and not self.remove_padding:
             warnings.warn(
-                f"--model.remove-padding: attention {self.attn_implementation} takes no 4D mask; passes use the padded layout",
+                f"--model.remove-padding: attention {self.attn_implementation} takes neither a 4D mask nor packed sequences; "
+                "passes use the padded layout",
                 stacklevel=2,
             )
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
@@ -342,9 +393,8 @@ class TorchEngine:
         if self.lora:
             params = f"{params} (LoRA adapters float32)"
         ckpt = "on" if self.gradient_checkpointing else "off"
-        return (
-            f"device {self.device}, params {params}, compute {compute}, attention {self.attn_implementation}, gradient checkpointing {ckpt}"
-        )
+        attn = self.attn_implementation + (" (varlen packing, prompts not shared)" if self.varlen and self.remove_padding else "")
+        return f"device {self.device}, params {params}, compute {compute}, attention {attn}, gradient checkpointing {ckpt}"
 
     # -- forward passes ------------------------------------------------------------------------
     def _reference(self):
@@ -361,69 +411,80 @@ class TorchEngine:
         if self.max_tokens <= 0:
             return batch.split(micro_batch_size)
         prompt_len = batch["prompts"].shape[1]
-        if self.remove_padding:
-            spans = packing.split_by_tokens(batch["input_ids"], batch["attention_mask"], prompt_len, self.share_prompt, self.max_tokens)
-        else:  # padded: a row costs the longest sequence; approximate it by its own length
-            mask = batch["attention_mask"].clone()
+        mask, share = batch["attention_mask"], self.share_prompt
+        if not self.remove_padding:  # padded: a row costs the longest sequence; approximate it by its own length
+            mask = mask.clone()
             mask[:, :prompt_len] = 1
-            spans = packing.split_by_tokens(batch["input_ids"], mask, prompt_len, False, self.max_tokens)
+            share = False
+        spans = packing.split_by_tokens(batch["input_ids"], mask, prompt_len, share, self.max_tokens)
+        count = agreed_count(len(spans))
+        if count != len(spans):
+            spans = packing.split_to_count(spans, packing.row_costs(batch["input_ids"], mask, prompt_len, share), count)
         return [batch[a:b] for a, b in spans]
 
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
         """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R).
 
         A value model returns (values, None) instead: V(s_t) read where the logits predicting y_t are.
-        Padding-free (rlkit/packing.py) unless --model.remove-padding false or flash_attention_2; 0 past each response.
+        Padding-free (rlkit/packing.py) unless --model.remove-padding false; 0 past each response.
         """
         if self.remove_padding:
             return self.forward_packed(model, mb, temperature, with_entropy)
         return self.forward_padded(model, mb, temperature, with_entropy)
 
     def forward_packed(self, model, mb: DataProto, temperature: float, with_entropy: bool):
-        """forward() in the packed layout: only real tokens, each group's prompt once (rlkit/packing.py)."""
+        """forward() in the packed layout: only real tokens, each group's prompt once (rlkit/packing.py).
+
+        The layout's indices are worked out on the host (small (T,) tensors, no device sync); the (rows, C, C) mask
+        is built on the device from the segment ids (packing.block_mask); flash_attention_2 gets no mask at all
+        (varlen: one row, sequences cut where the position ids restart)."""
         b, resp_len = len(mb), mb["responses"].shape[1]
         p = packing.pack(
-            mb["input_ids"].cpu(), mb["attention_mask"].cpu(), mb["position_ids"].cpu(), mb["prompts"].shape[1], self.share_prompt
+            mb["input_ids"].cpu(),
+            mb["attention_mask"].cpu(),
+            mb["position_ids"].cpu(),
+            mb["prompts"].shape[1],
+            self.share_prompt,
+            one_row=self.varlen,
         )
-        mask = p.attention_mask.to(self.device)  # (rows, 1, C, C) bool: sdpa takes it as is
-        if self.attn_implementation == "eager":  # eager adds the mask to the scores
-            mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-        dst_row, dst_col = p.dst_row.to(self.device), p.dst_col.to(self.device)
-        src_row, pos = p.src_row.to(self.device), p.read.to(self.device)[p.src_k.to(self.device)]  # (T,): row and position read
-        labels = p.labels.to(self.device)
-        out_lp = torch.zeros(b, resp_len, device=self.device)
-        out_ent = torch.zeros(b, resp_len, device=self.device) if with_entropy else None
+        dev = self.device
+        mask = None
+        if not self.varlen:
+            mask = packing.block_mask(p.segment_ids.to(dev, non_blocking=True), p.sub_ids.to(dev, non_blocking=True))[:, None]
+            if self.attn_implementation == "eager":  # eager adds the mask to the scores
+                mask = torch.zeros(mask.shape, device=dev).masked_fill(~mask, torch.finfo(torch.float32).min)
+        pos = p.read[p.src_k]  # (T,) on the host: the position read for each token
+        out_lp = torch.zeros(b, resp_len, device=dev)
+        out_ent = torch.zeros(b, resp_len, device=dev) if with_entropy else None
         rows, vocab = p.input_ids.shape[0], 1 if self.value_head else vocab_size(model)
         # the LM head reads the union of the rows' read positions (rows, K, V); when that union wastes much memory
         # (rows x K >> T at a real vocabulary) run the rows one by one, each on its own positions
-        one_by_one = rows > 1 and rows * len(p.read) > 2 * len(labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
+        one_by_one = rows > 1 and rows * len(p.read) > 2 * len(p.labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
         for r0, r1 in [(r, r + 1) for r in range(rows)] if one_by_one else [(0, rows)]:
-            sel = (src_row >= r0) & (src_row < r1)  # (T,) the tokens read in these rows
+            sel = (p.src_row >= r0) & (p.src_row < r1)  # (T,) the tokens read in these rows
             read, k = torch.unique(pos[sel], sorted=True, return_inverse=True)  # (K,), (t,)
-            row = src_row[sel] - r0
-            dst = (dst_row[sel], dst_col[sel])
-            only = {"logits_to_keep": read} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
+            row = p.src_row[sel] - r0
+            dst = (p.dst_row[sel].to(dev), p.dst_col[sel].to(dev))
+            only = {"logits_to_keep": read.to(dev)} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
             with self.autocast():
                 out = model(
-                    input_ids=p.input_ids[r0:r1].to(self.device),
-                    attention_mask=mask[r0:r1],
-                    position_ids=p.position_ids[r0:r1].to(self.device),
+                    input_ids=p.input_ids[r0:r1].to(dev),
+                    attention_mask=None if mask is None else mask[r0:r1],
+                    position_ids=p.position_ids[r0:r1].to(dev),
                     use_cache=False,
                     **only,
                 ).logits  # (rows, K, V)
             if not self.keep_logits:
-                out = out[:, read]
+                out = out[:, read.to(dev)]
             if self.value_head:
-                out_lp[dst] = out[row, k, 0].float()
+                out_lp[dst] = out[row.to(dev), k.to(dev), 0].float()
                 continue
-            logits = out.float()  # the one float32 copy (none when computed in float32)
-            if temperature != 1.0:
-                logits = logits / temperature
-            # log softmax(z)[y] = z_y - logsumexp(z), without a (T, V) copy: the prompt's last position serves n tokens
-            out_lp[dst] = logits[row, k, labels[sel]] - torch.logsumexp(logits, dim=-1)[row, k]
-            if with_entropy:  # "metric": computed without gradient, for logging only
-                with torch.no_grad() if with_entropy == "metric" else nullcontext():
-                    out_ent[dst] = algos.entropy_from_logits(logits)[row, k]
+            # one log-sum-exp per position read, chunked (algos.token_logprob_entropy): the prompt's last position serves n tokens
+            at = (row * out.shape[1] + k).to(dev)  # (t,) flat index into the (rows * K) positions
+            lp, ent = algos.token_logprob_entropy(out.reshape(-1, out.shape[-1]), at, p.labels[sel].to(dev), temperature, with_entropy)
+            out_lp[dst] = lp.float()
+            if with_entropy:
+                out_ent[dst] = ent[at].float()
         return out_lp, (None if self.value_head else out_ent)
 
     def forward_padded(self, model, mb: DataProto, temperature: float, with_entropy: bool):
@@ -437,23 +498,23 @@ class TorchEngine:
             out = model(
                 input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False, **only
             ).logits
-        logits = out[:, -keep - 1 : -1]  # position t-1 predicts y_t (or values state y_<t): (b, keep, V)
         if self.value_head:
             values = torch.zeros(len(mb), resp_len, device=self.device)
-            values[:, :keep] = logits[..., 0].float()
+            values[:, :keep] = out[:, -keep - 1 : -1, 0].float()  # position t-1 values state y_<t
             return values, None
-        logits = logits.float()  # the one float32 copy of the vocabulary-wide logits (none when computed in float32)
-        if temperature != 1.0:
-            logits = logits / temperature
-        labels = mb["responses"][:, :keep].to(self.device)
+        out = out[:, -keep - 1 :]  # (b, keep+1, V): position t-1 predicts y_t; the last one predicts nothing
+        b, width = out.shape[0], out.shape[1]
+        at = (torch.arange(b, device=self.device)[:, None] * width + torch.arange(keep, device=self.device)).reshape(-1)  # (b*keep,)
+        labels = mb["responses"][:, :keep].to(self.device).reshape(-1)
+        flat = out.reshape(-1, out.shape[-1])  # (b*(keep+1), V): a view when the model computed only these positions
+        lp, ent = algos.token_logprob_entropy(flat, at, labels, temperature, with_entropy)
         logp = torch.zeros(len(mb), resp_len, device=self.device)
-        logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
-        ent = None
-        if with_entropy:  # "metric": computed without gradient, for logging only
-            ent = torch.zeros(len(mb), resp_len, device=self.device)
-            with torch.no_grad() if with_entropy == "metric" else nullcontext():
-                ent[:, :keep] = algos.entropy_from_logits(logits)
-        return logp, ent
+        logp[:, :keep] = lp.float().view(b, keep)
+        if not with_entropy:
+            return logp, None
+        out_ent = torch.zeros(len(mb), resp_len, device=self.device)
+        out_ent[:, :keep] = ent.float().view(b, width)[:, :keep]
+        return logp, out_ent
 
     @torch.no_grad()
     def compute_log_prob(self, batch: DataProto, temperature: float, micro_batch_size: int, ref: bool = False, with_entropy: bool = False):
