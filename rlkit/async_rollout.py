@@ -1,9 +1,11 @@
 """Rollouts for the recipe's loop: generated here in turn (k = 0), or k steps ahead by a generation worker (k >= 1).
 
-    rollouts = Rollouts(cfg, policy, prompts, run)   # prompts(i) -> the i-th batch of prompt rows (B*n, P)
+    rollouts = Rollouts(cfg, policy, train, run)     # train: the PromptLoader of B prompts per batch
     batch = rollouts.next()                          # the next generated batch, (B*n, ...)
 
-k = --trainer.async-steps. With k = 0, next() is `policy.generate(prompts(i))`, the synchronous loop exactly.
+Batch i is prompts(i): the loader's next B prompts, one group id uid = "i-j" per prompt, each repeated
+--rollout.n times (a group's rows adjacent). k = --trainer.async-steps. With k = 0, next() is
+`policy.generate(prompts(i))`, the synchronous loop exactly.
 With k >= 1 a generation worker -- another process with its own copy of the weights (and of the frozen
 reference, when a KL term needs it) and its own rollout (hf or vllm, the turn loop of grpo_tools too) --
 samples the batches of steps t+1 .. t+k while the trainer updates on step t's::
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import os
 import queue
 import shutil
@@ -52,50 +55,36 @@ from rlkit.protocol import DataProto
 
 
 class Generator:
-    """What the generation worker holds: its own model (+ reference), the configured rollout, the turn loop if any."""
+    """The generation worker: the trainer's rollout worker (ActorRolloutRefWorker: the same rollout, turn loop,
+    micro-batches and reference pass) as a generation-only copy, loaded with the trainer's weights job by job."""
 
     def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
-        from rlkit.engine import TorchEngine, auto_micro_batch, set_threads
-        from rlkit.workers import make_rollout, resolved
+        from rlkit.engine import set_threads
+        from rlkit.workers import ActorRolloutRefWorker
 
         set_threads(trainer_cfg.num_threads)
-        model_cfg = resolved(model_cfg)
-        torch.manual_seed(trainer_cfg.seed)  # the same fresh LoRA weights as the trainer (then overwritten anyway)
-        self.engine = TorchEngine(model_cfg, None, trainer_cfg.device, need_ref=need_ref)
-        self.tokenizer = self.engine.tokenizer  # the turn loop reads worker.tokenizer and worker.rollout
-        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank`
-        self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
+        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank` (its fresh LoRA: overwritten by job 1)
+        rollout_cfg = dataclasses.replace(rollout_cfg, log_probs=True)  # every batch carries mu, rollout_log_probs
+        device = trainer_cfg.device
+        self.worker = ActorRolloutRefWorker(model_cfg, actor_cfg, rollout_cfg, data_cfg, device, seed, need_ref, trains=False)
+        if agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
+            self.worker.set_agent(agent)
         torch.manual_seed(seed)
-        self.rollout_cfg, self.max_len, self.need_ref, self.agent = rollout_cfg, data_cfg.max_response_length, need_ref, agent
-        # the reference pass in the trainer's micro-batches (ActorRolloutRefWorker's rule: the update's, unless set)
-        self.micro = rollout_cfg.log_prob_micro_batch_size or auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
-        self.gen_micro = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # as the trainer's worker
-        self.version = 0
+        self.need_ref, self.version = need_ref, 0
 
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
         """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs."""
-        from rlkit.engine import unpack_weights
-        from rlkit.rollout import HFRollout
-
         if weights is not None:
             flat, layout, self.version = receive_weights(weights)
-            unpack_weights(self.engine.model, flat, layout)
-            if hasattr(self.rollout, "sync_weights"):  # vllm: into its engine
-                self.rollout.sync_weights()
-        r = self.rollout_cfg
-        if self.agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
-            batch = self.agent(self, prompts)
-        else:
-            hf = {"return_log_probs": True} if isinstance(self.rollout, HFRollout) else {}  # vllm: always
-            batch = self.rollout.generate(prompts, self.max_len, r.temperature, r.top_p, r.top_k, micro_batch_size=self.gen_micro, **hf)
+            self.worker.load_weights(flat, layout)
+        batch = self.worker.generate(prompts)
         if self.need_ref:  # log pi_ref(y_t), here, off the trainer's critical path
-            batch["ref_log_prob"] = self.engine.compute_log_prob(batch, r.temperature, self.micro, ref=True)[0]
+            batch = batch.union(self.worker.compute_ref_log_prob(batch))
         batch.meta["policy_version"] = self.version
         return i, batch
 
     def close(self) -> None:
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.worker.close()
 
 
 # -- the weight hand-off (--trainer.backend local): shared memory, or a memory-mapped file when /dev/shm is small ---------
@@ -202,12 +191,14 @@ def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
 class Rollouts:
     """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the workers."""
 
-    def __init__(self, cfg, policy, prompts, run=None, need_ref: bool | None = None):
-        """prompts(i): the i-th generation batch's prompt rows (i = 1, 2, ...), groups of --rollout.n adjacent rows.
-        run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or when it stops on an
-        error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss)."""
-        self.k, self.policy, self.prompts = cfg.trainer.async_steps, policy, prompts
-        self.n_workers, self.group_size = getattr(cfg.trainer, "async_workers", 1), cfg.rollout.n
+    def __init__(self, cfg, policy, train, run=None, need_ref: bool | None = None, prepare=None):
+        """train: the PromptLoader that prompts(i) draws B prompts from (next_batch(); its position is what a
+        checkpoint saves). run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or
+        when it stops on an error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss).
+        prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
+        here, when the batch is queued (remax.py: its greedy baseline b(x))."""
+        self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
+        self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
         self.sent = {}  # worker -> the policy version whose weights it last received
@@ -216,7 +207,6 @@ class Rollouts:
         self.weights_dir = None  # the weight hand-off's file folder, when /dev/shm lacks room (send_weights)
         self.handoff_dtype = handoff_dtype(cfg.model, cfg.trainer.device)
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
-        self.loader = getattr(run, "loader", None)  # the train PromptLoader prompts(i) draws from
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         if run is not None:
             run.rollouts = self
@@ -236,6 +226,14 @@ class Rollouts:
             self._start_ray(args, t)
         else:
             self._start_processes(args)
+
+    def prompts(self, i: int) -> DataProto:
+        """Generation batch i (1, 2, ...): the loader's next B prompts, uid "i-j" for prompt j, each repeated n times."""
+        batch = self.loader.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        if self.prepare is not None:
+            batch = self.prepare(batch)
+        return batch.repeat(self.group_size, interleave=True)  # (B*n, P), a group's rows adjacent
 
     # -- the workers: spawned processes (local backend) or Ray actors ---------------------------------------------
     def _start_processes(self, args) -> None:
@@ -300,8 +298,7 @@ class Rollouts:
         """Queue the next generation batch, a share of its groups per worker, each with the trainer's weights when they
         changed since that worker's last job."""
         self.submitted += 1
-        if self.loader is not None:
-            self.drawn_from[self.submitted] = self.loader.state_dict()
+        self.drawn_from[self.submitted] = self.loader.state_dict()
         version = self.policy.weights_version()  # updates applied so far: the version of the trainer's weights
         batch = self.prompts(self.submitted)  # (B*n, P)
         shares = split_groups(len(batch), self.group_size, self.n_workers)

@@ -66,7 +66,7 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     """
     t = cfg.trainer
     rollout = cfg.rollout
-    if getattr(t, "async_steps", 0) and rollout.name != "hf":  # the async generation worker owns the vLLM engine; HF here validates
+    if t.async_steps and rollout.name != "hf":  # the async generation worker owns the vLLM engine; HF here validates
         rollout = dataclasses.replace(rollout, name="hf")
     args = (cfg.model, cfg.actor, rollout, cfg.data)
     if t.backend == "local" and t.engine != "fsdp":

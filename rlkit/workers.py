@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.engine import TorchEngine, auto_micro_batch, num_params
+from rlkit.engine import TorchEngine, auto_micro_batch, num_params, unpack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
@@ -42,7 +42,8 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     """The generation backend named by --rollout.name: hf (generate on the training model) or vllm."""
     if rollout_cfg.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
         model = getattr(engine, "hf_model", engine.model)  # a Megatron engine generates on a gathered HF copy
-        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast)
+        kv = engine.dtype if getattr(engine, "master_fp32", False) else None  # the KV cache in the compute dtype, not the masters'
+        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast, kv_dtype=kv)
     if rollout_cfg.name == "vllm":
         from rlkit.vllm_rollout import VLLMRollout
 
@@ -85,13 +86,25 @@ class ActorRolloutRefWorker(CheckpointFiles):
     engine_class = TorchEngine  # a distributed worker may use another (rlkit/megatron_workers.py)
 
     def __init__(
-        self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None, wrap=None
+        self,
+        model_cfg,
+        actor_cfg,
+        rollout_cfg,
+        data_cfg,
+        device: str = "auto",
+        seed: int = 0,
+        need_ref: bool | None = None,
+        wrap=None,
+        trains: bool = True,
     ):
+        """trains=False: a generation-only copy (the async generation worker, rlkit/async_rollout.py): no optimizer,
+        weights from load_weights; actor_cfg still sets its log-prob micro-batches."""
         if rollout_cfg.name not in ("hf", "vllm"):
             raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
-        self.engine = self.engine_class(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
+        self.trains = trains
+        self.engine = self.engine_class(model_cfg, actor_cfg if trains else None, device, need_ref=need_ref, wrap=wrap)
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
@@ -128,13 +141,16 @@ class ActorRolloutRefWorker(CheckpointFiles):
         )
 
     def _trainer_pass(self) -> None:
-        """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate."""
-        if hasattr(self.rollout, "sleep"):
+        """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate.
+        (A generation-only worker keeps it awake: it holds no optimizer state or gradients to make room for.)"""
+        if self.trains and hasattr(self.rollout, "sleep"):
             self.rollout.sleep()
 
-    def is_on_policy(self) -> bool:
-        """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old = π
-        and the old log-probs need no pass of their own (the update takes its own, detached)."""
+    def update_is_one_step(self) -> bool:
+        """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old is the
+        policy before that step, the update's own log-probs (detached), and needs no pass of its own. (Not "the
+        batch is on-policy": an asynchronous batch sampled k updates ago qualifies too; its correction compares
+        those log-probs with the sampler's.)"""
         return self.actor_cfg.ppo_epochs == 1 and self.actor_cfg.ppo_mini_batch_size >= self.data_cfg.train_batch_size
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -144,13 +160,17 @@ class ActorRolloutRefWorker(CheckpointFiles):
         return DataProto.from_dict(tensors={"old_log_probs": lp, "entropys": ent})
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy)."""
+        """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy). A batch that
+        carries them already (--trainer.async-steps: the generation worker computed them) gets its own back."""
+        if "ref_log_prob" in batch:
+            return DataProto.from_dict(tensors={"ref_log_prob": batch["ref_log_prob"]})
         self._trainer_pass()
         lp, _ = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, ref=True)
         return DataProto.from_dict(tensors={"ref_log_prob": lp})
 
     def update(self, batch: DataProto, loss_fn) -> dict:
-        """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
+        """The policy update (ppo_mini_batch_size prompts × n trajectories per optimizer step: engine.update), then
+        the weight sync: the rollout samples the new weights from the next batch on (sync_rollout)."""
         a = self.actor_cfg
         self._trainer_pass()
         metrics = self.engine.update(
@@ -163,7 +183,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
         self.updates += 1
-        synced = self.sync_rollout()
+        synced = self.sync_rollout()  # vllm: the new weights into its engine; hf samples this very model
         if synced is not None:
             metrics["timing/weight_sync"] = synced
         return metrics
@@ -196,6 +216,12 @@ class ActorRolloutRefWorker(CheckpointFiles):
             layout.append((name, tuple(p.shape), offset))
             offset += p.numel()
         return flat, layout
+
+    def load_weights(self, flat: torch.Tensor, layout: list) -> None:
+        """The inverse of trainable_weights: copy such a buffer into this worker's model, and into its vllm engine if any."""
+        with torch.no_grad():
+            unpack_weights(self.engine.model, flat, layout)
+        self.sync_rollout()
 
     def state_dict(self) -> dict:
         return {**self.engine.state_dict(), "updates": self.updates}

@@ -49,7 +49,8 @@ def test_bf16_hand_off_is_bit_identical_for_a_bf16_worker():
     cfg = ModelConfig(dtype="bfloat16")
     assert handoff_dtype(cfg, "cpu") == torch.bfloat16 and handoff_dtype(ModelConfig(), "cpu") == torch.float32
     assert handoff_dtype(ModelConfig(dtype="bfloat16", lora_rank=4), "cpu") == torch.float32  # peft's float32 adapters
-    worker = TorchEngine(cfg, None, "cpu", need_ref=False)  # as async_rollout.Generator builds it
+    gen = ActorRolloutRefWorker(cfg, ActorConfig(), RolloutConfig(), DataConfig(), device="cpu", need_ref=False, trains=False)
+    worker = gen.engine  # the generation worker's (async_rollout.Generator): no optimizer, no float32 masters
     assert {p.dtype for p in worker.model.parameters()} == {torch.bfloat16}
     trainer = ActorRolloutRefWorker(cfg, ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), device="cpu")
     assert trainer.engine.master_fp32

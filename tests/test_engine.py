@@ -465,16 +465,18 @@ def mini_batch_gradient(eng, batch, mode="token-mean") -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.requires_grad]
 
 
-def test_update_step_is_the_mini_batch_gradient_without_clipping(prompt_set):
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_update_step_is_the_mini_batch_gradient_without_clipping(prompt_set, mode):
     """SGD with lr 1 and no clipping: the weights move by exactly minus the mini-batch loss's gradient, whatever the
-    micro-batches (with clipping on, a wrong constant factor in the loss would be rescaled away)."""
+    micro-batches (with clipping on, a wrong constant factor in the loss would be rescaled away: e.g. seq-mean modes
+    dividing by the micro-batch's row count instead of the mini-batch's)."""
     batch = ppo_batch(make_engine(), prompt_set)
     torch.manual_seed(0)
     eng = make_engine(grad_clip=1e9)
     use_sgd(eng, 1.0)
-    want = mini_batch_gradient(eng, batch)
+    want = mini_batch_gradient(eng, batch, mode)
     before = params(eng)
-    eng.update(batch, ppo_loss("token-mean"), mini_batch_size=B, micro_batch_size=B // 4, temperature=T)
+    eng.update(batch, ppo_loss(mode), mini_batch_size=B, micro_batch_size=B // 4, temperature=T)
     step = [a - b for a, b in zip(params(eng), before)]
     g_max = max(g.abs().max().item() for g in want)
     assert g_max > 1e-3
@@ -483,6 +485,21 @@ def test_update_step_is_the_mini_batch_gradient_without_clipping(prompt_set):
     p_max = max(p.abs().max().item() for p in before)
     bound = grad_tol(CONFIG, g_max, int(batch["response_mask"].sum())) + tol(torch.float32, p_max, 1)
     assert_within(step, [-g for g in want], bound, "SGD step vs minus the mini-batch gradient")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_a_mini_batch_without_response_tokens_is_a_zero_loss_not_nan(prompt_set, mode):
+    """Every response empty (e.g. all cut by a mask): the normaliser is at least 1 token, so the loss is 0 and the step
+    takes no gradient (0 / 0 would be NaN and stop the run, or with nan-policy skip drop the step)."""
+    batch = ppo_batch(make_engine(), prompt_set)
+    batch["response_mask"] = torch.zeros_like(batch["response_mask"])
+    torch.manual_seed(0)
+    eng = make_engine(grad_clip=1e9)
+    use_sgd(eng, 1.0)
+    before = params(eng)
+    metrics = eng.update(batch, ppo_loss(mode), mini_batch_size=B, micro_batch_size=B // 2, temperature=T)
+    assert metrics["actor/loss"] == 0.0 and metrics["actor/grad_norm"] == 0.0 and "actor/skipped_steps" not in metrics
+    assert max_diff(params(eng), before) == 0.0
 
 
 def test_gradient_clipping_bounds_the_step_and_the_norm_is_reported_before_clipping(prompt_set):

@@ -56,10 +56,11 @@ def test_hf_rollout_log_probs_equal_the_trainers_in_fp32():
     assert m["rollout_corr/ratio_fraction_high"] == 0
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "cispo"])
 def test_actor_loss_weights_each_token_by_the_correction(name):
     """An induced mismatch mu = pi_old - delta: the recipe's loss logs it and scales each token's gradient by the
-    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N, so
+    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N (CISPO's gradient too:
+    -sg(1) A_t grad log pi_t), so
     d loss / d log pi_t = -w_t A_t / N with w_t = min(e^delta_t, 2) for token-tis, and e^delta_t * 1[0.5 <= e^delta_t <= 2]
     for token-mis."""
     recipe = load_recipe(name)
@@ -98,6 +99,22 @@ def test_actor_loss_without_rollout_log_probs_is_unchanged():
     cfg.actor.use_kl_loss = False
     _, _, metrics = grpo.make_actor_loss(cfg)(mb, old.clone().requires_grad_(True), None, algos.Norm(6, 2))
     assert not any(k.startswith("rollout_corr/") for k in metrics)
+
+
+def test_a_batch_with_reference_log_probs_gets_its_own_back_without_a_pass(monkeypatch):
+    """The async generation worker computes ref_log_prob; the recipe's reference pass (no async clause) returns them
+    as they are, without a forward pass; a batch without them gets the reference's."""
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=2), DataConfig(), device="cpu")
+    from rlkit.data import build_prompts
+
+    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig())
+    batch = worker.generate(prompts.batch(list(range(4)), worker.tokenizer.pad_token_id).repeat(2, interleave=True))
+    computed = worker.compute_ref_log_prob(batch)["ref_log_prob"]  # a pass of the frozen reference
+    assert (computed * batch["response_mask"]).abs().sum() > 0
+    batch["ref_log_prob"] = torch.full_like(computed, -1.5)  # as the generation worker would send them
+    monkeypatch.setattr(worker.engine, "compute_log_prob", lambda *a, **k: pytest.fail("a reference pass was run"))
+    assert torch.equal(worker.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
+    assert torch.equal(batch.union(worker.compute_ref_log_prob(batch))["ref_log_prob"], batch["ref_log_prob"])
 
 
 def test_flag_thresholds_resolve_per_mode():
@@ -154,7 +171,7 @@ def synchronous_grpo(grpo, cfg):
         batch = policy.generate(batch.repeat(cfg.rollout.n, interleave=True))
         scores, reward_metrics = loop.score(batch, tok, reward_fn)
         batch = batch.union(policy.compute_ref_log_prob(batch))
-        if not policy.is_on_policy():
+        if not policy.update_is_one_step():
             batch = batch.union(policy.compute_log_prob(batch))
         batch["advantages"] = algos.grpo_advantage(scores, batch["uid"])[:, None] * batch["response_mask"]
         actor_metrics = policy.update(batch, actor_loss)
@@ -177,7 +194,7 @@ def test_async_steps_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
 ASYNC_RECIPES = ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools", "gspo", "cispo", "gmpo", "remax"]
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools"])
+@pytest.mark.parametrize("name", ASYNC_RECIPES)
 def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     recipe = load_recipe(name)
     cfg = quick_config(recipe, tmp_path, steps=3, async_steps=1)
@@ -198,6 +215,32 @@ def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     if name == "grpo_tools":
         assert "agent/turns/mean" in rows[-1]  # the worker ran the turn loop
     assert mp.active_children() == []
+
+
+def test_the_generation_worker_is_the_trainers_rollout_worker_loaded_with_its_weights():
+    """The async Generator is an ActorRolloutRefWorker (generation only: no optimizer, its micro-batch rules): after
+    load_weights of the trainer's (changed) weights it samples with mu = the trainer's log-probs, and its reference pass
+    is the trainer's (HF, fp32: the same model code, so equal up to float rounding across batch shapes)."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+
+    actor, rollout, data = ActorConfig(ppo_micro_batch_size=4), RolloutConfig(n=2, micro_batch_size=3), DataConfig()
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True)
+    with torch.no_grad():
+        for p in trainer.engine.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # weights the generation worker cannot start with
+    gen = Generator(ModelConfig(), actor, rollout, data, TrainerConfig(device="cpu"), need_ref=True)
+    assert isinstance(gen.worker, ActorRolloutRefWorker) and gen.worker.engine.optimizer is None
+    assert (gen.worker.log_prob_micro_batch, gen.worker.gen_micro_batch) == (4, 3)  # the trainer's rules, not copies
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    i, batch = gen.generate(5, prompts, (*trainer.trainable_weights(), 3))
+    assert i == 5 and batch.meta["policy_version"] == 3
+    mask = batch["response_mask"].bool()
+    mu, pi = batch["rollout_log_probs"][mask], trainer.compute_log_prob(batch)["old_log_probs"][mask]
+    assert mask.sum() > 20 and (mu - pi).abs().max() < 1e-5  # fp32 rounding; unloaded, the worker is > 1 nat off
+    assert torch.allclose(batch["ref_log_prob"], trainer.compute_ref_log_prob(batch)["ref_log_prob"], atol=1e-5)
+    gen.close()
 
 
 def test_split_groups_gives_each_worker_whole_groups_in_order():
@@ -316,17 +359,23 @@ def test_one_step_off_learns(tmp_path):
 
 
 def test_the_off_policy_lines_are_the_same_in_every_recipe():
-    """The correction block (every recipe) and the Rollouts block (the async loops) are copied verbatim."""
+    """The correction (every recipe's loss: one line, a no-op without rollout log-probs, its weights passed on and its
+    metrics logged) and the Rollouts line (every loop) are the same everywhere."""
     from test_grpo_recipe import ROOT
 
-    def block(name, first, last):
-        lines = (ROOT / "recipes" / f"{name}.py").read_text().splitlines()
-        start = next(i for i, line in enumerate(lines) if first in line)
-        end = next(i for i in range(start, len(lines)) if last in lines[i])
-        return [line.strip() for line in lines[start : end + 1]]
+    for name in ASYNC_RECIPES:
+        code = [line.split("#")[0].strip() for line in (ROOT / "recipes" / f"{name}.py").read_text().splitlines()]
+        assert "weights, mask, corr = algos.rollout_weights(mb, a)" in code, name
+        assert "weights=weights," in code and "metrics.update(corr)" in code, name
+        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train, run") for line in code), name
 
-    corr = {n: block(n, "weights, corr = None, {}", "metrics.update(corr)") for n in ("grpo", "dapo", "rloo", "ppo", "reinforce_pp")}
-    assert all(b == corr["grpo"] for b in corr.values()) and any("rollout_correction(" in line for line in corr["grpo"])
-    ro = {n: block(n, "# ASYNC: --trainer.async-steps k", "rollouts = loop.Rollouts(") for n in ASYNC_RECIPES}
-    assert all(b[:-1] == ro["grpo"][:-1] for b in ro.values())  # the last line: need_ref= where a KL in the reward needs it
-    assert all(b[-1].startswith("rollouts = loop.Rollouts(cfg, policy, prompts, run") for b in ro.values())
+
+def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction_with_them():
+    mask, old = torch.tensor([[1, 1, 0]]), torch.log(torch.tensor([[0.5, 0.25, 1.0]]))
+    a = ActorConfig()  # token-tis, cap 2
+    assert algos.rollout_weights(DataProto.from_dict({"response_mask": mask, "old_log_probs": old}), a) == (None, mask, {})
+    mu = old - torch.tensor([[1.0, -0.5, 0.0]])  # pi_old / mu = e, e^-0.5 on the two response tokens
+    mb = DataProto.from_dict({"response_mask": mask, "old_log_probs": old, "rollout_log_probs": mu})
+    weights, got_mask, metrics = algos.rollout_weights(mb, a)
+    assert torch.allclose(weights[0, :2], torch.tensor([2.0, math.exp(-0.5)])) and got_mask is mask  # min(e, 2) = 2
+    assert metrics["rollout_corr/abs_diff_max"] == pytest.approx(1.0)
