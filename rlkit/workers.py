@@ -105,6 +105,8 @@ class ActorRolloutRefWorker(CheckpointFiles):
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
         self.trains = trains
         self.engine = self.engine_class(model_cfg, actor_cfg if trains else None, device, need_ref=need_ref, wrap=wrap)
+        if not trains:  # no actor_cfg for the engine (no optimizer), but its log-prob passes keep the trainer's token budget
+            self.engine.max_tokens = actor_cfg.max_token_len_per_micro_batch
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
@@ -142,7 +144,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
 
     def _trainer_pass(self) -> None:
         """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate.
-        (A generation-only worker keeps it awake: it holds no optimizer state or gradients to make room for.)"""
+        (A generation-only worker keeps it awake in its own passes; it sleeps between jobs instead: async_rollout.Generator.idle.)"""
         if self.trains and hasattr(self.rollout, "sleep"):
             self.rollout.sleep()
 
