@@ -29,7 +29,7 @@ from rlkit.engine import TorchEngine, auto_micro_batch, num_params, pack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
-from rlkit.rollout import HFRollout
+from rlkit.rollout import HFRollout, free_device_memory, generation_rows
 
 
 def resolved(model_cfg):
@@ -116,6 +116,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
         self.log_prob_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
         self.gen_micro_batch = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # tiny: one generate call
+        self.kv_budget_fraction = 0.5  # CUDA, --rollout.micro-batch-size 0: the share of free memory HF generation may fill
 
     def describe(self) -> str:
         """Device, dtypes, attention implementation, checkpointing and rollout backend, for the start-of-run line."""
@@ -138,9 +139,20 @@ class ActorRolloutRefWorker(CheckpointFiles):
             temperature=r.val_temperature if validate else r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
-            micro_batch_size=self.gen_micro_batch,
+            micro_batch_size=self.generation_rows(prompts),
             **extra,  # + rollout_log_probs (B, R): mu, for the mismatch metrics and the correction (vllm: always)
         )
+
+    def generation_rows(self, prompts: DataProto) -> int | None:
+        """Rows per HF generate call: --rollout.micro-batch-size; with 0 on CPU gen_micro_batch (64 rows, all for a tiny
+        model), on CUDA as many rows as fit in kv_budget_fraction of the free memory (rollout.generation_rows: the KV
+        cache of prompt + response tokens, the prefill's activations and a step's logits per row)."""
+        if self.rollout_cfg.micro_batch_size or self.engine.device.type != "cuda" or not isinstance(self.rollout, HFRollout):
+            return self.gen_micro_batch
+        tokens = (prompts["input_ids"].shape[1], self.data_cfg.max_response_length)
+        model = self.rollout.model  # the model that generates (Megatron: its Hugging Face copy, whose config this reads)
+        kv_dtype = self.rollout.kv_dtype or next(model.parameters()).dtype
+        return generation_rows(model.config, *tokens, kv_dtype, self.kv_budget_fraction * free_device_memory(self.engine.device))
 
     def _trainer_pass(self) -> None:
         """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate.
