@@ -83,6 +83,16 @@ class Generator:
         batch.meta["policy_version"] = self.version
         return i, batch
 
+    def idle(self) -> None:
+        """Between jobs, with none waiting (_serve): the vLLM engine sleeps (level 1: weights to CPU memory, KV cache
+        freed; a no-op on CPU, VLLMRollout.sleep) and this process's cached CUDA blocks go back to the driver, so that the
+        trainer's update on the same GPU has that memory. The next job wakes it: load_weights' sync the weights, generate
+        the KV cache (VLLMRollout.wake_up). The cost: one wake per job that finds the worker idle."""
+        if hasattr(self.worker.rollout, "sleep"):
+            self.worker.rollout.sleep()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         self.worker.close()
 
@@ -171,6 +181,8 @@ def _serve(args, jobs, results) -> None:
             return
         try:
             results.put(("batch", *gen.generate(*job)))
+            if jobs.empty():  # no job queued: idle until one comes (sleeping while one waits would only cost a wake)
+                gen.idle()
         except Exception:
             results.put(("error", None, traceback.format_exc()))
             return

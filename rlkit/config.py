@@ -104,7 +104,7 @@ class RolloutConfig:
     log_prob_micro_batch_size: int = 0
     """rows per forward pass of the log-prob and value passes (0 = --actor.ppo-micro-batch-size)"""
     micro_batch_size: int = 0
-    """hf: rows per generate call (0 = auto: all for a model under 10M parameters, else 64)"""
+    """hf: rows per generate call (0 = auto: on CUDA what half the free memory holds, docs/gpu.md; on CPU 64, all under 10M params)"""
     gpu_memory_utilization: float = 0.5
     """vllm on a GPU: share of GPU memory the engine takes while it generates; it sleeps in the trainer's passes (docs/gpu.md)"""
     kv_cache_gb: int = 1

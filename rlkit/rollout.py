@@ -103,6 +103,34 @@ def cast_cache(dtype: torch.dtype | None, config):
     return CastCache(config=config)
 
 
+def generation_rows(config, prompt_len: int, response_len: int, dtype: torch.dtype, budget_bytes: float) -> int:
+    """Rows per HF generate call that fit in `budget_bytes` (at least 1), from the model config:
+
+        rows = budget // per_row,  per_row = (P + R) * kv + P * act + V * (b + 12)
+        kv  = 2 * layers * kv_heads * head_dim * b          # a token's keys and values, every layer
+        act = (3 * intermediate + 4 * hidden) * b           # a prompt token's largest layer activations in the prefill
+        V * (b + 12)                                        # a decoding step's logits: compute dtype, float32 scores,
+                                                            #   logits / T (SampledLogProbs) and the sampling softmax
+    b = bytes of `dtype` (the KV cache's, the compute dtype). The prefill term counts every row's prompt (no sharing:
+    validation, n = 1), so with groups of n sharing a prompt it is pessimistic by n.
+    Qwen2.5-0.5B in bf16 at P = R = 512: kv 12 KiB, per_row 31.8 MiB: 644 rows in 20 GiB (tests/test_gpu_construction.py).
+    """
+    b = torch.empty((), dtype=dtype).element_size()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * b
+    act = (3 * (getattr(config, "intermediate_size", None) or 4 * config.hidden_size) + 4 * config.hidden_size) * b
+    per_row = (prompt_len + response_len) * kv + prompt_len * act + config.vocab_size * (b + 12)
+    return max(1, int(budget_bytes // per_row))
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on a CUDA device: the driver's free memory plus the blocks torch's caching
+    allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 class HFRollout:
     """Generation with `model.generate` on the training model itself (no second copy)."""
 

@@ -29,7 +29,7 @@ from rlkit.engine import TorchEngine, auto_micro_batch, num_params, unpack_weigh
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
-from rlkit.rollout import HFRollout
+from rlkit.rollout import HFRollout, free_device_memory, generation_rows
 
 
 def resolved(model_cfg):
@@ -105,6 +105,8 @@ class ActorRolloutRefWorker(CheckpointFiles):
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
         self.trains = trains
         self.engine = self.engine_class(model_cfg, actor_cfg if trains else None, device, need_ref=need_ref, wrap=wrap)
+        if not trains:  # no actor_cfg for the engine (no optimizer), but its log-prob passes keep the trainer's token budget
+            self.engine.max_tokens = actor_cfg.max_token_len_per_micro_batch
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
@@ -114,6 +116,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
         self.log_prob_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
         self.gen_micro_batch = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # tiny: one generate call
+        self.kv_budget_fraction = 0.5  # CUDA, --rollout.micro-batch-size 0: the share of free memory HF generation may fill
 
     def describe(self) -> str:
         """Device, dtypes, attention implementation, checkpointing and rollout backend, for the start-of-run line."""
@@ -136,13 +139,24 @@ class ActorRolloutRefWorker(CheckpointFiles):
             temperature=r.val_temperature if validate else r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
-            micro_batch_size=self.gen_micro_batch,
+            micro_batch_size=self.generation_rows(prompts),
             **extra,  # + rollout_log_probs (B, R): mu, for the mismatch metrics and the correction (vllm: always)
         )
 
+    def generation_rows(self, prompts: DataProto) -> int | None:
+        """Rows per HF generate call: --rollout.micro-batch-size; with 0 on CPU gen_micro_batch (64 rows, all for a tiny
+        model), on CUDA as many rows as fit in kv_budget_fraction of the free memory (rollout.generation_rows: the KV
+        cache of prompt + response tokens, the prefill's activations and a step's logits per row)."""
+        if self.rollout_cfg.micro_batch_size or self.engine.device.type != "cuda" or not isinstance(self.rollout, HFRollout):
+            return self.gen_micro_batch
+        tokens = (prompts["input_ids"].shape[1], self.data_cfg.max_response_length)
+        model = self.rollout.model  # the model that generates (Megatron: its Hugging Face copy, whose config this reads)
+        kv_dtype = self.rollout.kv_dtype or next(model.parameters()).dtype
+        return generation_rows(model.config, *tokens, kv_dtype, self.kv_budget_fraction * free_device_memory(self.engine.device))
+
     def _trainer_pass(self) -> None:
         """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate.
-        (A generation-only worker keeps it awake: it holds no optimizer state or gradients to make room for.)"""
+        (A generation-only worker keeps it awake in its own passes; it sleeps between jobs instead: async_rollout.Generator.idle.)"""
         if self.trains and hasattr(self.rollout, "sleep"):
             self.rollout.sleep()
 

@@ -513,3 +513,48 @@ def test_packing_mask_is_built_from_segment_ids(share):
     mask = packing.block_mask(p.segment_ids, p.sub_ids)
     assert torch.equal(mask, _mask_by_hand(p.segment_ids, p.sub_ids))
     assert torch.equal(p.attention_mask[:, 0], mask)
+
+
+# -- HF generation rows per call from the KV cache they take ---------------------------------------------------------
+
+
+def test_generation_rows_follow_the_kv_cache_of_a_qwen2_5_0_5b_shaped_model():
+    """rollout.generation_rows on fixed numbers, by hand (Qwen2.5-0.5B: 24 layers, 2 KV heads of 64, hidden 896,
+    intermediate 4864, V 151,936), bf16, P = R = 512: kv = 2*24*2*64*2 = 12,288 B a token; act = (3*4864 + 4*896)*2 =
+    36,352 B a prompt token; logits 151,936 * 14 = 2,127,104 B; per row 1024*12,288 + 512*36,352 + 2,127,104 = 33,322,240 B."""
+    from transformers import Qwen2Config
+
+    from rlkit.rollout import generation_rows
+
+    qwen = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    )
+    per_row = 1024 * 12288 + 512 * 36352 + 151936 * 14
+    assert per_row == 33_322_240
+    assert generation_rows(qwen, 512, 512, torch.bfloat16, 20 * 2**30) == 20 * 2**30 // per_row == 644  # 10x the old 64
+    assert generation_rows(qwen, 512, 512, torch.bfloat16, 8 * 2**30) == 257  # a 24 GB GPU with a full fine-tune's state
+    f32 = 1024 * 24576 + 512 * 72704 + 151936 * 16  # float32: kv and act double, logits V * (4 + 12)
+    assert generation_rows(qwen, 512, 512, torch.float32, 20 * 2**30) == 20 * 2**30 // f32 == 331
+    assert generation_rows(qwen, 2048, 2048, torch.bfloat16, 2**20) == 1  # never 0 rows
+
+
+def test_hf_generation_rows_come_from_free_memory_on_cuda_and_stay_on_cpu(monkeypatch):
+    """--rollout.micro-batch-size 0: on CPU the old rule (all rows for a tiny model, 64 for a real one); on CUDA the KV
+    rule on this batch's prompt width + max response length in half the free memory; a set value wins everywhere."""
+    from rlkit import workers
+    from rlkit.data import build_prompts
+    from rlkit.workers import ActorRolloutRefWorker
+
+    data = DataConfig()
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(), data, device="cpu")
+    prompts = build_prompts(data.train_files, worker.tokenizer, data).batch(list(range(4)), worker.tokenizer.pad_token_id)
+    assert worker.generation_rows(prompts) is None  # CPU, tiny model: one call, as before
+    asked = []
+    monkeypatch.setattr(workers, "free_device_memory", lambda device: 40 * 2**30)
+    monkeypatch.setattr(workers, "generation_rows", lambda config, p, r, dtype, budget: asked.append((p, r, dtype, budget)) or 123)
+    worker.engine.device = torch.device("cuda")  # the decision only: nothing runs on the device
+    assert worker.generation_rows(prompts) == 123
+    assert asked == [(prompts["input_ids"].shape[1], data.max_response_length, torch.float32, 20 * 2**30)]
+    worker.rollout_cfg = RolloutConfig(micro_batch_size=16)
+    worker.gen_micro_batch = 16
+    assert worker.generation_rows(prompts) == 16 and len(asked) == 1

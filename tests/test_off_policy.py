@@ -243,6 +243,134 @@ def test_the_generation_worker_is_the_trainers_rollout_worker_loaded_with_its_we
     gen.close()
 
 
+def module_bytes(obj) -> int:
+    """Bytes of the parameters of every torch module an object holds as an attribute (an engine: its model, its reference)."""
+    mods = [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)]
+    return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+
+def test_the_generation_worker_keeps_no_reference_it_does_not_use():
+    """need_ref False (no KL loss, no KL in the reward): the generation worker holds its model and no frozen reference
+    copy; need_ref True (full fine-tuning) holds exactly one more copy, in the compute dtype (float32 on CPU)."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+
+    args = (ModelConfig(), ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), TrainerConfig(device="cpu"))
+    alone = Generator(*args, need_ref=False)
+    model = sum(p.numel() * p.element_size() for p in alone.worker.engine.model.parameters())
+    assert alone.worker.engine.ref_model is None and module_bytes(alone.worker.engine) == model
+    with_ref = Generator(*args, need_ref=True)
+    assert module_bytes(with_ref.worker.engine) == 2 * model
+    alone.close()
+    with_ref.close()
+
+
+def test_an_async_trainer_keeps_no_reference_copy_the_worker_computes_it(tmp_path):
+    """--trainer.async-steps 1 with --actor.use-kl-loss (full fine-tuning): every batch comes with the worker's ref_log_prob,
+    so the trainer holds no frozen copy (one model's bytes, not two); synchronous, it keeps it."""
+    grpo = load_recipe("grpo")
+    sync, off = quick_config(grpo, tmp_path / "s"), quick_config(grpo, tmp_path / "a", async_steps=1)
+    assert sync.actor.use_kl_loss and off.actor.use_kl_loss and sync.model.lora_rank == 0
+    engines = [build_policy(cfg).worker.engine for cfg in (sync, off)]
+    model = sum(p.numel() * p.element_size() for p in engines[0].model.parameters())
+    assert [module_bytes(e) for e in engines] == [2 * model, model] and engines[1].ref_model is None
+
+
+def test_the_generation_worker_keeps_the_trainers_token_budget():
+    """--actor.max-token-len-per-micro-batch: the generation worker's log-prob passes (its reference pass) split a batch
+    into the trainer's token-budget micro-batches, not into --rollout.log-prob-micro-batch-size rows."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+
+    actor, rollout, data = ActorConfig(ppo_micro_batch_size=8, max_token_len_per_micro_batch=160), RolloutConfig(n=2), DataConfig()
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True)
+    gen = Generator(ModelConfig(), actor, rollout, data, TrainerConfig(device="cpu"), need_ref=True)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    passes, forward = [], gen.worker.engine.forward
+    gen.worker.engine.forward = lambda model, mb, *a: passes.append(len(mb)) or forward(model, mb, *a)
+    _, batch = gen.generate(1, prompts)
+    want = [len(mb) for mb in trainer.engine.micro_batches(batch, trainer.log_prob_micro_batch)]
+    assert passes == want and len(want) > 1 and want != [8]  # by tokens: not one pass of ppo_micro_batch_size 8 rows
+    gen.close()
+
+
+class ScriptedJobs:
+    """A job queue for _serve whose jobs come (arrive=True: already waiting when asked) or not yet (arrive=False)."""
+
+    def __init__(self, script):
+        self.script = list(script)  # [(job, arrived)]
+
+    def get(self, timeout=None):
+        job, _ = self.script.pop(0)
+        return job
+
+    def empty(self) -> bool:
+        return not self.script or not self.script[0][1]
+
+
+def test_the_generation_worker_sleeps_between_jobs_only_when_none_waits(monkeypatch):
+    """_serve: after a batch, with no job queued, the worker idles (Generator.idle: vLLM sleeps, CUDA cache freed) until
+    the next job wakes it; with the next job already queued it goes straight on (a sleep would only cost a wake)."""
+    import queue
+
+    from rlkit import async_rollout
+
+    events = []
+
+    class FakeGenerator:
+        def __init__(self, *args):
+            pass
+
+        def generate(self, i, prompts, weights=None):
+            events.append(f"gen {i}")
+            return i, None
+
+        def idle(self):
+            events.append("idle")
+
+        def close(self):
+            events.append("close")
+
+    monkeypatch.setattr(async_rollout, "Generator", FakeGenerator)
+    jobs = ScriptedJobs([((1, None, None), True), ((2, None, None), True), ((3, None, None), False), (None, True)])
+    results = queue.Queue()
+    async_rollout._serve((), jobs, results)
+    assert events == ["gen 1", "gen 2", "idle", "gen 3", "close"]  # job 2 was waiting after job 1; job 3 came later
+    assert [results.get()[0] for _ in range(4)] == ["ready", "batch", "batch", "batch"]
+
+
+def test_an_idle_generation_worker_puts_its_vllm_engine_to_sleep_and_a_job_wakes_it():
+    """Generator.idle calls the rollout's sleep (VLLMRollout: level 1 on CUDA, a no-op on CPU); the next job wakes what it
+    needs (load_weights' sync: the weights; generate: the KV cache). Recorded on a stand-in rollout with vLLM's interface."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+
+    data = DataConfig()
+    gen = Generator(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, TrainerConfig(device="cpu"), need_ref=False)
+    hf, calls = gen.worker.rollout, []
+
+    class Recording:  # the calls VLLMRollout gets from the worker, sampling with the HF rollout
+        tokenizer, eos = hf.tokenizer, hf.eos
+
+        def sleep(self):
+            calls.append("sleep")
+
+        def sync_weights(self):
+            calls.append("wake weights")
+
+        def generate(self, prompts, *a, **k):
+            calls.append("wake kv_cache")
+            return hf.generate(prompts, *a, **k)
+
+    gen.worker.rollout = Recording()
+    prompts = build_prompts(data.train_files, hf.tokenizer, data).batch(list(range(2)), hf.tokenizer.pad_token_id)
+    gen.idle()
+    gen.generate(1, prompts, (*gen.worker.trainable_weights(), 1))
+    assert calls == ["sleep", "wake weights", "wake kv_cache"]
+
+
 def test_split_groups_gives_each_worker_whole_groups_in_order():
     from rlkit.async_rollout import split_groups
 
