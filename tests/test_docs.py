@@ -182,18 +182,20 @@ def load_recipe(name: str):
 
 @functools.cache
 def recipe_flags(name: str) -> frozenset[str]:
-    """Every `--flag` of `python recipes/<name>.py --help`, rendered in this process as loop.cli renders it."""
-    import tyro
+    """Every `--flag` of `python recipes/<name>.py --help`: the script run as __main__ in this process (imports cached)."""
+    import runpy
+    from unittest import mock
 
-    from rlkit.config import cli_view
-
-    view_cls, _ = cli_view(load_recipe(name).Config)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        tyro.cli(view_cls, args=["--help"])
+    path, out = ROOT / "recipes" / f"{name}.py", io.StringIO()
+    with mock.patch.object(sys, "argv", [str(path), "--help"]), mock.patch.dict("os.environ", {"COLUMNS": "200"}):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), pytest.raises(SystemExit):
+            runpy.run_path(str(path), run_name="__main__")
     flags = set(re.findall(r"(--[a-z0-9][\w.-]*)", out.getvalue()))
     assert len(flags) > 20, out.getvalue()[:2000]
-    return frozenset(flags | {"--help", "--model"} if "--model.path" in flags else flags | {"--help"})
+    flags.add("--help")
+    if "--model.path" in flags:
+        flags.add("--model")  # loop.expand_aliases: --model X is --model.path X
+    return frozenset(flags)
 
 
 def commands(body: list[str]) -> list[tuple[int, list[str]]]:
@@ -498,16 +500,17 @@ def tiny_train_file(recipe, tmp: Path) -> str:
 
 @pytest.fixture(scope="module")
 def logged_keys(tmp_path_factory) -> dict[str, set[str]]:
-    """key -> the recipes that logged it, from one tiny step of every recipe (no validation, no plot)."""
+    """key -> the recipes that logged it, from one tiny step of every recipe (no validation, plot or checkpoint)."""
     import json
 
     from test_grpo_recipe import small_config
 
-    from rlkit import tracking
+    from rlkit import loop, tracking
 
     tmp, out = tmp_path_factory.mktemp("docs-metrics"), {}
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:  # the plot and the checkpoint come after the metrics are logged
         mp.setattr(tracking, "plot_learning_curve", lambda metrics, png, title="": Path(png))
+        mp.setattr(loop.Run, "save", lambda self, step: None)
         for name in RECIPES:
             recipe = load_recipe(name)
             cfg = small_config(recipe, tmp / name, steps=1, num_threads=1, save_freq=0)
