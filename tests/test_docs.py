@@ -17,7 +17,8 @@ The conventions a doc follows (each failure message repeats the one it broke):
 - Every metric key a recipe logs is named in docs/metrics.md or a doc it links, by its full name (`a/b/c`; in a
   list `a/b/c`, `/d` is short for `a/b/d`); `<name>` stands for an open set (a scorer's own keys), never for a key
   the code spells out. Every `timing/...` named in a doc is a timer the code creates.
-- README.md's "What is in the box" table names every rlkit/*.py module and every recipe.
+- README.md's "What is in the box" table names every rlkit/*.py module and every recipe; `algos.x`, `loop.X`,
+  `TorchEngine.x` in a doc's code spans name things the code has.
 
 Speed: the recipes' --help are rendered in-process once each (cached); the metric keys come from one tiny step of
 each recipe (8 training prompts, no validation) in one module-scoped fixture, and a scan of the code's literal keys.
@@ -306,6 +307,70 @@ def test_every_dotted_flag_named_in_the_docs_is_a_recipe_option():
                 if flag not in all_recipe_flags():
                     bad.append(f"{rel(doc)}:{n}: {flag}")
     assert not bad, "flags named in the docs that no recipe's --help has (rename or remove them):\n" + "\n".join(bad)
+
+
+@functools.cache
+def rlkit_names() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """From the source (no import): module -> its top-level names, and class -> its attributes (methods, fields,
+    class variables, self.x assignments, and those of its rlkit base classes)."""
+    modules, classes, bases = {}, {}, {}
+    for path in (ROOT / "rlkit").glob("*.py"):
+        tree, names = ast.parse(path.read_text()), set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                names |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            if isinstance(node, ast.ClassDef):
+                attrs = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+                attrs |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                attrs |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+                attrs |= {
+                    t.attr
+                    for n in ast.walk(node)
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else [])
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                }
+                classes[node.name] = attrs
+                bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+        modules[path.stem] = names
+    for name in classes:  # inherited attributes, rlkit bases only
+        todo = list(bases[name])
+        while todo:
+            base = todo.pop()
+            if base in classes:
+                classes[name] = classes[name] | classes[base]
+                todo += bases[base]
+    return modules, classes
+
+
+# `module.name` in a doc's code span is checked for these rlkit modules (not for config sections such as
+# rollout / data / agent, whose `rollout.n` is a field, nor for data columns such as reward_model)
+CHECKED_MODULES = (
+    "algos loop rewards engine protocol packing tools sandbox async_rollout workers placement checkpoint tracking errors "
+    "models tasks userfn vllm_rollout fsdp_workers megatron_workers megatron_shims ray_group embedded embedded_tools"
+).split()
+
+
+def test_every_rlkit_name_in_the_docs_exists():
+    """`algos.grpo_advantage`, `loop.Rollouts`, `TorchEngine.update`, `ActorConfig.clip_low` in a doc's code spans name
+    things the code has: a rename leaves no stale name behind."""
+    modules, classes = rlkit_names()
+    assert "grpo_advantage" in modules["algos"] and "update" in classes["TorchEngine"] and "lr" in classes["ActorConfig"]
+    assert "bogus" not in modules["algos"] and "is_on_policy" not in classes["ActorRolloutRefWorker"]
+    bad = []
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text().splitlines(), start=1):
+            for span in re.findall(r"`([^`]+)`", line):
+                for m in re.finditer(r"(?<![\w.-])(?:rlkit\.)?([A-Za-z_]\w*)\.([A-Za-z_]\w*)", span):
+                    head, attr = m[1], m[2]
+                    if head in CHECKED_MODULES and attr not in ("py",) and attr not in modules[head]:
+                        bad.append(f"{rel(doc)}:{n}: {m[0]} (rlkit/{head}.py has no top-level {attr})")
+                    elif head in classes and attr not in classes[head]:
+                        bad.append(f"{rel(doc)}:{n}: {m[0]} (class {head} has no attribute {attr})")
+    assert not bad, "names in the docs that the code does not have (renamed? removed?):\n" + "\n".join(bad)
 
 
 # --------------------------------------------------------------------------------------------------------------
