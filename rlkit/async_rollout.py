@@ -16,8 +16,9 @@ samples the batches of steps t+1 .. t+k while the trainer updates on step t's::
 The worker is a spawned process (--trainer.backend local) or a Ray actor on a pool of its own
 (--trainer.backend ray: the FSDP workers gather the full trainable weights for it); --trainer.async-workers N
 starts N of them, each sampling an equal share of every batch's prompt groups (split_groups). Each call of next()
-(1) hands the worker the trainer's current weights when they changed (one flat float32 buffer: shared
-memory, or Ray's object store), (2) queues the prompts of the batch k calls ahead, (3) waits for the
+(1) hands the worker the trainer's current weights when they changed (send_weights: one flat buffer in the dtype the
+worker stores them in -- bf16 when it computes in bf16 -- through shared memory when /dev/shm has room for twice the
+buffer, else a memory-mapped file in a temporary folder; Ray's object store on the Ray backend), (2) queues the prompts of the batch k calls ahead, (3) waits for the
 oldest queued batch. A job is always generated with the weights sent with it (or the last ones before
 it), so a run is reproducible whatever the timing. Every batch comes back with `rollout_log_probs` (mu,
 as sampled), `ref_log_prob` (when asked: the frozen reference pass leaves the trainer's critical path)
@@ -39,9 +40,13 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
+import uuid
 
 import torch
 
@@ -70,7 +75,7 @@ class Generator:
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
         """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs."""
         if weights is not None:
-            flat, layout, self.version = weights
+            flat, layout, self.version = receive_weights(weights)
             self.worker.load_weights(flat, layout)
         batch = self.worker.generate(prompts)
         if self.need_ref:  # log pi_ref(y_t), here, off the trainer's critical path
@@ -80,6 +85,68 @@ class Generator:
 
     def close(self) -> None:
         self.worker.close()
+
+
+# -- the weight hand-off (--trainer.backend local): shared memory, or a memory-mapped file when /dev/shm is small ---------
+SHM = "/dev/shm"  # where torch.multiprocessing puts the storage of a tensor sent through a queue (Linux)
+
+
+def handoff_dtype(model_cfg, device: str) -> torch.dtype:
+    """The dtype the generation worker stores its trainable weights in, hence the one to hand them off in: exact.
+
+    The worker's engine does not train (no float32 masters): a full model is held in the compute dtype (bf16 on a GPU),
+    so unpack_weights rounds float32 weights to it anyway -- sending bf16 (x.to(bf16), the same round-to-nearest) gives
+    bit-identical weights for half the bytes. The worker only generates with them (and records the log-probs it sampled
+    with); its reference pass uses its own frozen copy, the trainer computes pi_old itself. LoRA adapters are float32
+    in both processes (peft's default): sent as float32.
+    """
+    from rlkit.engine import resolve_device, resolve_dtype
+
+    return torch.float32 if model_cfg.lora_rank > 0 else resolve_dtype(model_cfg.dtype, resolve_device(device))
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes in /dev/shm (None where there is no such folder: other systems, where torch shares differently)."""
+    return shutil.disk_usage(SHM).free if os.path.isdir(SHM) else None
+
+
+def send_weights(flat: torch.Tensor, layout, version: int, workers: list[int], folder: str) -> dict[int, tuple]:
+    """One payload per worker for a plain flat buffer (B,): shared memory when /dev/shm has room for twice the buffer
+    (Docker and Kubernetes default to 64 MB: 2 GB of float32 weights of a 0.5B model do not fit), else a file in
+    `folder` written once, memory-mapped by the workers, with one hard link per worker that it deletes once read
+    (the bytes are freed when the last worker has its copy)."""
+    free = shm_free_bytes()
+    if free is None or free >= 2 * flat.nbytes:
+        flat = flat.share_memory_()  # the queue then sends a handle, not the bytes
+        return {w: ("shm", flat, layout, version) for w in workers}
+    room = shutil.disk_usage(folder).free
+    if room < flat.nbytes:
+        raise RunFailed(
+            f"no room for the async weight hand-off ({flat.nbytes / 2**20:.0f} MiB): /dev/shm has {free / 2**20:.0f} MiB free, "
+            f"{folder} {room / 2**20:.0f} MiB. Give the container more shared memory (docker --shm-size 8g) or point TMPDIR at a larger disk"
+        )
+    path = os.path.join(folder, f"weights-v{version}-{uuid.uuid4().hex[:8]}")
+    torch.from_file(path, shared=True, size=flat.numel(), dtype=flat.dtype).copy_(flat)  # written through the mapping
+    payloads = {}
+    for w in workers:
+        os.link(path, f"{path}-w{w}")
+        payloads[w] = ("file", f"{path}-w{w}", flat.dtype, flat.numel(), layout, version)
+    os.unlink(path)
+    return payloads
+
+
+def receive_weights(payload) -> tuple[torch.Tensor, list, int]:
+    """(flat, layout, version) from a send_weights payload (or a plain (flat, layout, version): Ray's object store).
+    A file is memory-mapped copy-on-write (read lazily by unpack_weights) and its link removed at once."""
+    kind = payload[0] if isinstance(payload[0], str) else None
+    if kind == "shm":
+        return payload[1:]
+    if kind != "file":
+        return payload
+    _, path, dtype, numel, layout, version = payload
+    flat = torch.from_file(path, shared=False, size=numel, dtype=dtype)  # (B,) the mapping outlives the unlink
+    os.unlink(path)
+    return flat, layout, version
 
 
 def _serve(args, jobs, results) -> None:
@@ -137,6 +204,8 @@ class Rollouts:
         self.sent = {}  # worker -> the policy version whose weights it last received
         self.stats: list[tuple[int, float]] = []  # (staleness, seconds waited) per batch since the last metrics()
         self.procs, self.actors = [], []
+        self.weights_dir = None  # the weight hand-off's file folder, when /dev/shm lacks room (send_weights)
+        self.handoff_dtype = handoff_dtype(cfg.model, cfg.trainer.device)
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         if run is not None:
@@ -234,17 +303,13 @@ class Rollouts:
         batch = self.prompts(self.submitted)  # (B*n, P)
         shares = split_groups(len(batch), self.group_size, self.n_workers)
         workers = [w for w, rows in enumerate(shares) if rows]
-        handles, packed = [], None  # Ray: the result refs; processes: the worker numbers. packed: this call's weights
+        handles = []  # Ray: the result refs; processes: the worker numbers
+        stale = [w for w in workers if self.sent.get(w) != version]
+        payloads = self._pack_weights(stale, version) if stale else {}  # packed once, held only by the jobs that carry it
         for w in workers:
-            weights = None
-            if self.sent.get(w) != version:
-                if packed is None:  # packed once for the workers of this batch, held only by the jobs that carry it
-                    packed = (*self.policy.trainable_weights(), version)
-                    if self.actors:  # one copy in Ray's object store for every actor
-                        import ray
-
-                        packed = ray.put(packed)
-                weights, self.sent[w] = packed, version
+            weights = payloads.get(w)
+            if weights is not None:
+                self.sent[w] = version
             job = (self.submitted, batch if len(workers) == 1 else batch.index(shares[w]), weights)
             if self.actors:
                 handles.append(self.actors[w].generate.remote(*job))
@@ -252,6 +317,19 @@ class Rollouts:
                 self.procs[w][1].put(job)
                 handles.append(w)
         self.pending.append(handles)  # in row order
+
+    def _pack_weights(self, workers: list[int], version: int) -> dict:
+        """The trainer's weights for `workers`: Ray actors share one copy in the object store (float32, gathered by the FSDP
+        workers); worker processes get send_weights payloads in the dtype they store the weights in (handoff_dtype)."""
+        if self.actors:
+            import ray
+
+            ref = ray.put((*self.policy.trainable_weights(), version))
+            return {w: ref for w in workers}
+        if self.weights_dir is None:  # the file fallback's folder, removed by close()
+            self.weights_dir = tempfile.mkdtemp(prefix="rlkit-weights-")
+        flat, layout = self.policy.trainable_weights(self.handoff_dtype)
+        return send_weights(flat, layout, version, workers, self.weights_dir)
 
     def next(self) -> DataProto:
         """The next generation batch: prompts(i) generated now (k = 0), or k batches ago by the workers."""
@@ -309,3 +387,6 @@ class Rollouts:
             for q in (jobs, results):
                 q.cancel_join_thread()
                 q.close()
+        if self.weights_dir is not None:  # files of weights still queued when the workers stopped
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self.weights_dir = None

@@ -706,10 +706,11 @@ def num_params(model) -> tuple[int, int]:
 
 
 def pack_weights(named) -> tuple[torch.Tensor, list[tuple[str, tuple, int]]]:
-    """[(name, tensor)] -> one flat float32 tensor in shared memory, and its (name, shape, offset) layout: weights in one
-    piece for another process (--trainer.async-steps' generation worker)."""
+    """[(name, tensor)] -> one flat float32 tensor in ordinary host memory, and its (name, shape, offset) layout: weights in
+    one piece for another process (the Ray async generation actors: ray.put copies it into the object store, so no
+    /dev/shm segment is needed, which containers often cap at 64 MB)."""
     named = list(named)
-    flat = torch.cat([t.detach().reshape(-1).float().cpu() for _, t in named]).share_memory_()
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for _, t in named])
     layout, offset = [], 0
     for name, t in named:
         layout.append((name, tuple(t.shape), offset))

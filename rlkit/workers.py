@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.engine import TorchEngine, auto_micro_batch, num_params, pack_weights, unpack_weights
+from rlkit.engine import TorchEngine, auto_micro_batch, num_params, unpack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
@@ -204,9 +204,18 @@ class ActorRolloutRefWorker(CheckpointFiles):
         """Updates applied so far: the version of the weights (--trainer.async-steps tags each batch with the one that sampled it)."""
         return self.updates
 
-    def trainable_weights(self) -> tuple[torch.Tensor, list]:
-        """The trainable weights in one flat buffer and its layout (engine.pack_weights), for the async generation worker."""
-        return pack_weights((n, p) for n, p in self.engine.model.named_parameters() if p.requires_grad)
+    def trainable_weights(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list]:
+        """The trainable weights in one flat buffer (B,) of `dtype` in ordinary CPU memory, and its (name, shape, offset)
+        layout (engine.unpack_weights reads it), for the async generation worker: rlkit/async_rollout.py's send_weights
+        moves it to shared memory, or to a file when /dev/shm is small. Each weight is cast on its device, then copied."""
+        named = [(n, p) for n, p in self.engine.model.named_parameters() if p.requires_grad]
+        flat = torch.empty(sum(p.numel() for _, p in named), dtype=dtype)  # (B,)
+        layout, offset = [], 0
+        for name, p in named:
+            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1).to(dtype))
+            layout.append((name, tuple(p.shape), offset))
+            offset += p.numel()
+        return flat, layout
 
     def load_weights(self, flat: torch.Tensor, layout: list) -> None:
         """The inverse of trainable_weights: copy such a buffer into this worker's model, and into its vllm engine if any."""
