@@ -7,7 +7,7 @@ the baseline of every sample of that prompt -- no value model, and no group of s
 
 No std normalisation. The update is grpo.py's (clipped surrogate + k3 KL to the reference); with one
 optimizer step per batch (the default) the ratio is 1 and it is REINFORCE with baseline b. The cost
-is one greedy generation of B rows per step (timing/gen_greedy). The paper samples one response per
+is one greedy generation of B rows per step (inside timing/gen). The paper samples one response per
 prompt (--rollout.n 1); the default keeps grpo.py's n = 8 so that both see the same samples per
 step.
 The greedy decoding is the validation decoding (--rollout.val-temperature 0, the default).
