@@ -260,6 +260,8 @@ class TrainerConfig:
     """validate every this many steps (0 = only at the end)"""
     val_before_train: bool = True
     """validate the starting model before the first step"""
+    val_n: int = 1
+    """samples per validation prompt: 1 = one at --rollout.val-temperature; n > 1 also logs val/mean@n, val/pass@k, val/maj@k (docs/eval.md)"""
     save_freq: int = 0
     """save a checkpoint every this many steps (0 = only at the end)"""
     max_ckpt_to_keep: int = 2
@@ -422,6 +424,7 @@ def check_flags(cfg) -> None:
         "--data.max-prompt-length": d.max_prompt_length,
         "--data.max-response-length": d.max_response_length,
         "--data.val-batch-size": d.val_batch_size,
+        "--trainer.val-n": cfg.trainer.val_n,
         "--actor.ppo-epochs": a.ppo_epochs,
     }
     non_negative = {

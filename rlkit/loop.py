@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import checkpoint, sandbox
+from rlkit import checkpoint, evaluation, sandbox
 from rlkit.async_rollout import Rollouts  # noqa: F401  (recipes call loop.Rollouts)
 from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
@@ -258,7 +258,11 @@ class Run:
 
     def validate(self, step: int) -> dict:
         """Run validation, print it, remember it for the final summary."""
-        metrics = validate(self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
+        n, args = self.cfg.trainer.val_n, (self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
+        if n > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
+            metrics = evaluation.validate_n(*args, n, self.cfg.rollout.val_temperature)
+        else:
+            metrics = validate(*args)
         self.val_history.append((step, metrics["val/acc"]))
         self.tracker.message(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         if step == 0:

@@ -12,6 +12,7 @@ the dataset's `data_source` column; a user file replaces them with `--reward.cus
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -120,10 +121,16 @@ def gsm8k_lenient_score(data_source, solution_str, ground_truth, extra_info=None
     More forgiving than verl's strict method ("####72", "#### 72." and a comma'd ground truth score 1.0);
     the comparison is still on strings, so "72.0" does not match "72". No "####" answer scores 0.0.
     """
-    matches = _GSM8K_LENIENT.findall(solution_str)
-    if not matches:
+    answer = gsm8k_lenient_answer(solution_str)
+    if answer is None:
         return 0.0
-    return 1.0 if _normalize_number(matches[-1]) == _normalize_number(str(ground_truth)) else 0.0
+    return 1.0 if answer == _normalize_number(str(ground_truth)) else 0.0
+
+
+def gsm8k_lenient_answer(solution_str: str) -> str | None:
+    """The number of the last "####<spaces><number>", commas and a trailing "." removed ("#### 1,234." -> "1234"), or None."""
+    matches = _GSM8K_LENIENT.findall(solution_str)
+    return _normalize_number(matches[-1]) if matches else None
 
 
 @register_scorer("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
@@ -160,6 +167,19 @@ def arith_score(data_source, solution_str, ground_truth, extra_info=None) -> dic
 
 # A string compare and a regex cannot execute or explode: these run in the trainer unless --reward.sandbox all.
 gsm8k_score.in_process = arith_score.in_process = True
+
+
+def arith_answer(solution_str: str) -> str | None:
+    """The embedded task's parsed answer: the response, whitespace aside (None when empty)."""
+    return solution_str.strip() or None
+
+
+# The parsed answer each scorer compares with the ground truth: maj@k votes on it (rlkit/evaluation.py). A scorer of
+# your own may carry one too (compute_score.answer = fn); it is read only where the scorer itself runs in-process.
+gsm8k_score.answer = functools.partial(gsm8k_extract, method="strict")
+gsm8k_flexible_score.answer = functools.partial(gsm8k_extract, method="flexible")
+gsm8k_lenient_score.answer = gsm8k_lenient_answer
+arith_score.answer = arith_answer
 
 
 # ----------------------------------------------------------------------------- user functions

@@ -1,0 +1,113 @@
+"""Evaluate a model with n samples per prompt: mean@n, unbiased pass@k, maj@k (docs/eval.md).
+
+    python -m rlkit.eval -n 4                                     # the embedded model on its val set
+    python -m rlkit.eval --model outputs/grpo/checkpoints/global_step_20/hf \\
+        --data.val-files gsm8k/test.parquet --data.max-response-length 512 -n 16
+
+Samples every prompt of --data.val-files (at most --data.val-max-samples) n times at --rollout.temperature,
+scores them with the training reward (--reward.*), writes one jsonl row per sample (--output) and prints the
+estimators of rlkit/evaluation.py. The flags are the recipes' (--model, --data.*, --rollout.*, --reward.*).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import tyro
+
+from rlkit import evaluation
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig
+from rlkit.errors import ConfigError
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    n: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 16
+    """samples per prompt (pass@k is reported for k = 1, 2, 4, ... <= n and n)"""
+    output: str = "outputs/eval/samples.jsonl"
+    """the per-sample jsonl: prompt_index, sample_index, response, score, correct, answer (the scorer's parsed answer), ground_truth"""
+    device: str = "auto"
+    """cpu, cuda, cuda:1, ... (auto = cuda when available)"""
+    seed: int = 1
+    """seed of the sampling"""
+    num_threads: int = 0
+    """torch CPU threads (0 = 1 thread on a machine with <= 4 cores, else torch's default)"""
+
+
+def check(cfg: Config) -> None:
+    """Flag mistakes in one line each, before the model loads."""
+    from rlkit.data import check_files
+
+    if cfg.n < 1:
+        raise ConfigError(f"-n {cfg.n}: must be at least 1")
+    if cfg.rollout.temperature <= 0 and cfg.n > 1:
+        raise ConfigError(f"--rollout.temperature {cfg.rollout.temperature} with -n {cfg.n}: greedy samples are all the same; use > 0")
+    if not cfg.data.val_files and not cfg.data.task:
+        raise ConfigError("--data.val-files is empty: name the parquet file(s) to evaluate on")
+    if cfg.data.val_batch_size < 1:
+        raise ConfigError(f"--data.val-batch-size {cfg.data.val_batch_size}: must be at least 1")
+    check_files(DataConfig(**{**vars(cfg.data), "train_files": []}))  # only the files evaluated
+
+
+def main(cfg: Config) -> dict[str, float]:
+    """Sample, score, write the jsonl, print and return the estimators (plus "score": the mean score)."""
+    from tqdm import tqdm
+
+    from rlkit.data import build_prompts
+    from rlkit.engine import set_threads
+    from rlkit.rewards import RewardFn
+    from rlkit.workers import ActorRolloutRefWorker
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    check(cfg)
+    set_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    reward_fn = RewardFn.from_config(cfg.reward, cfg.device)
+    # a generation-only worker (no optimizer, no reference copy); --rollout.name vllm gives it a vLLM engine
+    policy = ActorRolloutRefWorker(
+        cfg.model, ActorConfig(), cfg.rollout, cfg.data, device=cfg.device, seed=cfg.seed, need_ref=False, trains=False
+    )
+    prompts = build_prompts(cfg.data.val_files, policy.tokenizer, cfg.data, cfg.data.val_max_samples, split="val")
+    try:
+        with tqdm(total=len(prompts) * cfg.n, desc=f"eval {len(prompts)} prompts x {cfg.n}", unit="sample", file=sys.stderr) as bar:
+            records, _ = evaluation.sample(policy, prompts, reward_fn, cfg.data.val_batch_size, cfg.n, validate=False, progress=bar)
+    finally:
+        policy.close()
+        reward_fn.close()
+    out = Path(cfg.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    metrics = {"score": sum(r["score"] for r in records) / len(records), **evaluation.from_records(records, cfg.n)}
+    print(f"{cfg.model.path}: {len(prompts)} prompts x {cfg.n} samples at temperature {cfg.rollout.temperature} | samples: {out}")
+    for k, v in metrics.items():
+        print(f"  {k:<10} {v:.4f}")
+    return metrics
+
+
+def cli() -> None:
+    """tyro over Config, with --model short for --model.path; a UserError ends in one line (as the recipes)."""
+    from rlkit.errors import UserError
+    from rlkit.loop import expand_aliases
+
+    cfg = tyro.cli(Config, description=__doc__, args=expand_aliases(sys.argv[1:]))
+    try:
+        main(cfg)
+    except UserError as e:
+        if os.environ.get("RLKIT_TRACEBACK"):
+            raise
+        print(f"\nrlkit: error: {e}\n(set RLKIT_TRACEBACK=1 for the full traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli()
