@@ -74,6 +74,7 @@ CASES = {
     ),
     "max_response_length_0": (lambda c, t: setattr(c.data, "max_response_length", 0), ["--data.max-response-length 0"]),
     "val_batch_size_0": (lambda c, t: setattr(c.data, "val_batch_size", 0), ["--data.val-batch-size 0"]),
+    "val_n_0": (lambda c, t: setattr(c.trainer, "val_n", 0), ["--trainer.val-n 0", "at least 1"]),
     "negative_micro_batch": (lambda c, t: setattr(c.actor, "ppo_micro_batch_size", -2), ["--actor.ppo-micro-batch-size -2", "0 (auto)"]),
     "negative_log_prob_micro_batch": (
         lambda c, t: setattr(c.rollout, "log_prob_micro_batch_size", -1),

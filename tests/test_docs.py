@@ -476,7 +476,7 @@ def test_counted_things_are_counted():
 # --------------------------------------------------------------------------------------------------------------
 
 FAMILIES = "actor|critic|reward|val|timing|perf|training|response_length|prompt_length|rollout_corr|async|agent|memory|dapo"
-KEY = re.compile(rf"^(?:{FAMILIES})/[\w<>/|-]+$")
+KEY = re.compile(rf"^(?:{FAMILIES})/[\w<>/|@-]+$")  # @: val/pass@<k>
 
 
 class Pattern:

@@ -116,7 +116,12 @@ def test_eval_flags_match_the_recipes_and_mistakes_are_one_line():
     args = expand_aliases(["--model", "m", "-n", "3", "--data.val-files", "a.parquet", "--rollout.temperature", "0.7"])
     cfg = tyro.cli(rlkit_eval.Config, args=args)
     assert (cfg.model.path, cfg.n, cfg.data.val_files, cfg.rollout.temperature) == ("m", 3, ["a.parquet"], 0.7)
-    for change, flag in [({"n": 0}, "-n 0"), ({"rollout": rlkit_eval.RolloutConfig(temperature=0.0)}, "--rollout.temperature")]:
+    cases = [
+        ({"n": 0}, "-n 0"),
+        ({"rollout": rlkit_eval.RolloutConfig(temperature=0.0)}, "--rollout.temperature"),
+        ({"data": rlkit_eval.DataConfig(val_files=[])}, "--data.val-files is empty"),
+    ]
+    for change, flag in cases:
         with pytest.raises(ConfigError, match=flag):
             rlkit_eval.check(rlkit_eval.Config(**change))
 
