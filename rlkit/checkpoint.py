@@ -71,6 +71,7 @@ RESUMABLE_CHANGES = {
     "trainer.device",
     "trainer.num_threads",
     "trainer.val_before_train",
+    "trainer.val_n",  # how many samples validation takes: what it measures, not the run
     "data.val_files",
     "data.val_batch_size",
     "data.val_max_samples",

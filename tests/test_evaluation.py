@@ -140,3 +140,20 @@ def test_training_validation_with_val_n(tmp_path):
         assert {"val/score", "val/mean@4", "val/pass@1", "val/pass@2", "val/pass@4", "val/maj@2", "val/maj@4"} <= set(r)
         assert r["val/pass@1"] == pytest.approx(r["val/mean@4"], abs=TOL) and r["val/acc"] == pytest.approx(r["val/mean@4"], abs=1e-6)
         assert r["val/mean@4"] <= r["val/pass@2"] <= r["val/pass@4"]
+
+
+def test_resume_accepts_another_val_n_and_checkpoints_saved_before_it():
+    """--trainer.val-n changes what validation measures, not the run: a checkpoint saved with another value, or by an rlkit
+    without the flag, resumes."""
+    import dataclasses
+
+    from test_grpo_recipe import load_recipe
+
+    from rlkit.checkpoint import check_config
+
+    current = dataclasses.asdict(load_recipe("grpo").Config())
+    saved = json.loads(json.dumps(current, default=str))
+    del saved["trainer"]["val_n"]  # an older checkpoint's config.json
+    check_config(saved, current)
+    saved["trainer"]["val_n"] = 8
+    check_config(saved, current)
