@@ -114,7 +114,7 @@ def sample(policy, prompts, reward_fn, batch_size: int, n: int, validate: bool, 
     metrics of each batch with its row count (for loop.mean_metrics-style averaging).
     """
     tok = policy.tokenizer
-    records, batch_metrics = [], []
+    records, batch_metrics, readers = [], [], {}  # readers: data_source -> answer_reader
     for start in range(0, len(prompts), batch_size):
         rows = list(range(start, min(start + batch_size, len(prompts))))
         out = policy.generate(prompts.batch(rows, tok.pad_token_id).repeat(n, interleave=True), validate=validate)  # (b*n, R)
@@ -123,7 +123,9 @@ def sample(policy, prompts, reward_fn, batch_size: int, n: int, validate: bool, 
         batch_metrics.append((metrics, len(responses)))
         for j, (text, s) in enumerate(zip(responses, scores.tolist())):
             p, source = rows[j // n], out["data_source"][j]
-            read = answer_reader(reward_fn, source)
+            if source not in readers:
+                readers[source] = answer_reader(reward_fn, source)
+            read = readers[source]
             records.append(
                 {
                     "prompt_index": p,
