@@ -304,6 +304,8 @@ class TrainerConfig:
     """asynchronous k-step off-policy training: a generation worker (a process, or a Ray actor) with its own weight copy samples the batches of steps t+1..t+k while step t updates (0 = the synchronous loop; every recipe; hf or vllm rollout; not with --trainer.engine megatron)"""
     async_workers: int = 1
     """with --trainer.async-steps k >= 1: how many generation workers (processes, or Ray actors on a pool of their own), each sampling an equal share of every batch's prompt groups"""
+    async_timeout_s: float = 3600.0
+    """with --trainer.async-steps k >= 1: stop with an error when a generation worker sends nothing for this many seconds (hung, or stopped by SIGSTOP: then after at most 60 s); 0 = wait forever"""
 
 
 def check_flags(cfg) -> None:
