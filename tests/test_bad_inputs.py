@@ -431,3 +431,17 @@ def test_a_stopped_killed_or_silent_async_worker_ends_the_wait_with_one_line(how
     assert "__main__" not in message
     proc.join(timeout=10)
     assert not proc.is_alive()  # a stopped or hung worker is killed, not left behind
+
+
+# ----------------------------------------------------------------------------- bench/reliability.py
+
+
+def test_reliability_driver_lists_its_cases_and_runs_one():
+    bench = [sys.executable, str(ROOT / "bench" / "reliability.py")]
+    listed = subprocess.run([*bench, "--list"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-1000:]
+    names = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
+    assert {"parse_nested", "parse_fuzz", "checkpoint_pickle", "sandbox_environ", "owner_sigkill", "async_worker_stopped"} <= names
+    out = subprocess.run([*bench, "--only", "parse_nested"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-1000:] + out.stderr[-1000:]
+    assert "| parse_nested | PASS |" in out.stdout and "1/1 pass" in out.stdout
