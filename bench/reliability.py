@@ -92,10 +92,13 @@ def alive(pid: int) -> bool:
 
 
 def cmdline(pid: int) -> str:
+    """The command line, or for a process without one (a fork that never exec'd, exiting) its name and state from stat."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return text or f"pid {pid} {stat[stat.index('(') : stat.rindex(')') + 1]} state {stat.rsplit(')', 1)[1].split()[0]}"
+    except (OSError, ValueError, IndexError):
+        return f"pid {pid} (gone)"
 
 
 # ----------------------------------------------------------------------------- the cases: each returns None (PASS) or why it FAILs
@@ -281,12 +284,13 @@ def owner_sigkill(tmp: Path):
     owner.wait()
     time.sleep(10)
     left = [p for p in tree if alive(p)]
+    names = [cmdline(p)[:60] for p in left]
     for p in left:  # clean up what the run left, so the next case has the CPU
         try:
             os.kill(p, signal.SIGKILL)
         except OSError:
             pass
-    return f"{len(left)} process(es) outlived their SIGKILLed owner: {[cmdline(p)[:60] for p in left]}" if left else None
+    return f"{len(left)} process(es) outlived their SIGKILLed owner: {names}" if left else None
 
 
 def async_worker(fault: int, phrase: str, forbidden: str | None = None):
