@@ -208,7 +208,7 @@ class RlkitGRPO:
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))
             with loop.timer("old_log_prob", timings):
-                if not (self.skip_old_log_prob or self.policy.is_on_policy()):  # as recipes/grpo.py
+                if not (self.skip_old_log_prob or self.policy.update_is_one_step()):  # as recipes/grpo.py
                     batch = batch.union(policy.compute_log_prob(batch))
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]

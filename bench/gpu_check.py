@@ -8,26 +8,46 @@ No network and no download: the model is built from a config with random weights
 tokenizer, and neither has an EOS token (nor its generation config), so every response runs to the length cap: memory and speed are measured at the full 512 + 512 tokens. Rewards come from a small scoring
 function written beside it (random tokens score unevenly), so GRPO's advantages and gradients are not zero.
 
-What it checks, each a row of the PASS/FAIL table:
+What it checks, each a row of the PASS/FAIL table (each row in a subprocess of its own on a GPU, killed and
+reported FAIL "timeout" past --timeout seconds, so a hung collective does not stop the check; in-process with a
+SIGALRM timeout in --dry):
 
   env            CUDA works and supports bf16 (GPU); versions
-  grpo-full      recipes/grpo.py, full parameters, --actor.ppo-mini-batch-size below the batch (the off-policy
-                 path: old log-probs with entropy, two optimizer steps per training step): the start-of-run line
-                 says float32 master weights and bf16 compute; responses are full length; losses and gradient
-                 norms finite and nonzero; GPU memory per phase (gen, ref, old_log_prob, update); rollout
-                 tokens/s; update-phase model FLOP utilisation against the GPU's bf16 peak
-  grpo-lora      the same with LoRA rank 16 (frozen base in bf16, float32 adapters)
+  grpo-full      recipes/grpo.py, full parameters, bf16 compute over float32 masters (--dry too: CPU autocast),
+                 --actor.ppo-mini-batch-size below the batch (old log-probs with entropy, two optimizer steps per
+                 step), an entropy bonus: the start-of-run line; full-length responses; finite, nonzero losses and
+                 gradients; on a GPU, with 24 GB emulated (torch.cuda.set_per_process_memory_fraction): the peak of
+                 each phase against bench/gpu_memory.py's prediction (+-30 %); rollout tokens/s; update MFU
+  grpo-lora      the same with LoRA rank 16
   checkpointing  one forward/backward with gradient checkpointing on and off: equal loss and gradients, less memory
+  logits-memory  a real vocabulary (V = 151,936, tiny body): the update pass (entropy in the loss) and the log-prob pass
+                 peak as bench/gpu_memory.py predicts (+-30 %); bf16 over float32 masters (CPU autocast in --dry)
+  bf16-learning  (GPU) weights move under bf16 compute as in float32 (5 AdamW steps), and a learnable toy reward rises
+                 within 50 GRPO steps in bf16
+  critic         recipes/ppo.py: the value model trains beside the policy (finite critic loss and gradients)
+  token-budget   --actor.max-token-len-per-micro-batch (micro-batches by tokens; on 2+ GPUs under FSDP with 2 ranks,
+                 where unequal counts used to hang)
+  flash-attn     (GPU) flash_attention_2 and sdpa give the same log-probs (bf16 tolerance); SKIP when not installed
   ray            --trainer.backend ray --trainer.n-workers 1 (2 with two GPUs): two steps with a checkpoint each,
                  a resumed third step, and the Hugging Face export loaded back
+  ray-vllm       (GPU, vLLM) Ray + vLLM with LoRA, the adapter sync and the merged sync: vLLM's log-probs stay
+                 close to the trainer's after updates
   async          --trainer.async-steps 1, three steps: staleness 0, 1, 1; the log-prob gap of the generation
                  process and the trainer on equal weights; the step time and the trainer's wait
+  async-vllm     (GPU, vLLM) the same with vLLM in the worker; the whole GPU's use (torch.cuda.mem_get_info, both
+                 processes) against bench/gpu_memory.py's async + vLLM prediction
   vllm           where vLLM is installed: its log-probs agree with the trainer's before and after a large update
-                 (the weight sync), within bf16 tolerance on GPU
+                 (the weight sync); on a GPU the free memory (mem_get_info) before and after vLLM sleeps
+  megatron       (2+ GPUs) --trainer.engine megatron --trainer.tp-size 2: two steps, finite losses; SKIP with one GPU
 
-MFU counts 2N FLOPs per token forward and 4N backward (LoRA: 2N, no weight gradients), +2N with gradient
-checkpointing, N the parameter count; attention's own FLOPs are left out (they add ~10 % at 1k tokens), so it
-is a lower bound. Exit status 1 on any FAIL.
+--skip takes words: a row is left out when any dash-separated part of its name is listed (--skip ray,vllm leaves
+out ray, ray-vllm, async-vllm and vllm).
+
+MFU counts the FLOPs the update computes: 2 x (linear weights) per position computed -- each group's shared
+prompt once plus every response token, as the packed layout runs them -- plus 2 x hidden x V per position the LM
+head reads (the response positions), x3 for forward + backward (LoRA: x2, no weight gradients), +1 forward with
+gradient checkpointing; the embedding is a lookup, not a matmul. Attention's own FLOPs are left out (a lower bound).
+Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -38,6 +58,8 @@ import io
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -67,7 +89,25 @@ REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """Random tokens score unevenly: GRPO gets advantages that are not zero."""
     return (sum(map(ord, solution_str)) % 7) / 6
+
+
+def learnable(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward a policy can learn: the share of characters in the first half of the alphabet."""
+    return sum(c in "abcdefghijklm" for c in solution_str) / max(len(solution_str), 1)
 '''
+ROW_TIMEOUT = {"env": 120, "bf16-learning": 1200, "megatron": 900, "ray": 900, "ray-vllm": 1200, "async-vllm": 900, "vllm": 900}
+
+
+def update_flops(shape: dict, prompts: int, n: int, prompt: int, response: int, lora: bool, checkpointing: bool) -> float:
+    """FLOPs one update pass computes over a batch of `prompts` groups of `n` responses (module docstring): the linear
+    layers on each shared prompt once and on every response token, the LM head on the response positions only, the
+    embedding not at all; backward 2x forward (LoRA: 1x, activations only), +1 forward with checkpointing."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter  # q, k, v, o and the gated MLP's weights
+    positions = prompts * prompt + prompts * n * response  # packed: each prompt once
+    forward = 2 * layers * per_layer * positions + 2 * h * shape["vocab_size"] * prompts * n * response
+    return forward * ((2 if lora else 3) + (1 if checkpointing else 0))
 
 
 def sizes(dry: bool) -> dict:
@@ -111,6 +151,7 @@ def make_data(folder: Path, prompt_tokens: int) -> str:
 
     from rlkit import embedded
 
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "train.parquet"
     if not path.exists():
         df = pd.read_parquet(embedded.DATA_DIR / "train.parquet").head(64)
@@ -180,9 +221,9 @@ def check_env(ctx: dict) -> str:
     return f"{torch.cuda.device_count()} x {name} (bf16 peak {peak / 1e12:.0f} TFLOP/s)" if peak else f"{name} (bf16 peak unknown)"
 
 
-def grpo_cfg(ctx: dict, name: str, **over):
-    """recipes/grpo.py's Config for a short run of the check's model."""
-    grpo = load_recipe("grpo")
+def grpo_cfg(ctx: dict, name: str, recipe: str = "grpo", **over):
+    """recipes/grpo.py's (or another recipe's) Config for a short run of the check's model, bf16 compute."""
+    grpo = load_recipe(recipe)
     s = ctx["sizes"]
     cfg = grpo.Config()
     cfg.model.path = ctx["model"]
@@ -194,6 +235,7 @@ def grpo_cfg(ctx: dict, name: str, **over):
     cfg.rollout.n = s["n"]
     cfg.actor.ppo_mini_batch_size = s["mini"]  # below the batch: old log-probs + two optimizer steps
     cfg.actor.ppo_micro_batch_size = s["micro"]
+    cfg.model.dtype = "bfloat16"  # float32 masters under autocast, on CPU too (--dry): the GPU's precision path
     cfg.actor.lr = 1e-5
     cfg.actor.entropy_coeff = 0.001  # the entropy enters the loss: its gradient path runs too
     cfg.reward.custom_fn = f"{ctx['reward']}:compute_score"
@@ -219,15 +261,37 @@ def run_recipe(grpo, cfg) -> tuple[str, list[dict]]:
     return text.getvalue(), read_metrics(out / "metrics.jsonl")
 
 
-def check_grpo(ctx: dict, lora: bool) -> str:
+def emulate_24gb() -> str:
+    """Cap this process's CUDA allocations at 24 GB (torch.cuda.set_per_process_memory_fraction): the documented
+    "fits 24 GB" rows are checked as a 24 GB card would run them."""
     import torch
 
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 24e9 / total))
+    return f"capped at 24 GB of {total / 1e9:.0f}"
+
+
+def compare_memory(last: dict, lora: bool) -> str:
+    """The phases' measured peaks (torch.cuda.max_memory_allocated, GiB) against bench/gpu_memory.py's prediction for
+    the documented settings (0.5B, 512 + 512, n 8, micro-batch 8, an entropy bonus): within +-30 %."""
+    import gpu_memory as gm
+
+    predicted = gm.predict(gm.Setup(model="0.5B", lora=lora, entropy=True), 24)
+    out = []
+    for phase, key in (("update", "update"), ("old_log_prob", "log_prob"), ("gen", "gen")):
+        got, want = last[f"memory/{phase}_peak_gb"], predicted[key] / gm.GiB
+        expect(abs(got - want) <= 0.3 * want, f"{phase} peak {got:.1f} GiB, the memory model predicts {want:.1f} (+-30 %)")
+        out.append(f"{phase} {got:.1f}/{want:.1f}")
+    return "peak GiB measured/predicted " + " ".join(out)
+
+
+def check_grpo(ctx: dict, lora: bool) -> str:
     s = ctx["sizes"]
     name = "grpo-lora" if lora else "grpo-full"
+    cap = "" if ctx["dry"] else emulate_24gb()
     grpo, cfg = grpo_cfg(ctx, name, model__lora_rank=16 if lora else 0)
     text, rows = run_recipe(grpo, cfg)
-    dtype = "float32" if ctx["dry"] else "bfloat16"
-    params = f"params {dtype} (LoRA adapters float32)" if lora else f"params float32, compute {dtype}"
+    params = "params bfloat16 (LoRA adapters float32)" if lora else "params float32, compute bfloat16"  # masters + autocast
     expect(params in text, f"start-of-run line lacks {params!r}")
     if not ctx["dry"]:
         expect("device cuda" in text, "start-of-run line does not say device cuda")
@@ -240,22 +304,16 @@ def check_grpo(ctx: dict, lora: bool) -> str:
     expect("timing/old_log_prob" in last and last["timing/old_log_prob"] > 0, "no old log-prob pass (the off-policy path)")
     rows_n = s["prompts"] * s["n"]
     tokens_per_s = rows_n * s["response"] / last["timing/gen"]
-    detail = f"gen {tokens_per_s:.0f} tok/s"
-    if not ctx["dry"]:
-        for phase in ("gen", "ref", "old_log_prob", "update"):
-            key = f"memory/{phase}_peak_gb"
-            expect(key in last, f"{key} missing from the metrics")
-        detail += ", peak GiB " + " ".join(f"{p} {last[f'memory/{p}_peak_gb']:.1f}" for p in ("gen", "ref", "old_log_prob", "update"))
-        _, peak = bf16_peak()
-        if peak:
-            n_params = ctx["n_params"]
-            tokens = rows_n * (s["prompt"] + s["response"])  # an upper bound of the unpadded tokens; prompts are near full
-            per_token = 2 * n_params + (2 if lora else 4) * n_params + (2 * n_params if ctx["checkpointing"] else 0)
-            mfu = tokens * per_token / last["timing/update"] / peak
-            detail += f", update MFU {100 * mfu:.0f} %"
-    else:
-        detail += f", max RSS {last['perf/max_rss_gb']:.1f} GiB"
-    del torch
+    detail = f"{params}; gen {tokens_per_s:.0f} tok/s"
+    if ctx["dry"]:
+        return detail + f", max RSS {last['perf/max_rss_gb']:.1f} GiB"
+    for phase in ("gen", "ref", "old_log_prob", "update"):
+        expect(f"memory/{phase}_peak_gb" in last, f"memory/{phase}_peak_gb missing from the metrics")
+    detail += f"; {cap}; " + compare_memory(last, lora)
+    _, peak = bf16_peak()
+    if peak:
+        flops = update_flops(s["model"], s["prompts"], s["n"], s["prompt"], s["response"], lora, ctx["checkpointing"])
+        detail += f", update MFU {100 * flops / last['timing/update'] / peak:.0f} %"
     return detail
 
 
@@ -345,7 +403,7 @@ def check_async(ctx: dict) -> str:
     _, rows = run_recipe(grpo, cfg)
     expect([r["async/staleness"] for r in rows] == [0, 1, 1], f"staleness {[r['async/staleness'] for r in rows]}, expected [0, 1, 1]")
     first = rows[0]["rollout_corr/abs_diff_mean"]  # the same weights in both processes: the gap of two bf16 passes
-    tol = 0.05 if ctx["device"] == "cuda" else 1e-5
+    tol = 0.05  # bf16 compute (on CPU too): the worker holds bf16 weights, the trainer float32 masters under autocast
     expect(first < tol, f"mean |log-prob gap| {first:.2e} on the starting weights (tolerance {tol})")
     for key in ("actor/loss", "actor/grad_norm"):
         expect(math.isfinite(rows[-1][key]), f"{key} not finite")
@@ -384,22 +442,316 @@ def check_vllm(ctx: dict) -> str:
         return nll, {"nll": nll}, {}
 
     before = gap()
+    freed = ""
+    if not ctx["dry"] and hasattr(worker.rollout, "sleep"):  # the whole device's free memory, vLLM awake then asleep
+        worker.rollout.wake_up()
+        free_awake = torch.cuda.mem_get_info()[0]
+        worker.rollout.sleep()
+        free_asleep = torch.cuda.mem_get_info()[0]
+        expect(free_asleep > free_awake + 2**30, f"vLLM's sleep freed {(free_asleep - free_awake) / 2**30:.2f} GiB (expected > 1)")
+        freed = f"; sleep frees {(free_asleep - free_awake) / 2**30:.1f} GiB (mem_get_info)"
     out = worker.generate(prompts)
     out["old_log_probs"] = worker.compute_log_prob(out)["old_log_probs"]
     worker.update(out, loss)  # syncs the weights into vLLM
     after = gap()
     tol = 0.05 if ctx["device"] == "cuda" else 1e-3
     expect(before < tol and after < tol, f"mean |log-prob gap| {before:.2e} before, {after:.2e} after the update (tolerance {tol})")
-    del torch
-    return f"mean |log-prob gap| {before:.1e} before, {after:.1e} after a large update; startup {worker.rollout.startup_s:.0f} s"
+    return f"mean |log-prob gap| {before:.1e} before, {after:.1e} after a large update; startup {worker.rollout.startup_s:.0f} s{freed}"
+
+
+def gpu_only(ctx: dict, what: str = "") -> None:
+    if ctx["dry"]:
+        raise SkipCheck(f"GPU only{what}")
+
+
+def need_vllm() -> None:
+    from rlkit.vllm_rollout import vllm_available
+
+    if not vllm_available():
+        raise SkipCheck("vLLM is not installed (bash scripts/install.sh vllm)")
+
+
+def check_logits_memory(ctx: dict) -> str:
+    """A real vocabulary (V = 151,936) on a tiny body: the update pass with the entropy in the loss and the log-prob pass
+    peak as bench/gpu_memory.py predicts, bf16 over float32 masters (CPU autocast in --dry)."""
+    import gpu_memory as gm
+
+    path = gm.tiny_model(ctx["out"] / "model-v151936")
+    out = []
+    for phase, entropy in (("update", True), ("log_prob", False)):
+        with quiet():
+            got, want = gm.measure_pass(path, phase, entropy, dtype="bfloat16", device=ctx["device"])
+        u = 8 * 48 * 151936 * 4
+        expect(abs(got - want) <= 0.3 * got, f"{phase}: measured {got / u:.2f} U, the memory model predicts {want / u:.2f} U (+-30 %)")
+        out.append(f"{phase}{' + entropy' if entropy else ''} {got / u:.2f} U (model {want / u:.2f})")
+    return f"{gm.engine_code()} engine: " + ", ".join(out)
+
+
+def check_bf16_learning(ctx: dict) -> str:
+    """bf16 compute learns: every weight moves as in float32 over 5 AdamW steps of 1e-5, and GRPO raises a learnable toy
+    reward within 50 steps (the tiny model, bf16 over float32 masters; on CPU autocast it went 0.13 -> 0.29)."""
+    gpu_only(ctx, " (50 steps; tests/test_gpu_readiness.py checks on CPU that bf16 weights move as float32 ones)")
+    tiny = make_model(ctx["out"] / "model-tiny", sizes(True)["model"])
+    frac, cos = bf16_moves_as_fp32(tiny, "cuda")
+    expect(frac["bfloat16"] >= frac["float32"] - 1e-3, f"bf16 moved {frac['bfloat16']:.3f} of the weights, float32 {frac['float32']:.3f}")
+    expect(cos > 0.9, f"bf16 and float32 updates point apart (cosine {cos:.2f})")
+    rows = learn_toy_reward(ctx, tiny, "cuda")
+    first, last = (sum(r["critic/score/mean"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
+    expect(last > first + 0.05, f"the toy reward went {first:.3f} -> {last:.3f} in 50 bf16 steps (expected a rise of 0.05+)")
+    return f"moved {100 * frac['bfloat16']:.1f} % of weights (float32 {100 * frac['float32']:.1f} %), cosine {cos:.3f}; reward {first:.2f} -> {last:.2f}"
+
+
+def bf16_moves_as_fp32(model: str, device: str) -> tuple[dict, float]:
+    """5 AdamW steps (lr 1e-5) of a language-model loss in float32 and in bf16 over float32 masters: the share of weights
+    that moved in each, and the cosine of the two updates."""
+    import torch
+
+    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.engine import TorchEngine
+
+    moved = {}
+    ids = torch.arange(3, 67, device=device)[None]  # (1, 64)
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        with quiet():
+            eng = TorchEngine(ModelConfig(path=model, dtype=dtype), ActorConfig(lr=1e-5, use_kl_loss=False), device=device)
+        before = [p.detach().float().clone() for p in eng.model.parameters()]
+        for _ in range(5):
+            eng.optimizer.zero_grad()
+            with eng.autocast():
+                loss = eng.model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            eng.optimizer.step()
+        moved[dtype] = torch.cat([(p.detach().float() - b).flatten() for p, b in zip(eng.model.parameters(), before, strict=True)])
+    frac = {k: (v != 0).float().mean().item() for k, v in moved.items()}
+    return frac, torch.nn.functional.cosine_similarity(moved["float32"], moved["bfloat16"], dim=0).item()
+
+
+def learn_toy_reward(ctx: dict, model: str, device: str, steps: int = 50) -> list[dict]:
+    """GRPO in bf16 (float32 masters) on the tiny model, short prompts, the learnable toy reward: the metric rows."""
+    s = sizes(True)
+    grpo, cfg = grpo_cfg(ctx, "bf16-learning", trainer__total_training_steps=steps, trainer__device=device)
+    cfg.model.path, cfg.actor.lr, cfg.reward.custom_fn = model, 3e-4, f"{ctx['reward']}:learnable"
+    cfg.data.train_files = [make_data(ctx["out"] / "short", s["prompt"])]
+    cfg.data.max_prompt_length, cfg.data.max_response_length = s["prompt"], s["response"]
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 8, 8, 8, 64
+    return run_recipe(grpo, cfg)[1]
+
+
+def check_critic(ctx: dict) -> str:
+    """recipes/ppo.py: a value model (the policy's body + a fresh head) trains beside the policy."""
+    ppo, cfg = grpo_cfg(ctx, "critic", recipe="ppo")
+    cfg.rollout.n = 1
+    _, rows = run_recipe(ppo, cfg)
+    last = rows[-1]
+    for key in ("critic/vf_loss", "critic/grad_norm", "actor/loss"):
+        expect(key in last and math.isfinite(last[key]), f"{key} missing or not finite")
+    expect(last["critic/grad_norm"] > 0, "the critic got no gradient")
+    return f"vf_loss {last['critic/vf_loss']:.3f}, critic grad norm {last['critic/grad_norm']:.2f}"
+
+
+def check_token_budget(ctx: dict) -> str:
+    """--actor.max-token-len-per-micro-batch: micro-batches by tokens (two prompts' worth); on 2+ GPUs under FSDP with two
+    ranks, whose shares split into different counts (the hang it must not cause: the row's timeout catches it)."""
+    import torch
+
+    s = ctx["sizes"]
+    budget = 2 * (s["prompt"] + s["n"] * s["response"])
+    ranks = 1 if ctx["dry"] else min(2, torch.cuda.device_count())
+    over = dict(trainer__backend="ray", trainer__n_workers=ranks) if ranks > 1 else {}
+    grpo, cfg = grpo_cfg(ctx, "token-budget", actor__max_token_len_per_micro_batch=budget, **over)
+    _, rows = run_recipe(grpo, cfg)
+    expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) for r in rows), "losses missing or not finite")
+    return f"budget {budget} tokens, {ranks} rank(s): 2 steps, finite losses"
+
+
+def check_flash_attn(ctx: dict) -> str:
+    """flash_attention_2 (when it imports) and sdpa give the same log-probs, in bf16 tolerance."""
+    import importlib.util
+
+    import torch
+
+    from rlkit.config import ModelConfig
+    from rlkit.engine import TorchEngine
+
+    gpu_only(ctx)
+    if importlib.util.find_spec("flash_attn") is None:
+        raise SkipCheck("flash-attn is not installed")
+    from rlkit.protocol import DataProto
+    from rlkit.rollout import assemble
+
+    s, g = ctx["sizes"], torch.Generator().manual_seed(0)
+    rows, P, R = s["n"], s["prompt"], s["response"]
+    ids = torch.randint(3, 275, (1, P), generator=g).expand(rows, P)
+    prompts = DataProto.from_dict(
+        tensors={"input_ids": ids, "attention_mask": torch.ones(rows, P, dtype=torch.long), "position_ids": torch.arange(P).expand(rows, P)}
+    )
+    batch = assemble(prompts, torch.randint(3, 275, (rows, R), generator=g), [], 0)
+    lp = {}
+    for attn in ("sdpa", "flash_attention_2"):
+        with quiet():
+            eng = TorchEngine(ModelConfig(path=ctx["model"], attn_implementation=attn), None, device="cuda")
+        start = time.perf_counter()
+        lp[attn] = eng.compute_log_prob(batch, 1.0, rows)[0]
+        torch.cuda.synchronize()
+        lp[attn + "_s"] = time.perf_counter() - start
+        del eng
+    gap = (lp["sdpa"] - lp["flash_attention_2"]).abs().mean().item()
+    expect(gap < 0.05, f"mean |log-prob gap| {gap:.3f} between flash_attention_2 and sdpa (bf16 tolerance 0.05)")
+    return f"mean |gap| {gap:.1e}; one pass sdpa {lp['sdpa_s']:.2f} s, flash {lp['flash_attention_2_s']:.2f} s"
+
+
+def check_ray_vllm(ctx: dict) -> str:
+    """Ray + vLLM with LoRA: the adapter sync and the merged sync (bf16(W + BA) used to lose most of a small delta)."""
+    gpu_only(ctx)
+    need_vllm()
+    out = []
+    for adapter in (True, False):
+        over = dict(trainer__backend="ray", rollout__name="vllm", model__lora_rank=16, trainer__total_training_steps=3)
+        grpo, cfg = grpo_cfg(ctx, f"ray-vllm-{'adapter' if adapter else 'merged'}", **over)
+        cfg.rollout.lora_adapter_sync, cfg.rollout.gpu_memory_utilization = adapter, 0.3
+        _, rows = run_recipe(grpo, cfg)
+        gap = rows[-1]["rollout_corr/abs_diff_mean"]  # vLLM's log-probs against the trainer's, after two updates
+        expect(gap < 0.05, f"{'adapter' if adapter else 'merged'} sync: mean |log-prob gap| {gap:.3f} after 2 updates (bf16: < 0.05)")
+        out.append(f"{'adapter' if adapter else 'merged'} gap {gap:.1e}")
+    return ", ".join(out)
+
+
+def check_async_vllm(ctx: dict) -> str:
+    """--trainer.async-steps 1 with vLLM in the generation worker, on one GPU: staleness 0, 1, 1, and the whole device's
+    use (both processes, torch.cuda.mem_get_info sampled through the run) within the memory model's prediction."""
+    import threading
+
+    import gpu_memory as gm
+    import torch
+
+    gpu_only(ctx)
+    need_vllm()
+    grpo, cfg = grpo_cfg(ctx, "async-vllm", trainer__async_steps=1, trainer__total_training_steps=3, rollout__name="vllm")
+    free0, total = torch.cuda.mem_get_info()
+    used, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.wait(0.5):
+            used[0] = max(used[0], free0 - torch.cuda.mem_get_info()[0])
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        _, rows = run_recipe(grpo, cfg)
+    finally:
+        stop.set()
+        thread.join()
+    expect([r["async/staleness"] for r in rows] == [0, 1, 1], f"staleness {[r['async/staleness'] for r in rows]}, expected [0, 1, 1]")
+    want = gm.predict(gm.Setup(model="0.5B", rollout="vllm", async_=True, entropy=True), total / 1e9)["peak"] + 2 * 0.5 * gm.GiB
+    got = used[0]
+    expect(got <= 1.3 * want, f"the GPU held {got / gm.GiB:.1f} GiB, the memory model predicts {want / gm.GiB:.1f} (+ 30 %)")
+    return f"staleness 0, 1, 1; device use {got / gm.GiB:.1f} GiB (model {want / gm.GiB:.1f}, both processes with contexts)"
+
+
+def check_megatron(ctx: dict) -> str:
+    """--trainer.engine megatron --trainer.tp-size 2 on 2 GPUs: two GRPO steps with finite losses."""
+    import torch
+
+    gpu_only(ctx)
+    if torch.cuda.device_count() < 2:
+        raise SkipCheck(f"tensor parallel 2 needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+    over = dict(trainer__backend="ray", trainer__engine="megatron", trainer__tp_size=2, trainer__n_workers=2)
+    grpo, cfg = grpo_cfg(ctx, "megatron", **over)
+    _, rows = run_recipe(grpo, cfg)
+    expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows), "losses or gradients bad")
+    return f"TP 2: 2 steps, loss {rows[-1]['actor/loss']:.3f}, grad norm {rows[-1]['actor/grad_norm']:.2f}"
+
+
+ROWS = {
+    "env": (check_env,),
+    "grpo-full": (check_grpo, False),
+    "grpo-lora": (check_grpo, True),
+    "checkpointing": (check_checkpointing,),
+    "logits-memory": (check_logits_memory,),
+    "bf16-learning": (check_bf16_learning,),
+    "critic": (check_critic,),
+    "token-budget": (check_token_budget,),
+    "flash-attn": (check_flash_attn,),
+    "ray": (check_ray,),
+    "ray-vllm": (check_ray_vllm,),
+    "async": (check_async,),
+    "async-vllm": (check_async_vllm,),
+    "vllm": (check_vllm,),
+    "megatron": (check_megatron,),
+}
+
+
+def skipped(name: str, skip: set[str]) -> bool:
+    """Whether --skip leaves the row out: any dash-separated part of its name (or the name) is listed."""
+    return name in skip or any(part in skip for part in name.split("-"))
+
+
+class Timeout(Exception):
+    pass
+
+
+def run_in_process(check: Check, name: str, ctx: dict, limit: int) -> None:
+    """--dry: the row here, with a SIGALRM timeout (enough for Python code; a hang inside C code needs the subprocess)."""
+
+    def alarm(signum, frame):
+        raise Timeout(f"timeout after {limit} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(limit)
+    try:
+        check.run(name, ROWS[name][0], ctx, *ROWS[name][1:])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_in_subprocess(check: Check, name: str, ctx: dict, limit: int) -> None:
+    """A GPU row in a process of its own: killed past `limit` seconds and reported FAIL "timeout" (a hung NCCL collective
+    never returns to Python); its output goes to <out>/<row>.log."""
+    log = Path(ctx["out"]) / f"{name}.log"
+    result = Path(ctx["out"]) / f"{name}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--row", name, "--ctx", str(Path(ctx["out"]) / "ctx.json")]
+    start = time.perf_counter()
+    print(f"[gpu_check] {name} ... (log {log})", flush=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # its own process group
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the row and what it started (Ray, vLLM, NCCL ranks)
+            proc.wait()
+            check.rows.append((name, "FAIL", f"timeout after {limit} s (log {log})"))
+            print(f"[gpu_check] {name}: FAIL timeout", flush=True)
+            return
+    if result.exists():
+        check.rows.append(tuple(json.loads(result.read_text())))
+    else:
+        tail = log.read_text()[-300:].strip().splitlines()
+        check.rows.append(
+            (name, "FAIL", f"the row's process died: {tail[-1] if tail else 'no output'} ({time.perf_counter() - start:.0f} s)")
+        )
+    print(f"[gpu_check] {name}: {check.rows[-1][1]} {check.rows[-1][2]}", flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry", action="store_true", help="CPU, the embedded model's size, short lengths (default when CUDA is missing)")
-    p.add_argument("--skip", default="", help="comma-separated checks to leave out: grpo-full,grpo-lora,checkpointing,ray,async,vllm")
+    p.add_argument("--skip", default="", help=f"comma-separated words: rows whose name has one are left out ({', '.join(ROWS)})")
     p.add_argument("--out", default=None, help="work folder (default: a new temporary one)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per row (some rows get more: ROW_TIMEOUT); past it a row FAILs")
+    p.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row (a subprocess of the check)
+    p.add_argument("--ctx", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.row:  # one row in its own process: the result as JSON beside the log
+        ctx = json.loads(Path(args.ctx).read_text())
+        ctx["out"] = Path(ctx["out"])
+        set_threads(8)
+        check = Check()
+        check.run(args.row, ROWS[args.row][0], ctx, *ROWS[args.row][1:])
+        (ctx["out"] / f"{args.row}.json").write_text(json.dumps(check.rows[-1]))
+        return 0
     set_threads(1 if args.dry else 8)
     import tempfile
 
@@ -418,23 +770,19 @@ def main() -> int:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     ctx["n_params"] = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     ctx["checkpointing"] = not dry and ctx["n_params"] >= 10_000_000  # what gradient_checkpointing=auto picks
+    (out / "ctx.json").write_text(json.dumps({**ctx, "out": str(out)}))
     print(f"[gpu_check] {'dry run on CPU' if dry else 'GPU run'}: model {ctx['model']} ({ctx['n_params'] / 1e6:.1f}M), out {out}")
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     check = Check()
-    check.run("env", check_env, ctx)
-    for name, fn, *rest in [
-        ("grpo-full", check_grpo, False),
-        ("grpo-lora", check_grpo, True),
-        ("checkpointing", check_checkpointing),
-        ("ray", check_ray),
-        ("async", check_async),
-        ("vllm", check_vllm),
-    ]:
-        if name in skip:
+    for name in ROWS:
+        limit = max(args.timeout, ROW_TIMEOUT.get(name, 0)) if not dry else args.timeout
+        if skipped(name, skip):
             check.rows.append((name, "SKIP", "--skip"))
+        elif dry:
+            run_in_process(check, name, ctx, limit)
         else:
-            check.run(name, fn, ctx, *rest)
+            run_in_subprocess(check, name, ctx, limit)
     print("\n" + check.table())
     return 1 if any(s == "FAIL" for _, s, _ in check.rows) else 0
 

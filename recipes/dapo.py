@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from rlkit import algos, loop
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.config import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError, RunFailed
 from rlkit.placement import build_policy, build_reward
@@ -38,7 +45,12 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(
         default_factory=lambda: ActorConfig(
-            lr=1e-4, ppo_mini_batch_size=32, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean", use_kl_loss=False
+            lr=1e-4,
+            ppo_mini_batch_size=32,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
+            loss_agg_mode="token-mean",
+            use_kl_loss=False,
         )
     )
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -46,27 +58,24 @@ class Config:
     norm_adv_by_std_in_grpo: bool = True
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
     overlong_buffer_len: int = 2
-    """length of the soft-punishment zone before max_response_length (0 disables overlong shaping)"""
+    """length of the soft-punishment zone before max_response_length (0: no overlong shaping)"""
     overlong_penalty_factor: float = 1.0
     """largest overlong penalty, reached at max_response_length"""
     filter_groups: bool = True
     """dynamic sampling: drop groups whose rewards are all equal and generate more"""
     gen_batch_size: int = 48
-    """prompts per generation batch while collecting informative groups (trainer.total_epochs counts these batches)"""
+    """prompts per generation batch while collecting informative groups (epochs count these)"""
     max_num_gen_batches: int = 10
     """stop with an error after this many generation batches in one step (0 = unlimited)"""
 
 
-# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+# ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
-        mask, mode = mb["response_mask"], a.loss_agg_mode
-        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
-        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
-            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
-            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
+        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
         pg_loss, metrics = algos.ppo_clip_loss(
             log_prob,
             mb["old_log_probs"],
@@ -80,15 +89,17 @@ def make_actor_loss(cfg: Config):
             weights=weights,
         )
         metrics.update(corr)
-        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted: actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
-        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)  # (b, R)
+            parts["kl_loss"] = algos.agg_loss(kl, mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0)
+        loss = loss + a.kl_loss_coef * parts.get("kl_loss", 0.0)
         return loss, parts, metrics
 
-    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes it only when asked
     return actor_loss
 
 
@@ -96,39 +107,46 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
-        raise ConfigError("DAPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
+        raise ConfigError(
+            "DAPO needs --rollout.n >= 2: "
+            "the advantage compares each response with the others of its group"
+        )
+    policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     tok = policy.tokenizer
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.gen_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+        build_prompts(cfg.data.train_files, tok, cfg.data),
+        cfg.gen_batch_size,
+        tok.pad_token_id,
+        cfg.data.shuffle,
+        cfg.trainer.seed,
     )
-    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    val = (
+        build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
+        if cfg.data.val_files
+        else None
+    )
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-
-    def prompts(i):  # the i-th generation batch: G prompts -> G*n rows, a group's rows adjacent
-        batch = train.next_batch()  # G = gen_batch_size prompts: input_ids, attention_mask, position_ids (G, P), ...
-        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
-        return batch.repeat(cfg.rollout.n, interleave=True)
-
-    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
-    rollouts = loop.Rollouts(cfg, policy, prompts, run)  # (with rollout_log_probs mu, ref_log_prob, its policy version)
+    rollouts = loop.Rollouts(cfg, policy, train, run)  # each call: G prompts from train x n samples
 
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            kept, gen_metrics, num_gen_batches = [], [], 0  # informative groups; every generation batch's reward metrics
+            # informative groups; every generation batch's reward metrics; generation batches
+            kept, gen_metrics, num_gen_batches = [], [], 0
             while sum(len(b) for b in kept) < cfg.data.train_batch_size * cfg.rollout.n:
                 num_gen_batches += 1
                 if 0 < cfg.max_num_gen_batches < num_gen_batches:
                     raise RunFailed(
-                        f"dynamic sampling: {cfg.max_num_gen_batches} generation batches gave fewer than {cfg.data.train_batch_size} "
-                        "prompts whose responses differ in reward. The task is too easy or too hard for the model: "
-                        "raise --max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass --no-filter-groups"
+                        f"dynamic sampling: {cfg.max_num_gen_batches} generation batches gave "
+                        f"fewer than {cfg.data.train_batch_size} prompts whose responses differ in "
+                        "reward. The task is too easy or too hard for the model: raise "
+                        "--max-num-gen-batches (0 = unlimited), raise --rollout.n, or pass "
+                        "--no-filter-groups"
                     )
-                with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k batches ago)
-                    batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (G*n, R)
+                with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+                    batch = rollouts.next()  # prompts + responses, response_mask: (G*n, R); uid
                 with loop.timer("reward", timings):  # one verifiable score per response
                     scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (G*n,)
                 gen_metrics.append((reward_metrics, len(batch)))
@@ -136,30 +154,44 @@ def main(cfg: Config) -> dict:
                 # ALGO LOGIC: overlong reward shaping, then keep only groups whose rewards differ
                 if cfg.overlong_buffer_len > 0:
                     scores = scores + algos.overlong_reward_penalty(
-                        batch["response_mask"].sum(-1), cfg.data.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+                        batch["response_mask"].sum(-1),
+                        cfg.data.max_response_length,
+                        cfg.overlong_buffer_len,
+                        cfg.overlong_penalty_factor,
                     )
                 batch["scores"] = scores
-                keep = algos.informative_groups(batch["uid"], scores) if cfg.filter_groups else torch.ones(len(batch), dtype=torch.bool)
+                keep = (
+                    algos.informative_groups(batch["uid"], scores)
+                    if cfg.filter_groups
+                    else torch.ones(len(batch), dtype=torch.bool)
+                )
                 kept.append(batch.index(keep))
-            batch = DataProto.concat(kept).index(slice(0, cfg.data.train_batch_size * cfg.rollout.n))  # B*n rows
+            batch = DataProto.concat(kept).index(
+                slice(0, cfg.data.train_batch_size * cfg.rollout.n)
+            )
             scores = batch["scores"]  # (B*n,)
-            reward_metrics = {**loop.mean_metrics(gen_metrics), "dapo/num_gen_batches": num_gen_batches}  # all generated responses
+            reward_metrics = loop.mean_metrics(gen_metrics)  # over all generated responses
+            reward_metrics["dapo/num_gen_batches"] = num_gen_batches
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
-                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
-                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+                if not policy.update_is_one_step():  # one step: pi_old = pi, taken from the update
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
-            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            advantages = algos.grpo_advantage(scores, batch["uid"], cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
-            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
-                actor_metrics = policy.update(batch, actor_loss)
+            with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
-        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        metrics = {
+            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **reward_metrics,
+            **actor_metrics,
+        }
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

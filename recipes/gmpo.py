@@ -16,7 +16,7 @@ than PPO's (0.8, 1.2), which the geometric mean makes safe (the paper advises le
 
     python recipes/gmpo.py                          # embedded tiny model + arithmetic task, CPU
     python recipes/gmpo.py --help
-    python recipes/gmpo.py --actor.ppo-mini-batch-size 8           # 4 optimizer steps per batch: the clip bites from the 2nd
+    python recipes/gmpo.py --actor.ppo-mini-batch-size 8  # 4 optimizer steps, the clip bites
 
 Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
 samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
@@ -26,7 +26,14 @@ accumulated over micro-batches of actor.ppo_micro_batch_size trajectories.
 from dataclasses import dataclass, field
 
 from rlkit import algos, loop
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.config import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
@@ -52,17 +59,15 @@ class Config:
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
 
 
-# ALGO LOGIC: the actor's loss on one micro-batch: geometric-mean surrogate - entropy bonus + KL to the reference
+# ALGO LOGIC: the actor's loss on a micro-batch: geometric-mean surrogate - entropy + KL to pi_ref
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
-        mask, mode = mb["response_mask"], a.loss_agg_mode
-        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
-        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
-            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
-            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
-        pg_loss, metrics = algos.gmpo_loss(  # -A_i * exp(mean_t clipped log-ratio), clip in log space
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
+        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
+        # -A_i * exp(mean_t clipped log-ratio), clip in log space
+        pg_loss, metrics = algos.gmpo_loss(
             log_prob,
             mb["old_log_probs"],
             mb["advantages"],
@@ -70,20 +75,21 @@ def make_actor_loss(cfg: Config):
             a.clip_low,
             a.clip_high,
             loss_agg_mode=mode,
-            num_tokens=norm.num_tokens,
-            num_seqs=norm.num_seqs,
+            norm=norm,
             weights=weights,
         )
         metrics.update(corr)
-        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted: actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
-        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)  # (b, R)
+            parts["kl_loss"] = algos.agg_loss(kl, mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0)
+        loss = loss + a.kl_loss_coef * parts.get("kl_loss", 0.0)
         return loss, parts, metrics
 
-    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes it only when asked
     return actor_loss
 
 
@@ -91,48 +97,56 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
-        raise ConfigError("GMPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
+        raise ConfigError(
+            "GMPO needs --rollout.n >= 2: "
+            "the advantage compares each response with the others of its group"
+        )
+    policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     tok = policy.tokenizer
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+        build_prompts(cfg.data.train_files, tok, cfg.data),
+        cfg.data.train_batch_size,
+        tok.pad_token_id,
+        cfg.data.shuffle,
+        cfg.trainer.seed,
     )
-    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    val = (
+        build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
+        if cfg.data.val_files
+        else None
+    )
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-
-    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
-        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
-        return batch.repeat(cfg.rollout.n, interleave=True)
-
-    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
-    rollouts = loop.Rollouts(cfg, policy, prompts, run)  # (with rollout_log_probs mu, ref_log_prob, its policy version)
+    rollouts = loop.Rollouts(cfg, policy, train, run)  # each step: B prompts from train x n samples
 
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
-                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
+            with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+                batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
-                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
-                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+                if not policy.update_is_one_step():  # one step: pi_old = pi, taken from the update
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
-            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            advantages = algos.grpo_advantage(scores, batch["uid"], cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
-            with loop.timer("update", timings):  # ALGO LOGIC: geometric-mean surrogate + KL, see make_actor_loss
-                actor_metrics = policy.update(batch, actor_loss)
+            with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
-        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        metrics = {
+            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **reward_metrics,
+            **actor_metrics,
+        }
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

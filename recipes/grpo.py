@@ -12,8 +12,8 @@ Then maximise the PPO clipped surrogate with a KL penalty to the reference (star
 
 Run it:
 
-    python recipes/grpo.py                          # embedded tiny model + arithmetic task, CPU, ~3 min
-    python recipes/grpo.py --help                   # every option, documented
+    python recipes/grpo.py                 # embedded tiny model + arithmetic task, CPU, ~3 min
+    python recipes/grpo.py --help          # every option, documented
     python recipes/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet \\
         --data.max-prompt-length 512 --data.max-response-length 512 --actor.lr 1e-5
@@ -22,18 +22,35 @@ Batch-size arithmetic, per training step:
 
     data.train_batch_size prompts            B   = 32
     x rollout.n samples each                 n   = 8      -> B*n = 256 trajectories
-    split into mini-batches of               M   = actor.ppo_mini_batch_size prompts (M*n trajectories)
-                                                          -> B/M optimizer steps per epoch, x actor.ppo_epochs
-    each mini-batch is accumulated over micro-batches of actor.ppo_micro_batch_size trajectories
-    (micro-batches change memory use, never the result: losses are normalised by mini-batch totals).
+    split into mini-batches of               M   = actor.ppo_mini_batch_size prompts (M*n rows)
+                                                          -> B/M optimizer steps per epoch
+    each accumulated over micro-batches of   actor.ppo_micro_batch_size trajectories
 
-With B == M and ppo_epochs == 1 the update is exactly on-policy (one optimizer step, rho = 1).
+and the update, policy.update (TorchEngine.update in rlkit/engine.py):
+
+    for epoch in range(actor.ppo_epochs):
+        for mini in batch.split(M * n):                          # one optimizer step each
+            optimizer.zero_grad()
+            for micro in mini.split(actor.ppo_micro_batch_size):  # memory only, same gradient
+                actor_loss(micro, log_prob, entropy, norm).backward()  # norm: mini's token count
+            clip_grad_norm_(actor.grad_clip); optimizer.step()
+    then the rollout gets the new weights (vllm: copied into its engine; hf samples this model)
+
+With B == M and ppo_epochs == 1 the update is one optimizer step: pi_old = pi, so rho = 1.
+Other engines and scales are flags, not code: docs/scaling.md, docs/vllm.md, docs/off-policy.md.
 """
 
 from dataclasses import dataclass, field
 
 from rlkit import algos, loop
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.config import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
@@ -51,16 +68,13 @@ class Config:
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
 
 
-# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+# ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
-        mask, mode = mb["response_mask"], a.loss_agg_mode
-        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
-        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
-            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
-            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
+        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
         pg_loss, metrics = algos.ppo_clip_loss(
             log_prob,
             mb["old_log_probs"],
@@ -74,15 +88,17 @@ def make_actor_loss(cfg: Config):
             weights=weights,
         )
         metrics.update(corr)
-        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted: actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
-        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)  # (b, R)
+            parts["kl_loss"] = algos.agg_loss(kl, mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0)
+        loss = loss + a.kl_loss_coef * parts.get("kl_loss", 0.0)
         return loss, parts, metrics
 
-    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes it only when asked
     return actor_loss
 
 
@@ -90,48 +106,56 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
-        raise ConfigError("GRPO needs --rollout.n >= 2: the advantage compares each response with the others of its group")
-    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
+        raise ConfigError(
+            "GRPO needs --rollout.n >= 2: "
+            "the advantage compares each response with the others of its group"
+        )
+    policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     tok = policy.tokenizer
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+        build_prompts(cfg.data.train_files, tok, cfg.data),
+        cfg.data.train_batch_size,
+        tok.pad_token_id,
+        cfg.data.shuffle,
+        cfg.trainer.seed,
     )
-    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    val = (
+        build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
+        if cfg.data.val_files
+        else None
+    )
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-
-    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
-        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
-        return batch.repeat(cfg.rollout.n, interleave=True)
-
-    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
-    rollouts = loop.Rollouts(cfg, policy, prompts, run)  # (with rollout_log_probs mu, ref_log_prob, its policy version)
+    rollouts = loop.Rollouts(cfg, policy, train, run)  # each step: B prompts from train x n samples
 
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
-                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
+            with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+                batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
-                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
-                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+                if not policy.update_is_one_step():  # one step: pi_old = pi, taken from the update
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
-            advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
+            advantages = algos.grpo_advantage(scores, batch["uid"], cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
-            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
-                actor_metrics = policy.update(batch, actor_loss)
+            with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
-        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        metrics = {
+            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **reward_metrics,
+            **actor_metrics,
+        }
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

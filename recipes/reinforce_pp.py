@@ -8,8 +8,8 @@ reward, token by token, and the advantage is the discounted return, whitened ove
     A_t = (G_t - mean(G)) / std(G)                 over every valid token of the batch
 
 With --baseline (REINFORCE++-baseline) each response's total reward R_i = sum_t r_t (the score minus
-the KL penalties, as verl sums it) is first centred on its prompt's group mean, then whitened over the
-batch: A_i = whiten(R_i - mean_group(R)), the same for every token.
+the KL penalties, as verl sums it) is first centred on its prompt's group mean, then whitened over
+the batch: A_i = whiten(R_i - mean_group(R)), the same for every token.
 The update is grpo.py's clipped surrogate.
 
     python recipes/reinforce_pp.py                  # embedded tiny model + arithmetic task, CPU
@@ -25,7 +25,14 @@ needs no group, so rollout.n = 1 works.
 from dataclasses import dataclass, field
 
 from rlkit import algos, loop
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.config import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
@@ -37,11 +44,13 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, use_kl_loss=False))
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32, use_kl_loss=False)
+    )
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     baseline: bool = False
-    """REINFORCE++-baseline: subtract the prompt group's mean score before batch whitening (needs rollout.n >= 2)"""
+    """REINFORCE++-baseline: subtract the group's mean score before whitening (rollout.n >= 2)"""
     gamma: float = 1.0
     """discount of the return G_t = r_t + gamma * G_{t+1}"""
     use_kl_in_reward: bool = True
@@ -52,16 +61,13 @@ class Config:
     """KL estimator in the reward: kl (k1), abs, mse (k2), low_var_kl (k3)"""
 
 
-# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+# ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
-        mask, mode = mb["response_mask"], a.loss_agg_mode
-        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
-        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
-            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
-            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
+        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
         pg_loss, metrics = algos.ppo_clip_loss(
             log_prob,
             mb["old_log_probs"],
@@ -75,15 +81,17 @@ def make_actor_loss(cfg: Config):
             weights=weights,
         )
         metrics.update(corr)
-        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted: actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
-        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)  # (b, R)
+            parts["kl_loss"] = algos.agg_loss(kl, mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0)
+        loss = loss + a.kl_loss_coef * parts.get("kl_loss", 0.0)
         return loss, parts, metrics
 
-    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes it only when asked
     return actor_loss
 
 
@@ -91,55 +99,71 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.baseline and cfg.rollout.n < 2:
-        raise ConfigError("REINFORCE++-baseline needs --rollout.n >= 2: the baseline is the mean of the prompt's group")
-    need_ref = cfg.actor.use_kl_loss or cfg.use_kl_in_reward  # the reference policy: for the KL loss or the KL in the reward
+        raise ConfigError(
+            "REINFORCE++-baseline needs --rollout.n >= 2: "
+            "the baseline is the mean of the prompt's group"
+        )
+    # the reference policy: for the KL loss or the KL in the reward
+    need_ref = cfg.actor.use_kl_loss or cfg.use_kl_in_reward
     policy = build_policy(cfg, need_ref=need_ref)  # actor + rollout + reference
     tok = policy.tokenizer
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+        build_prompts(cfg.data.train_files, tok, cfg.data),
+        cfg.data.train_batch_size,
+        tok.pad_token_id,
+        cfg.data.shuffle,
+        cfg.trainer.seed,
     )
-    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    val = (
+        build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
+        if cfg.data.val_files
+        else None
+    )
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-
-    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
-        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
-        return batch.repeat(cfg.rollout.n, interleave=True)
-
-    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
-    rollouts = loop.Rollouts(cfg, policy, prompts, run, need_ref=need_ref)  # (+ rollout_log_probs mu, ref_log_prob, policy version)
+    rollouts = loop.Rollouts(cfg, policy, train, run, need_ref=need_ref)  # B prompts x n, each step
 
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
-                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
+            with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+                batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if need_ref and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
-                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+                if need_ref:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+                batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
-            # ALGO LOGIC: token rewards (score on the last token, minus beta * KL_t), then the whitened return
+            # ALGO LOGIC: token rewards (score on the last token - beta * KL_t), whitened returns
             mask = batch["response_mask"]  # token rewards and advantages: (B*n, R), like the mask
             batch["token_level_rewards"] = token_level_rewards(scores, mask)
             if cfg.use_kl_in_reward:
-                kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty) * mask
+                kl = (
+                    algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty)
+                    * mask
+                )
                 batch["token_level_rewards"] = batch["token_level_rewards"] - cfg.kl_coef * kl
             if cfg.baseline:
-                batch["advantages"] = algos.reinforce_pp_baseline_advantage(batch["token_level_rewards"].sum(-1), batch["uid"], mask)
+                batch["advantages"] = algos.reinforce_pp_baseline_advantage(
+                    batch["token_level_rewards"].sum(-1), batch["uid"], mask
+                )
             else:
-                batch["advantages"], _ = algos.reinforce_pp_advantage(batch["token_level_rewards"], mask, cfg.gamma)
+                batch["advantages"], _ = algos.reinforce_pp_advantage(
+                    batch["token_level_rewards"], mask, cfg.gamma
+                )
 
-            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
-                actor_metrics = policy.update(batch, actor_loss)
+            with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
-        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        metrics = {
+            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **reward_metrics,
+            **actor_metrics,
+        }
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

@@ -1,4 +1,4 @@
-"""ReMax: REINFORCE with the greedy response's reward as the baseline (Li et al., 2023, arXiv 2310.10505), in one file.
+"""ReMax: REINFORCE, the greedy response's reward as baseline (Li et al., 2023, arXiv 2310.10505).
 
 For each prompt, decode one extra response *greedily* and score it like the samples; its reward is
 the baseline of every sample of that prompt -- no value model, and no group of samples needed:
@@ -7,13 +7,14 @@ the baseline of every sample of that prompt -- no value model, and no group of s
 
 No std normalisation. The update is grpo.py's (clipped surrogate + k3 KL to the reference); with one
 optimizer step per batch (the default) the ratio is 1 and it is REINFORCE with baseline b. The cost
-is one greedy generation of B rows per step (timing/gen_greedy). The paper samples one response per
-prompt (--rollout.n 1); the default keeps grpo.py's n = 8 so that both see the same samples per step.
+is one greedy generation of B rows per step (inside timing/gen). The paper samples one response per
+prompt (--rollout.n 1); the default keeps grpo.py's n = 8 so that both see the same samples per
+step.
 The greedy decoding is the validation decoding (--rollout.val-temperature 0, the default).
 
     python recipes/remax.py                         # embedded tiny model + arithmetic task, CPU
     python recipes/remax.py --help
-    python recipes/remax.py --rollout.n 1           # the paper's setting: one sample + one greedy response per prompt
+    python recipes/remax.py --rollout.n 1  # the paper's setting: one sample + one greedy per prompt
 
 Batch-size arithmetic, per training step: as grpo.py -- data.train_batch_size prompts x rollout.n
 samples, split into mini-batches of actor.ppo_mini_batch_size prompts (x n trajectories), each
@@ -25,7 +26,14 @@ from dataclasses import dataclass, field
 import torch
 
 from rlkit import algos, loop
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainerConfig
+from rlkit.config import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
@@ -42,16 +50,13 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# ALGO LOGIC: the actor's loss on one micro-batch: clipped surrogate - entropy bonus + KL to the reference
+# ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
 def make_actor_loss(cfg: Config):
     a = cfg.actor
 
-    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy, mask: (b, R); norm: the mini-batch's token/sequence counts
-        mask, mode = mb["response_mask"], a.loss_agg_mode
-        weights, corr = None, {}  # OFF-POLICY: mu = the rollout's own log-probs; w_t = f(pi_old/mu), detached (docs/off-policy.md)
-        if "rollout_log_probs" in mb:  # vllm, --rollout.log-probs, --trainer.async-steps k: mismatch metrics + correction
-            c = algos.rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.rollout_correction, a.rollout_is_threshold)
-            weights, mask, corr = c  # weights (b, R) or None; geo-mask edits the mask instead; corr: rollout_corr/* metrics
+    def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
+        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
         pg_loss, metrics = algos.ppo_clip_loss(
             log_prob,
             mb["old_log_probs"],
@@ -65,15 +70,17 @@ def make_actor_loss(cfg: Config):
             weights=weights,
         )
         metrics.update(corr)
-        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted; logged as actor/<name>
+        parts = {"pg_loss": pg_loss}  # each term as it enters the loss, unweighted: actor/<name>
         if a.entropy_coeff:
             parts["entropy_loss"] = -algos.agg_loss(entropy, mask, mode, norm=norm)
         if a.use_kl_loss:
-            parts["kl_loss"] = algos.agg_loss(algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, mode, norm=norm)
-        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0) + a.kl_loss_coef * parts.get("kl_loss", 0.0)
+            kl = algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)  # (b, R)
+            parts["kl_loss"] = algos.agg_loss(kl, mask, mode, norm=norm)
+        loss = pg_loss + a.entropy_coeff * parts.get("entropy_loss", 0.0)
+        loss = loss + a.kl_loss_coef * parts.get("kl_loss", 0.0)
         return loss, parts, metrics
 
-    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes the entropy (with its gradient) only when asked
+    actor_loss.needs_entropy = a.entropy_coeff != 0  # the engine computes it only when asked
     return actor_loss
 
 
@@ -81,54 +88,68 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.val_temperature != 0:
-        raise ConfigError("ReMax's baseline is the greedy response: keep --rollout.val-temperature 0 (greedy validation decoding)")
-    policy = build_policy(cfg)  # actor + rollout + reference: in this process, or Ray workers (--trainer.backend ray)
+        raise ConfigError(
+            "ReMax's baseline is the greedy response: "
+            "keep --rollout.val-temperature 0 (greedy validation decoding)"
+        )
+    policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     tok = policy.tokenizer
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+        build_prompts(cfg.data.train_files, tok, cfg.data),
+        cfg.data.train_batch_size,
+        tok.pad_token_id,
+        cfg.data.shuffle,
+        cfg.trainer.seed,
     )
-    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples) if cfg.data.val_files else None
-    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model: here, or on Ray workers)
+    val = (
+        build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
+        if cfg.data.val_files
+        else None
+    )
+    reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
 
-    def prompts(i):  # the i-th generation batch: B prompts -> B*n rows, a group's rows adjacent
-        batch = train.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
-        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
-        # ALGO LOGIC: the baseline -- one greedy response per prompt, scored like the samples (repeated with its prompt)
-        greedy = policy.generate(batch, validate=True)  # + responses, response_mask: (B, R), decoded greedily
-        batch["greedy_score"] = loop.score(greedy, tok, reward_fn)[0].tolist()  # b(x), one per prompt: kept through generate()
+    # ALGO LOGIC: the baseline -- one greedy response per prompt, scored like the samples
+    def greedy_baseline(batch):  # the B prompts of a batch, before Rollouts repeats them n times
+        greedy = policy.generate(batch, validate=True)  # + responses, response_mask: (B, R), greedy
+        batch["greedy_score"] = loop.score(greedy, tok, reward_fn)[0].tolist()  # b(x), per prompt
+        return batch  # greedy_score is kept through the repeat and generate()
 
-        return batch.repeat(cfg.rollout.n, interleave=True)
-
-    # ASYNC: --trainer.async-steps k: 0 = generate in turn below; k >= 1 = a worker process samples k batches ahead
-    rollouts = loop.Rollouts(cfg, policy, prompts, run)  # (with rollout_log_probs mu, ref_log_prob, its policy version)
+    # each step: B prompts from train, + their greedy score, x n samples
+    rollouts = loop.Rollouts(cfg, policy, train, run, prepare=greedy_baseline)
 
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
-            with loop.timer("gen", timings):  # rollout: sample one response per row (k >= 1: the worker's, made k steps ago)
-                batch = rollouts.next()  # the next prompts(i) + responses, response_mask: (B*n, R)
+            with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+                batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
-                if cfg.actor.use_kl_loss and "ref_log_prob" not in batch:  # ASYNC: k >= 1, the worker computed it
-                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob: (B*n, R)
+                if cfg.actor.use_kl_loss:
+                    batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
             with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
-                if not policy.is_on_policy():  # else one optimizer step: pi_old = pi, taken from the update itself
-                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys: (B*n, R)
+                if not policy.update_is_one_step():  # one step: pi_old = pi, taken from the update
+                    batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
-            # ALGO LOGIC: score minus the greedy score of its prompt, the same for every token of a response
+            # ALGO LOGIC: score minus its prompt's greedy score, the same for every token
             mask = batch["response_mask"]  # (B*n, R)
-            baseline = torch.tensor(list(batch["greedy_score"]), dtype=torch.float32)  # (B*n,): each row carries its prompt's b(x)
-            batch["advantages"], _ = algos.remax_advantage(token_level_rewards(scores, mask), baseline, mask)  # (B*n, R)
+            # (B*n,): each row carries its prompt's b(x)
+            baseline = torch.tensor(list(batch["greedy_score"]), dtype=torch.float32)
+            rewards = token_level_rewards(scores, mask)  # (B*n, R)
+            batch["advantages"], _ = algos.remax_advantage(rewards, baseline, mask)  # (B*n, R)
             reward_metrics["critic/greedy_score/mean"] = baseline.mean().item()
 
-            with loop.timer("update", timings):  # ALGO LOGIC: clipped surrogate + KL, see make_actor_loss
-                actor_metrics = policy.update(batch, actor_loss)
+            with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+                actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
-        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        metrics = {
+            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **reward_metrics,
+            **actor_metrics,
+        }
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

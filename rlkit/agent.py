@@ -8,7 +8,7 @@ One episode, `run_turns`::
         calls = parse(decode(ids))                  # <tool_call>{json}</tool_call> (rlkit.tools.parse_hermes)
         no call              -> done (the answer)
         over a limit         -> done, stopped_by_limit
-        results = tools.call(each call)             # errors come back as text, counted
+        results = tools.call_many(calls)            # errors come back as text, counted; all rows' calls at once
         suffix = tool_suffix_ids(results)           # ONLY the new messages, rendered by the chat template   mask 0
         context = context + ids + suffix
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -48,6 +49,8 @@ class AgentConfig:
     """tool calls per episode; a turn that would go over ends the episode (stopped by limit)"""
     max_tool_response_chars: int = 256
     """a tool's output is cut in the middle to this many characters"""
+    sandbox_level: Literal["process", "network", "strict"] = "process"
+    """the least isolation the python tool may run under, else stop before the model loads (see docs/sandbox.md)"""
 
 
 @dataclass
@@ -113,6 +116,7 @@ def run_turns(
     episodes = [Episode(list(p)) for p in prompts]
     while active := [e for e in episodes if not e.done]:
         outs = sample([e.prompt + e.ids for e in active], [max_response_tokens - len(e.ids) for e in active])
+        calling = []  # (episode, its turn's ids, its calls): the rows whose turn calls tools
         for e, (ids, log_probs) in zip(active, outs):
             e.append(ids, True, log_probs)
             e.turns += 1
@@ -125,17 +129,20 @@ def run_turns(
             elif e.turns >= cfg.max_turns or e.tool_calls + len(calls) > cfg.max_tool_calls:
                 e.finish(by_limit=True)
             else:
-                results = [tools.call(c) for c in calls]
-                e.tool_calls += len(calls)
-                e.tool_errors += sum(r.error for r in results)
-                e.tool_timeouts += sum(r.timed_out for r in results)
-                e.tool_time += sum(r.seconds for r in results)
-                messages = [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(calls, results)]
-                suffix = tool_suffix_ids(tokenizer, messages, tokenizer.convert_ids_to_tokens(ids[-1]))
-                if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the results
-                    e.finish(by_limit=True)
-                else:
-                    e.append(suffix, False)
+                calling.append((e, ids, calls))
+        flat = tools.call_many([c for _, _, calls in calling for c in calls])  # every row's calls at once, in row order
+        for e, ids, calls in calling:
+            results, flat = flat[: len(calls)], flat[len(calls) :]
+            e.tool_calls += len(calls)
+            e.tool_errors += sum(r.error for r in results)
+            e.tool_timeouts += sum(r.timed_out for r in results)
+            e.tool_time += sum(r.seconds for r in results)
+            messages = [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(calls, results)]
+            suffix = tool_suffix_ids(tokenizer, messages, tokenizer.convert_ids_to_tokens(ids[-1]))
+            if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the results
+                e.finish(by_limit=True)
+            else:
+                e.append(suffix, False)
     return episodes
 
 

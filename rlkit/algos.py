@@ -27,7 +27,7 @@ Contents
     new policy losses     gspo_loss (and GSPO-token), cispo_loss, gmpo_loss
     off-policy            rollout_mismatch_metrics, token_tis_weights, token_mis_weights,
                           seq_tis_weights, seq_mis_weights, geo_mask, is_weight_metrics,
-                          rollout_correction, decoupled_ppo_loss
+                          rollout_correction, rollout_weights, decoupled_ppo_loss
     logit helpers         entropy_from_logits, logprobs_from_logits
     KL coefficient        FixedKLController, AdaptiveKLController
     DAPO pieces           overlong_reward_penalty, informative_groups
@@ -88,6 +88,7 @@ __all__ = [
     "CORRECTION_MODES",
     "CORRECTION_DEFAULTS",
     "rollout_correction",
+    "rollout_weights",
     "decoupled_ppo_loss",
 ]
 
@@ -593,6 +594,7 @@ def gspo_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """GSPO: PPO's clip on the sequence-level ratio (Zheng et al. 2025, arXiv 2507.18071).
 
@@ -605,7 +607,11 @@ def gspo_loss(
             L_it = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
 
         log s is clamped at <= 10 (as verl); then loss_t *= sg(w_t) if `weights`
-        w are given, and loss = agg_loss(L, mask, loss_agg_mode, ...).
+        w are given, and loss = agg_loss(L, mask, loss_agg_mode, ..., norm).
+
+    `norm` is the engine's Norm (mini-batch counts and dp_size), as for
+    ppo_clip_loss: "token-sum" is multiplied by its dp_size like every other
+    term of the loss.
 
     The default seq-mean-token-mean makes the loss mean_i L_i, the paper's
     objective.  With an advantage that is constant along each response (GRPO's)
@@ -631,7 +637,7 @@ def gspo_loss(
     per_token = torch.maximum(loss1, loss2)
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss2 > loss1).to(log_prob.dtype), mask).item(),
@@ -660,12 +666,13 @@ def cispo_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """CISPO: REINFORCE weighted by a clipped, stop-gradient IS ratio (MiniMax-M1, arXiv 2506.13585).
 
         r_t  = exp(clamp(log pi_t - log pi_old_t, -20, 20))
         L_t  = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi_t
-        loss = agg_loss(L * sg(w), mask, loss_agg_mode, ...)      (w = `weights`, if given)
+        loss = agg_loss(L * sg(w), mask, loss_agg_mode, ..., norm)    (w = `weights`, if given)
 
     Unlike PPO, no token loses its gradient when the ratio leaves the range:
     only its weight is capped.  The loss *value* is not meaningful (it contains
@@ -681,7 +688,7 @@ def cispo_loss(
     per_token = -clipped.detach() * advantages * log_prob
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((ratio != clipped).to(ratio.dtype), mask).item(),
@@ -709,6 +716,7 @@ def gmpo_loss(
     num_tokens=None,
     num_seqs=None,
     norm_len=None,
+    norm: Norm | None = None,
 ):
     """GMPO: maximise the geometric mean of the token ratios (Zhao et al. 2025, arXiv 2507.20673).
 
@@ -721,7 +729,7 @@ def gmpo_loss(
     The clip is pessimistic like PPO's: it only removes the incentive to move
     l_t further past the bound in the direction A favours.  L_i is put on every
     valid token of row i and reduced with agg_loss (seq-mean-token-mean, the
-    default, gives mean_i L_i).  As verl 0.9's compute_policy_loss_geo_mean,
+    default, gives mean_i L_i; `norm`: the engine's counts and dp_size).  As verl 0.9's compute_policy_loss_geo_mean,
     which takes a plain mean over the micro-batch's rows instead.
 
     Returns (loss, metrics): "pg_clipfrac" / "pg_clipfrac_lower" (fraction of
@@ -739,7 +747,7 @@ def gmpo_loss(
     if weights is not None:
         seq_loss = seq_loss * torch.exp(masked_sum(torch.log(weights.detach() + 1e-10), mask, dim=-1) / length)
     per_token = seq_loss[:, None].expand_as(log_prob)  # (B, T)
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens, num_seqs, norm_len, norm)
     with torch.no_grad():
         clipped = (log_ratio != log_ratio_clipped).to(log_prob.dtype)
         metrics = {
@@ -785,6 +793,91 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     logits = _upcast(logits)
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+LOGITS_CHUNK_BYTES = 2**24  # token_logprob_entropy's float32 buffers per chunk: 16 MiB (27 positions at V = 151,936)
+
+
+def _chunk_rows(n: int, vocab: int) -> int:
+    return max(1, min(n, LOGITS_CHUNK_BYTES // (4 * max(vocab, 1))))
+
+
+class _LogProbEntropy(torch.autograd.Function):
+    """token_logprob_entropy's forward and backward, chunked over positions (see there). At most two chunk-sized
+    buffers live at a time: z - m (then log p) and e (then p); everything else is (N,) or done in place."""
+
+    @staticmethod
+    def forward(ctx, logits, pos, labels, temperature, with_entropy):
+        n, vocab = logits.shape
+        work = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.empty(n, dtype=work, device=logits.device)  # (N,)
+        ent = torch.empty(n if with_entropy else 0, dtype=work, device=logits.device)  # (N,)
+        step = _chunk_rows(n, vocab)
+        for a in range(0, n, step):
+            zm = logits[a : a + step].to(work) / temperature  # (c, V), a new buffer
+            m = zm.amax(-1, keepdim=True)  # (c, 1)
+            zm.sub_(m)  # z - m
+            e = zm.exp()  # (c, V)
+            s = e.sum(-1)  # (c,)
+            lse[a : a + step] = m.squeeze(-1) + s.log()
+            if with_entropy:  # H = lse - sum_v p_v z_v = log s - sum_v e_v (z_v - m) / s; a -inf logit has e = 0: no NaN
+                ent[a : a + step] = s.log() - torch.einsum("cv,cv->c", e, zm.clamp_min_(torch.finfo(work).min)) / s
+            del zm, e
+        logp = logits[pos, labels].to(work) / temperature - lse[pos]  # (T,)
+        ctx.save_for_backward(logits, pos, labels, lse, ent)
+        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, pos, labels, lse, ent = ctx.saved_tensors
+        t = ctx.temperature
+        n, vocab = logits.shape
+        work = lse.dtype
+        g_lse = torch.zeros(n, dtype=work, device=logits.device)  # d loss / d lse, (N,): -sum of g_lp over the tokens read there
+        if g_lp is not None:
+            g_lse.index_add_(0, pos, -g_lp)
+        use_ent = ctx.with_entropy and g_ent is not None
+        grad = torch.empty_like(logits)  # (N, V) in the logits' dtype: the pass's one gradient copy
+        step = _chunk_rows(n, vocab)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            logp = (logits[a:b].to(work) / t).sub_(lse[a:b, None])  # (c, V) log p
+            if use_ent:  # dz = p * (g_lse - g_H * (log p + H)):  dlse/dz = p,  dH/dz_k = -p_k (log p_k + H)
+                p = logp.exp()
+                g = logp.clamp_min_(torch.finfo(work).min).add_(ent[a:b, None]).mul_(-g_ent[a:b, None]).add_(g_lse[a:b, None]).mul_(p)
+                del p
+            else:
+                g = logp.exp_().mul_(g_lse[a:b, None])
+            grad[a:b] = g.div_(t)
+            del logp, g
+        if g_lp is not None:  # d z_y / dz = onehot(y)
+            grad.index_put_((pos, labels), (g_lp / t).to(grad.dtype), accumulate=True)
+        return grad, None, None, None, None
+
+
+def token_logprob_entropy(
+    logits: Tensor, pos: Tensor, labels: Tensor, temperature: float = 1.0, with_entropy: bool | str = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of tokens read at positions, and (optionally) the entropy at every position, from one log-sum-exp:
+
+        z = logits / T,   lse_i = logsumexp(z_i),   log p(y_t) = z[pos_t, y_t] - lse[pos_t],   H_i = lse_i - sum_v softmax(z_i)_v z_iv
+
+    logits (N, V) in any float dtype (bf16 stays bf16: no float32 copy of the whole tensor), pos (T,) row of
+    each token in logits (a position may serve several tokens: a shared prompt's last one), labels (T,)
+    -> log-probs (T,) and entropy (N,) (None without with_entropy) in float32 (float64 for float64 logits).
+
+    Memory: the passes run over chunks of positions (LOGITS_CHUNK_BYTES of float32 each) and the backward
+    recomputes softmax chunk by chunk from the saved logits and lse, so a pass holds the logits, their
+    gradient (backward only) and a few chunk-sized buffers: with U = one float32 copy of the logits read,
+    about 1 U + chunks without gradient, 2 U + chunks with it, with or without entropy (tests/test_gpu_construction.py
+    measures it at V = 151,936). with_entropy "metric": the entropy comes without gradient.
+    """
+    lp, ent = _LogProbEntropy.apply(logits, pos, labels, float(temperature), bool(with_entropy))
+    if not with_entropy:
+        return lp, None
+    return lp, (ent.detach() if with_entropy == "metric" else ent)
 
 
 # ---------------------------------------------------------------------------
@@ -905,27 +998,28 @@ def rollout_mismatch_metrics(
         chi2_token                    mean_t rho_t^2 - 1
         ratio_fraction_high / _low    mean_t 1[rho_t > C] / mean_t 1[rho_t < 1/C]   (C = threshold)
 
-    Sequence means run over rows with at least one valid token.  Delta is
-    clamped to +-20 before exp.  Names and formulas follow verl 0.9's
-    rollout_corr/ metrics (compute_offpolicy_metrics) and TRL's
-    sampling_logp_difference.  All values are python floats; 0.0 when no
-    token is valid.  HF rollouts give all zeros (same model code).
+    Sequence means run over rows with at least one valid token.  As verl
+    (compute_offpolicy_metrics), only chi2_token clamps Delta to +-20 before
+    exp; the others use it as it is (a Delta beyond 88 makes k3_kl inf in
+    float32: a mismatch no correction can rescue).  Names and formulas follow
+    verl 0.9's rollout_corr/ metrics and TRL's sampling_logp_difference.  All
+    values are python floats; 0.0 when no token is valid.  HF rollouts give
+    all zeros (same model code).
     """
     mask = mask.to(log_prob.dtype)
-    delta = _log_ratio(log_prob, rollout_log_prob)  # (B, T)
+    delta = torch.where(mask > 0, (log_prob - rollout_log_prob).detach(), 0.0)  # (B, T); padding: 0, never inf * 0
     rows = mask.sum(-1) > 0  # (B,)
     log_ppl_diff = -masked_mean(delta, mask, dim=-1)[rows]  # (B',)
-    abs_diff = torch.where(mask > 0, delta.abs(), torch.zeros_like(delta))
     log_c = math.log(threshold)
     metrics = {
         "abs_diff_mean": masked_mean(delta.abs(), mask),
-        "abs_diff_max": abs_diff.max() if mask.any() else delta.new_zeros(()),
+        "abs_diff_max": delta.abs().max() if mask.any() else delta.new_zeros(()),
         "kl": masked_mean(-delta, mask),
         "k3_kl": masked_mean(torch.exp(delta) - delta - 1, mask),
         "log_ppl_diff": log_ppl_diff.mean() if rows.any() else delta.new_zeros(()),
         "log_ppl_abs_diff": log_ppl_diff.abs().mean() if rows.any() else delta.new_zeros(()),
         "ppl_ratio": torch.exp(log_ppl_diff).mean() if rows.any() else delta.new_zeros(()),
-        "chi2_token": masked_mean(torch.exp(2 * delta), mask) - 1 if mask.any() else delta.new_zeros(()),
+        "chi2_token": masked_mean(torch.exp(2 * _log_ratio(log_prob, rollout_log_prob)), mask) - 1 if mask.any() else delta.new_zeros(()),
         "ratio_fraction_high": masked_mean((delta > log_c).to(delta.dtype), mask),
         "ratio_fraction_low": masked_mean((delta < -log_c).to(delta.dtype), mask),
     }
@@ -1069,6 +1163,21 @@ def rollout_correction(
         weights = fn(log_prob, rollout_log_prob, mask, *threshold)
     metrics.update(is_weight_metrics(weights, mask, prefix))
     return weights, mask, metrics
+
+
+def rollout_weights(mb, actor_cfg):
+    """A recipe's rollout correction for one micro-batch: (weights, mask, metrics); a no-op on-policy.
+
+    Without rollout log-probs in mb (HF generation, the default): (None, mb["response_mask"], {}), so the
+    loss is exactly the uncorrected one. With them (mb["rollout_log_probs"] = log mu: --rollout.name vllm,
+    --rollout.log-probs, --trainer.async-steps k >= 1): rollout_correction(mb["old_log_probs"], log mu,
+    mask, --actor.rollout-correction, its cap/bounds). actor_cfg: an ActorConfig. docs/off-policy.md.
+    """
+    mask = mb["response_mask"]
+    if "rollout_log_probs" not in mb:
+        return None, mask, {}
+    mode, threshold = actor_cfg.rollout_correction, actor_cfg.rollout_is_threshold
+    return rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, mode, threshold)
 
 
 def decoupled_ppo_loss(

@@ -1,9 +1,11 @@
 """Rollouts for the recipe's loop: generated here in turn (k = 0), or k steps ahead by a generation worker (k >= 1).
 
-    rollouts = Rollouts(cfg, policy, prompts, run)   # prompts(i) -> the i-th batch of prompt rows (B*n, P)
+    rollouts = Rollouts(cfg, policy, train, run)     # train: the PromptLoader of B prompts per batch
     batch = rollouts.next()                          # the next generated batch, (B*n, ...)
 
-k = --trainer.async-steps. With k = 0, next() is `policy.generate(prompts(i))`, the synchronous loop exactly.
+Batch i is prompts(i): the loader's next B prompts, one group id uid = "i-j" per prompt, each repeated
+--rollout.n times (a group's rows adjacent). k = --trainer.async-steps. With k = 0, next() is
+`policy.generate(prompts(i))`, the synchronous loop exactly.
 With k >= 1 a generation worker -- another process with its own copy of the weights (and of the frozen
 reference, when a KL term needs it) and its own rollout (hf or vllm, the turn loop of grpo_tools too) --
 samples the batches of steps t+1 .. t+k while the trainer updates on step t's::
@@ -14,8 +16,9 @@ samples the batches of steps t+1 .. t+k while the trainer updates on step t's::
 The worker is a spawned process (--trainer.backend local) or a Ray actor on a pool of its own
 (--trainer.backend ray: the FSDP workers gather the full trainable weights for it); --trainer.async-workers N
 starts N of them, each sampling an equal share of every batch's prompt groups (split_groups). Each call of next()
-(1) hands the worker the trainer's current weights when they changed (one flat float32 buffer: shared
-memory, or Ray's object store), (2) queues the prompts of the batch k calls ahead, (3) waits for the
+(1) hands the worker the trainer's current weights when they changed (send_weights: one flat buffer in the dtype the
+worker stores them in -- bf16 when it computes in bf16 -- through shared memory when /dev/shm has room for twice the
+buffer, else a memory-mapped file in a temporary folder; Ray's object store on the Ray backend), (2) queues the prompts of the batch k calls ahead, (3) waits for the
 oldest queued batch. A job is always generated with the weights sent with it (or the last ones before
 it), so a run is reproducible whatever the timing. Every batch comes back with `rollout_log_probs` (mu,
 as sampled), `ref_log_prob` (when asked: the frozen reference pass leaves the trainer's critical path)
@@ -36,9 +39,14 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
+import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
+import uuid
 
 import torch
 
@@ -47,50 +55,108 @@ from rlkit.protocol import DataProto
 
 
 class Generator:
-    """What the generation worker holds: its own model (+ reference), the configured rollout, the turn loop if any."""
+    """The generation worker: the trainer's rollout worker (ActorRolloutRefWorker: the same rollout, turn loop,
+    micro-batches and reference pass) as a generation-only copy, loaded with the trainer's weights job by job."""
 
     def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
-        from rlkit.engine import TorchEngine, auto_micro_batch, set_threads
-        from rlkit.workers import make_rollout, resolved
+        from rlkit.engine import set_threads
+        from rlkit.workers import ActorRolloutRefWorker
 
         set_threads(trainer_cfg.num_threads)
-        model_cfg = resolved(model_cfg)
-        torch.manual_seed(trainer_cfg.seed)  # the same fresh LoRA weights as the trainer (then overwritten anyway)
-        self.engine = TorchEngine(model_cfg, None, trainer_cfg.device, need_ref=need_ref)
-        self.tokenizer = self.engine.tokenizer  # the turn loop reads worker.tokenizer and worker.rollout
-        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank`
-        self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
+        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank` (its fresh LoRA: overwritten by job 1)
+        rollout_cfg = dataclasses.replace(rollout_cfg, log_probs=True)  # every batch carries mu, rollout_log_probs
+        device = trainer_cfg.device
+        self.worker = ActorRolloutRefWorker(model_cfg, actor_cfg, rollout_cfg, data_cfg, device, seed, need_ref, trains=False)
+        if agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
+            self.worker.set_agent(agent)
         torch.manual_seed(seed)
-        self.rollout_cfg, self.max_len, self.need_ref, self.agent = rollout_cfg, data_cfg.max_response_length, need_ref, agent
-        # the reference pass in the trainer's micro-batches (ActorRolloutRefWorker's rule: the update's, unless set)
-        self.micro = rollout_cfg.log_prob_micro_batch_size or auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
-        self.gen_micro = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # as the trainer's worker
-        self.version = 0
+        self.need_ref, self.version = need_ref, 0
 
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
         """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs."""
-        from rlkit.engine import unpack_weights
-        from rlkit.rollout import HFRollout
-
         if weights is not None:
-            flat, layout, self.version = weights
-            unpack_weights(self.engine.model, flat, layout)
-            if hasattr(self.rollout, "sync_weights"):  # vllm: into its engine
-                self.rollout.sync_weights()
-        r = self.rollout_cfg
-        if self.agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
-            batch = self.agent(self, prompts)
-        else:
-            hf = {"return_log_probs": True} if isinstance(self.rollout, HFRollout) else {}  # vllm: always
-            batch = self.rollout.generate(prompts, self.max_len, r.temperature, r.top_p, r.top_k, micro_batch_size=self.gen_micro, **hf)
+            flat, layout, self.version = receive_weights(weights)
+            self.worker.load_weights(flat, layout)
+        batch = self.worker.generate(prompts)
         if self.need_ref:  # log pi_ref(y_t), here, off the trainer's critical path
-            batch["ref_log_prob"] = self.engine.compute_log_prob(batch, r.temperature, self.micro, ref=True)[0]
+            batch = batch.union(self.worker.compute_ref_log_prob(batch))
         batch.meta["policy_version"] = self.version
         return i, batch
 
+    def idle(self) -> None:
+        """Between jobs, with none waiting (_serve): the vLLM engine sleeps (level 1: weights to CPU memory, KV cache
+        freed; a no-op on CPU, VLLMRollout.sleep) and this process's cached CUDA blocks go back to the driver, so that the
+        trainer's update on the same GPU has that memory. The next job wakes it: load_weights' sync the weights, generate
+        the KV cache (VLLMRollout.wake_up). The cost: one wake per job that finds the worker idle."""
+        if hasattr(self.worker.rollout, "sleep"):
+            self.worker.rollout.sleep()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
-        if hasattr(self.rollout, "close"):
-            self.rollout.close()
+        self.worker.close()
+
+
+# -- the weight hand-off (--trainer.backend local): shared memory, or a memory-mapped file when /dev/shm is small ---------
+SHM = "/dev/shm"  # where torch.multiprocessing puts the storage of a tensor sent through a queue (Linux)
+
+
+def handoff_dtype(model_cfg, device: str) -> torch.dtype:
+    """The dtype the generation worker stores its trainable weights in, hence the one to hand them off in: exact.
+
+    The worker's engine does not train (no float32 masters): a full model is held in the compute dtype (bf16 on a GPU),
+    so unpack_weights rounds float32 weights to it anyway -- sending bf16 (x.to(bf16), the same round-to-nearest) gives
+    bit-identical weights for half the bytes. The worker only generates with them (and records the log-probs it sampled
+    with); its reference pass uses its own frozen copy, the trainer computes pi_old itself. LoRA adapters are float32
+    in both processes (peft's default): sent as float32.
+    """
+    from rlkit.engine import resolve_device, resolve_dtype
+
+    return torch.float32 if model_cfg.lora_rank > 0 else resolve_dtype(model_cfg.dtype, resolve_device(device))
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes in /dev/shm (None where there is no such folder: other systems, where torch shares differently)."""
+    return shutil.disk_usage(SHM).free if os.path.isdir(SHM) else None
+
+
+def send_weights(flat: torch.Tensor, layout, version: int, workers: list[int], folder: str) -> dict[int, tuple]:
+    """One payload per worker for a plain flat buffer (B,): shared memory when /dev/shm has room for twice the buffer
+    (Docker and Kubernetes default to 64 MB: 2 GB of float32 weights of a 0.5B model do not fit), else a file in
+    `folder` written once, memory-mapped by the workers, with one hard link per worker that it deletes once read
+    (the bytes are freed when the last worker has its copy)."""
+    free = shm_free_bytes()
+    if free is None or free >= 2 * flat.nbytes:
+        flat = flat.share_memory_()  # the queue then sends a handle, not the bytes
+        return {w: ("shm", flat, layout, version) for w in workers}
+    room = shutil.disk_usage(folder).free
+    if room < flat.nbytes:
+        raise RunFailed(
+            f"no room for the async weight hand-off ({flat.nbytes / 2**20:.0f} MiB): /dev/shm has {free / 2**20:.0f} MiB free, "
+            f"{folder} {room / 2**20:.0f} MiB. Give the container more shared memory (docker --shm-size 8g) or point TMPDIR at a larger disk"
+        )
+    path = os.path.join(folder, f"weights-v{version}-{uuid.uuid4().hex[:8]}")
+    torch.from_file(path, shared=True, size=flat.numel(), dtype=flat.dtype).copy_(flat)  # written through the mapping
+    payloads = {}
+    for w in workers:
+        os.link(path, f"{path}-w{w}")
+        payloads[w] = ("file", f"{path}-w{w}", flat.dtype, flat.numel(), layout, version)
+    os.unlink(path)
+    return payloads
+
+
+def receive_weights(payload) -> tuple[torch.Tensor, list, int]:
+    """(flat, layout, version) from a send_weights payload (or a plain (flat, layout, version): Ray's object store).
+    A file is memory-mapped copy-on-write (read lazily by unpack_weights) and its link removed at once."""
+    kind = payload[0] if isinstance(payload[0], str) else None
+    if kind == "shm":
+        return payload[1:]
+    if kind != "file":
+        return payload
+    _, path, dtype, numel, layout, version = payload
+    flat = torch.from_file(path, shared=False, size=numel, dtype=dtype)  # (B,) the mapping outlives the unlink
+    os.unlink(path)
+    return flat, layout, version
 
 
 def _serve(args, jobs, results) -> None:
@@ -115,6 +181,8 @@ def _serve(args, jobs, results) -> None:
             return
         try:
             results.put(("batch", *gen.generate(*job)))
+            if jobs.empty():  # no job queued: idle until one comes (sleeping while one waits would only cost a wake)
+                gen.idle()
         except Exception:
             results.put(("error", None, traceback.format_exc()))
             return
@@ -168,20 +236,23 @@ def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
 class Rollouts:
     """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the workers."""
 
-    def __init__(self, cfg, policy, prompts, run=None, need_ref: bool | None = None):
-        """prompts(i): the i-th generation batch's prompt rows (i = 1, 2, ...), groups of --rollout.n adjacent rows.
-        run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or when it stops on an
-        error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss)."""
-        self.k, self.policy, self.prompts = cfg.trainer.async_steps, policy, prompts
-        self.timeout_s = getattr(cfg.trainer, "async_timeout_s", 0) or 0  # seconds without a message from a worker (0 = no limit)
-        self.n_workers, self.group_size = getattr(cfg.trainer, "async_workers", 1), cfg.rollout.n
+    def __init__(self, cfg, policy, train, run=None, need_ref: bool | None = None, prepare=None):
+        """train: the PromptLoader that prompts(i) draws B prompts from (next_batch(); its position is what a
+        checkpoint saves). run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or
+        when it stops on an error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss).
+        prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
+        here, when the batch is queued (remax.py: its greedy baseline b(x))."""
+        self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
+        self.timeout_s = cfg.trainer.async_timeout_s  # seconds without a message from a worker (0 = no limit)
+        self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
         self.sent = {}  # worker -> the policy version whose weights it last received
         self.stats: list[tuple[int, float]] = []  # (staleness, seconds waited) per batch since the last metrics()
         self.procs, self.actors = [], []
+        self.weights_dir = None  # the weight hand-off's file folder, when /dev/shm lacks room (send_weights)
+        self.handoff_dtype = handoff_dtype(cfg.model, cfg.trainer.device)
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
-        self.loader = getattr(run, "loader", None)  # the train PromptLoader prompts(i) draws from
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         if run is not None:
             run.rollouts = self
@@ -201,6 +272,14 @@ class Rollouts:
             self._start_ray(args, t)
         else:
             self._start_processes(args)
+
+    def prompts(self, i: int) -> DataProto:
+        """Generation batch i (1, 2, ...): the loader's next B prompts, uid "i-j" for prompt j, each repeated n times."""
+        batch = self.loader.next_batch()  # B prompts: input_ids, attention_mask, position_ids (B, P), ground_truth, ...
+        batch["uid"] = [f"{i}-{j}" for j in range(len(batch))]  # one group id per prompt
+        if self.prepare is not None:
+            batch = self.prepare(batch)
+        return batch.repeat(self.group_size, interleave=True)  # (B*n, P), a group's rows adjacent
 
     # -- the workers: spawned processes (local backend) or Ray actors ---------------------------------------------
     def _start_processes(self, args) -> None:
@@ -297,23 +376,18 @@ class Rollouts:
         """Queue the next generation batch, a share of its groups per worker, each with the trainer's weights when they
         changed since that worker's last job."""
         self.submitted += 1
-        if self.loader is not None:
-            self.drawn_from[self.submitted] = self.loader.state_dict()
+        self.drawn_from[self.submitted] = self.loader.state_dict()
         version = self.policy.weights_version()  # updates applied so far: the version of the trainer's weights
         batch = self.prompts(self.submitted)  # (B*n, P)
         shares = split_groups(len(batch), self.group_size, self.n_workers)
         workers = [w for w, rows in enumerate(shares) if rows]
-        handles, packed = [], None  # Ray: the result refs; processes: the worker numbers. packed: this call's weights
+        handles = []  # Ray: the result refs; processes: the worker numbers
+        stale = [w for w in workers if self.sent.get(w) != version]
+        payloads = self._pack_weights(stale, version) if stale else {}  # packed once, held only by the jobs that carry it
         for w in workers:
-            weights = None
-            if self.sent.get(w) != version:
-                if packed is None:  # packed once for the workers of this batch, held only by the jobs that carry it
-                    packed = (*self.policy.trainable_weights(), version)
-                    if self.actors:  # one copy in Ray's object store for every actor
-                        import ray
-
-                        packed = ray.put(packed)
-                weights, self.sent[w] = packed, version
+            weights = payloads.get(w)
+            if weights is not None:
+                self.sent[w] = version
             job = (self.submitted, batch if len(workers) == 1 else batch.index(shares[w]), weights)
             if self.actors:
                 handles.append(self.actors[w].generate.remote(*job))
@@ -321,6 +395,19 @@ class Rollouts:
                 self.procs[w][1].put(job)
                 handles.append(w)
         self.pending.append(handles)  # in row order
+
+    def _pack_weights(self, workers: list[int], version: int) -> dict:
+        """The trainer's weights for `workers`: Ray actors share one copy in the object store (float32, gathered by the FSDP
+        workers); worker processes get send_weights payloads in the dtype they store the weights in (handoff_dtype)."""
+        if self.actors:
+            import ray
+
+            ref = ray.put((*self.policy.trainable_weights(), version))
+            return {w: ref for w in workers}
+        if self.weights_dir is None:  # the file fallback's folder, removed by close()
+            self.weights_dir = tempfile.mkdtemp(prefix="rlkit-weights-")
+        flat, layout = self.policy.trainable_weights(self.handoff_dtype)
+        return send_weights(flat, layout, version, workers, self.weights_dir)
 
     def next(self) -> DataProto:
         """The next generation batch: prompts(i) generated now (k = 0), or k batches ago by the workers."""
@@ -381,3 +468,6 @@ class Rollouts:
             for q in (jobs, results):
                 q.cancel_join_thread()
                 q.close()
+        if self.weights_dir is not None:  # files of weights still queued when the workers stopped
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self.weights_dir = None

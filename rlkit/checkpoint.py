@@ -9,6 +9,7 @@ Layout of `default_local_dir`::
         critic/          the same for PPO's value model
         state.pt         the rest: RNG states, data-loader position, validation history, KL controller, ...
         config.json      the run's config, checked when resuming
+        digests.json     sha256 of the parts' files that carry no CRC of their own (torch.distributed.checkpoint's), if any
     checkpoints/latest   the newest step, a text file
 
 A checkpoint is written into a temporary folder next to its final place, its files and folders are
@@ -16,10 +17,18 @@ fsync'ed, and it is renamed only when complete (a rename is atomic on one filesy
 full disk mid-save leaves at most a `.tmp-*` folder that resume ignores and the next save removes;
 `latest` moves only after the rename.
 
-Every file is read with `torch.load(weights_only=True)`: a checkpoint holds tensors and plain Python
-values only (the RNG states too), so loading one cannot run code. A state.pt written by rlkit before that
-is refused with the command that converts it: `python -m rlkit.checkpoint convert FOLDER` (only for
-checkpoints you trust). `--trainer.resume auto` skips a newest checkpoint that does not read back.
+No load runs code. Every .pt file is read with `torch.load(weights_only=True)`: a checkpoint holds tensors
+and plain Python values only (the RNG states too). The sharded checkpoints' `.metadata` (a pickle that
+torch.distributed.checkpoint writes) is read by an unpickler that builds only DCP's metadata classes,
+torch dtypes and paths. A state.pt written by rlkit before that is refused with the command that converts
+it: `python -m rlkit.checkpoint convert FOLDER` (which itself unpickles nothing but an older rlkit's numpy
+RNG state unless given `--trust-this-file`).
+
+A checkpoint is checked before resuming, the same way for `--trainer.resume auto` and an explicit PATH:
+every .pt file's zip CRCs, every other file of a part against digests.json, state.pt and config.json
+parsed, each `.metadata` unpickled safely (`verify`). `auto` skips a newest checkpoint that fails it (with
+a warning naming the file); an explicit PATH is refused with one line naming the file. Neither deletes
+or changes anything in the checkpoint.
 Resuming from a step older than the folder's newest moves the later checkpoints into
 `checkpoints/abandoned-<time>/` (and the tracker cuts metrics.jsonl back to the resume step), so two
 branches of a run never mix in one folder.
@@ -28,6 +37,7 @@ branches of a run never mix in one folder.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -127,8 +137,72 @@ def load_file(file: str | Path) -> dict:
 def _older_format(file: Path, detail: str) -> ConfigError:
     return ConfigError(
         f"{file} holds more than tensors and plain values (written by an older rlkit?), and loading it could run code. "
-        f"If you trust it, convert it once: python -m rlkit.checkpoint convert {file.parent}  ({detail})"
+        f"Convert it once: python -m rlkit.checkpoint convert {file.parent}  ({detail})"
     )
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that builds only what torch.distributed.checkpoint writes into `.metadata` (its metadata
+    dataclasses, torch.Size, dtypes, layouts, memory formats, paths) and refuses any other global: a tampered
+    file cannot name a function to call (os.system, eval, ...), so unpickling it runs no code."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch": {"Size"},
+        "torch.serialization": {"_get_layout"},  # torch.layout pickles as _get_layout("torch.strided"): a dict lookup
+        "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+        "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+    }  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which checkpoint metadata never holds")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("it holds a persistent id, which checkpoint metadata never holds")
+
+
+def read_dcp_metadata(file: str | Path):
+    """The torch.distributed.checkpoint Metadata in `file` (a `.metadata` pickle), unpickled without running code.
+    A file naming anything else (tampered with, or not DCP's) fails with one line; a damaged one too."""
+    file = Path(file)
+    try:
+        with open(file, "rb") as f:
+            return _DCPMetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as e:
+        raise ConfigError(
+            f"{file} is not torch.distributed.checkpoint metadata ({e}): it was tampered with or damaged, and loading it "
+            "could run code, so it was not loaded. Resume from another checkpoint"
+        ) from e
+    except (EOFError, OSError, ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+        raise ConfigError(f"cannot read {file}: corrupt or cut short ({type(e).__name__}); resume from another checkpoint") from e
+
+
+def dcp_reader(folder: str | Path):
+    """A torch.distributed.checkpoint FileSystemReader of `folder` whose metadata is read by read_dcp_metadata
+    (torch's own reader calls pickle.load on it); pass it to dcp.load(state, storage_reader=...)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # torch 2.13's read_metadata with its pickle.load replaced
+            metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -179,12 +253,16 @@ def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=No
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         for name, write in (parts or {}).items():
             write(tmp / name)
+        if digests := _digests(tmp, parts or {}):
+            (tmp / DIGESTS).write_text(json.dumps(digests, indent=1))
         if save_hf is not None:
             save_hf(tmp / "hf")
         _fsync_tree(tmp)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    except BaseException as e:  # BaseException: torch.distributed.checkpoint raises CheckpointException(BaseException)
+        full = _disk_full(e, root)  # asked before the half-written folder frees its space
+        if full or isinstance(e, OSError):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full:
             kept = list_checkpoints(root)
             raise RunFailed(
                 f"no space left on the device of {root} while saving step {step}: nothing was published, "
@@ -213,6 +291,45 @@ def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=No
     return final
 
 
+DIGESTS = "digests.json"
+_FULL_DISK = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+def _disk_full(e: BaseException, folder: Path) -> bool:
+    """Did saving into `folder` fail for lack of space? Python's writes raise OSError(ENOSPC), safetensors a
+    SafetensorError saying "os error 28", a worker's a RayTaskError holding that text, but torch.save a
+    RuntimeError("[enforce fail at inline_container.cc] unexpected pos ...") that says nothing of the cause (DCP's
+    shards too: torch.save inside its CheckpointException): for those the filesystem's free space decides (< 16 MiB)."""
+    seen, chain = e, 0
+    while seen is not None and chain < 16:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(seen) for text in _FULL_DISK):
+            return True
+        seen, chain = seen.__cause__ or seen.__context__, chain + 1
+    if not isinstance(e, RuntimeError) and type(e).__name__ != "CheckpointException":  # a bug keeps its traceback
+        return False
+    try:
+        return shutil.disk_usage(folder).free < 16 << 20
+    except OSError:
+        return False
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digests(folder: Path, parts: dict) -> dict:
+    """{relative path: sha256} of the parts' files that carry no CRC of their own (all but the .pt zip files):
+    torch.distributed.checkpoint's shards and `.metadata`, so a damaged one is caught before it is read."""
+    files = [f for name in parts for f in sorted((folder / name).rglob("*")) if f.is_file() and f.suffix != ".pt"]
+    return {str(f.relative_to(folder)): _sha256(f) for f in files}
+
+
 def list_checkpoints(ckpt_root: str | Path) -> list[int]:
     """Steps of the complete checkpoints under ckpt_root, ascending."""
     root = Path(ckpt_root)
@@ -223,26 +340,63 @@ def list_checkpoints(ckpt_root: str | Path) -> list[int]:
     return sorted(steps)
 
 
-def readable(path: str | Path) -> str | None:
-    """None if checkpoint folder `path` reads back (state.pt, config.json, each part's state.pt zip records);
-    else the first file that does not, and why."""
+def verify(path: str | Path) -> None:
+    """Check that checkpoint folder `path` reads back, without loading anything that could run code: the zip CRCs
+    of state.pt and of every part's .pt file (torch.load does not check them), digests.json (written at save time)
+    against the other files of the parts, state.pt weights-only, config.json, each part's `.metadata` with
+    read_dcp_metadata. Raises ConfigError/MissingFile naming the first file that fails; changes nothing."""
     path = Path(path)
-    try:
-        load_file(path / "state.pt")
-        json.loads((path / "config.json").read_text())
-        for part in sorted(path.glob("*/*.pt")):
-            with zipfile.ZipFile(part) as z:
+    for file in [path / "state.pt", *sorted(path.glob("*/*.pt"))]:
+        try:
+            with zipfile.ZipFile(file) as z:
                 bad = z.testzip()
-            if bad is not None:
-                raise zipfile.BadZipFile(f"record {bad} fails its CRC")
-    except (ConfigError, OSError, ValueError, zipfile.BadZipFile) as e:
+        except FileNotFoundError as e:
+            raise MissingFile(f"{file} is missing; resume from another checkpoint") from e
+        except (zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
+            raise ConfigError(f"cannot read {file}: corrupt or cut short ({type(e).__name__}); resume from another checkpoint") from e
+        if bad is not None:
+            raise ConfigError(f"cannot read {file}: its record {bad} fails its CRC (the file is damaged); resume from another checkpoint")
+    load_file(path / "state.pt")
+    _read_json(path / "config.json")
+    digests = _read_json(path / DIGESTS) if (path / DIGESTS).is_file() else {}  # none before rlkit wrote them, or no DCP part
+    for name, digest in digests.items():
+        file = path / name
+        if not file.is_file():
+            raise MissingFile(f"{file} is missing (listed in {path / DIGESTS}); resume from another checkpoint")
+        if _sha256(file) != digest:
+            raise ConfigError(
+                f"cannot read {file}: its sha256 differs from the one {path / DIGESTS} recorded at save time (the file is damaged "
+                "or was changed); resume from another checkpoint"
+            )
+    for meta in sorted(path.glob("*/.metadata")):
+        read_dcp_metadata(meta)
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError as e:
+        raise MissingFile(f"{file} is missing; resume from another checkpoint") from e
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {file}: corrupt or cut short ({type(e).__name__}); resume from another checkpoint") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"cannot read {file}: not a JSON object; resume from another checkpoint")
+    return data
+
+
+def readable(path: str | Path) -> str | None:
+    """None if checkpoint folder `path` passes `verify`; else why not (the first file that fails, and how)."""
+    try:
+        verify(path)
+    except (ConfigError, OSError, ValueError) as e:
         return f"{e}"
     return None
 
 
 def find_resume_path(resume: str, ckpt_root: str | Path) -> Path | None:
-    """'disable' -> None; 'auto' -> newest checkpoint that reads back, or None (each skipped one is named in a
-    warning); anything else must be a checkpoint folder."""
+    """'disable' -> None; 'auto' -> newest checkpoint that passes `verify`, or None (each skipped one is named in a
+    warning); anything else must be a checkpoint folder that passes `verify` (else ConfigError/MissingFile naming
+    the file that fails)."""
     if resume == "disable":
         return None
     if resume == "auto":
@@ -258,6 +412,10 @@ def find_resume_path(resume: str, ckpt_root: str | Path) -> Path | None:
         raise MissingFile(
             f"--trainer.resume {resume}: not a checkpoint folder (expected {path / 'state.pt'}); use 'auto' or a {PREFIX}N folder"
         )
+    try:
+        verify(path)
+    except (ConfigError, MissingFile) as e:
+        raise type(e)(f"--trainer.resume {resume}: {e} (the checkpoint was left as is)") from e
     return path
 
 
@@ -300,11 +458,18 @@ def load(path: str | Path) -> tuple[dict, dict]:
     return state, json.loads((path / "config.json").read_text())
 
 
-def convert(folder: str | Path) -> list[Path]:
-    """Rewrite the .pt files of a checkpoint written by an older rlkit so that weights_only=True reads them (numpy
-    RNG state -> plain values). Loads them with weights_only=False: run it only on checkpoints you trust."""
-    import numpy
+def _numpy_rng_globals() -> list:
+    """What an older rlkit's numpy RNG state (a tuple holding a uint32 ndarray) needs in a weights_only load: numpy's
+    array constructor and dtypes, which build arrays and nothing else (no global outside this list can be named)."""
+    multiarray = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
 
+
+def convert(folder: str | Path, trust: bool = False) -> list[Path]:
+    """Rewrite the .pt files of a checkpoint written by an older rlkit so that weights_only=True reads them (numpy
+    RNG state -> plain values). Unpickles nothing but tensors, plain values and numpy arrays, unless `trust`: then a
+    file needing more is loaded with weights_only=False, which runs whatever code the file names (only for files
+    whose origin you trust). A file that cannot be converted is refused with one line and left as is."""
     converted = []
     for file in sorted(Path(folder).rglob("*.pt")):
         try:
@@ -312,21 +477,62 @@ def convert(folder: str | Path) -> list[Path]:
             continue
         except pickle.UnpicklingError:
             pass
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        try:
+            with torch.serialization.safe_globals(_numpy_rng_globals()):
+                state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            if not trust:
+                raise ConfigError(
+                    f"{file} holds objects other than tensors, plain values and an older rlkit's numpy RNG state "
+                    f"({str(e).splitlines()[0][:160]}), and loading it would run whatever code they name: nothing was loaded "
+                    f"or changed. Only if you trust where it came from: python -m rlkit.checkpoint convert --trust-this-file {folder}"
+                ) from e
+            state = torch.load(file, map_location="cpu", weights_only=False)
         rng = state.get("rng") if isinstance(state, dict) else None
-        if rng is not None and isinstance(rng.get("numpy"), tuple):
+        if isinstance(rng, dict) and isinstance(rng.get("numpy"), tuple):
             name, keys, pos, has_gauss, cached = rng["numpy"]
-            rng["numpy"] = [name, numpy.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+            rng["numpy"] = [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
         tmp = file.with_suffix(".pt.tmp")
         torch.save(state, tmp)
-        torch.load(tmp, map_location="cpu", weights_only=True)  # fails here (file untouched) if something else needs pickle
+        try:
+            torch.load(tmp, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            tmp.unlink()
+            raise ConfigError(
+                f"{file} holds objects an rlkit checkpoint never holds ({str(e).splitlines()[0][:160]}): it cannot be converted "
+                "and was left as is"
+            ) from e
         tmp.replace(file)
         converted.append(file)
     return converted
 
 
-if __name__ == "__main__":  # python -m rlkit.checkpoint convert FOLDER
-    if len(sys.argv) != 3 or sys.argv[1] != "convert":
-        sys.exit("usage: python -m rlkit.checkpoint convert CHECKPOINT_FOLDER   (only for checkpoints you trust)")
-    done = convert(sys.argv[2])
+def main(argv: list[str] | None = None) -> None:
+    """python -m rlkit.checkpoint convert [--trust-this-file] FOLDER"""
+    import argparse
+
+    from rlkit.errors import UserError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rlkit.checkpoint", description="Rewrite an older rlkit checkpoint for weights-only loading."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="rewrite FOLDER's .pt files so that torch.load(weights_only=True) reads them")
+    conv.add_argument("folder", help="a checkpoint folder (checkpoints/global_step_N)")
+    conv.add_argument(
+        "--trust-this-file",
+        action="store_true",
+        help="also load files that hold arbitrary pickled objects with torch.load(weights_only=False): this RUNS any code "
+        "the files name (a tampered checkpoint can do anything you can), so pass it only for checkpoints you wrote "
+        "yourself or whose origin you trust. Without it nothing but tensors, plain values and numpy arrays is unpickled.",
+    )
+    args = parser.parse_args(argv)
+    try:
+        done = convert(args.folder, trust=args.trust_this_file)
+    except UserError as e:
+        sys.exit(f"rlkit: error: {e}")
     print(f"converted {len(done)} file(s): {', '.join(map(str, done)) or 'none needed'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -28,7 +28,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """compute dtype: auto = float32 on CPU, bfloat16 on GPU. Full-parameter training in bfloat16/float16 keeps float32 master weights and computes under autocast (LoRA: the frozen base is stored in it); --trainer.backend ray: float32 master weights, compute in --trainer.fsdp-param-dtype"""
+    """compute dtype: auto = float32 on CPU, bfloat16 on GPU; 16-bit full training keeps float32 master weights (docs/gpu.md)"""
     lora_rank: int = 0
     """LoRA rank; 0 trains all parameters (and keeps a frozen copy as the reference policy)"""
     lora_alpha: int = 16
@@ -36,13 +36,13 @@ class ModelConfig:
     target_modules: str = "all-linear"
     """LoRA target modules: 'all-linear' or a comma-separated list such as 'q_proj,v_proj'"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
-    """recompute each layer's activations in the backward pass: less memory, ~30 % slower update (auto = on for a model of 10M+ parameters on a GPU, off on CPU)"""
+    """recompute activations in the backward: less memory, ~30 % slower update (auto: on for 10M+ parameters on a GPU)"""
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
-    """attention kernel: auto = flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa"""
+    """attention kernel: auto = flash_attention_2 on CUDA when flash-attn imports with its kernel, else sdpa"""
     remove_padding: bool = True
-    """log-prob, value and update passes on real tokens only: sequences packed into rows with a block attention mask (rlkit/packing.py; sdpa and eager, the padded layout with flash_attention_2)"""
+    """passes on real tokens only, sequences packed into rows (rlkit/packing.py; varlen with flash_attention_2)"""
     share_prompt: bool = True
-    """with remove_padding: consecutive rows with the same prompt (a GRPO group) compute it once in those passes"""
+    """with remove_padding: a group's shared prompt computed once in those passes (sdpa and eager, not varlen)"""
 
 
 @dataclass
@@ -80,17 +80,17 @@ class DataConfig:
     task_train_size: int = 1000
     """training items to generate (seed task_seed)"""
     task_val_size: int = 200
-    """validation items to generate (seed task_seed + task_train_size; repeated questions and those also in the training set are dropped); at least 1: to skip validation pass --data.val-files with no file"""
+    """validation items to generate (questions also in the training set dropped); at least 1"""
     task_seed: int = 0
     """seed of the generated task data"""
     task_format: Literal["direct", "default", "plain", "number"] = "direct"
-    """direct/default: reasoning-gym's system prompt of that name, answer read from <answer>...</answer>; plain: no system prompt, the whole response is the answer; number: no system prompt, the last number in the response is the answer"""
+    """how the answer is asked for and read: reasoning-gym's system prompt (direct/default), none (plain: the whole response; number: its last number); README.md"""
 
 
 @dataclass
 class RolloutConfig:
     name: Literal["hf", "vllm"] = "hf"
-    """generation backend: hf (transformers generate on the training model) or vllm (a vLLM engine beside it, weights synced after every update; `bash scripts/install.sh vllm`)"""
+    """generation backend: hf (generate on the training model) or vllm (an engine beside it, synced each update; docs/vllm.md)"""
     n: int = 8
     """responses sampled per prompt (the group size of GRPO)"""
     temperature: float = 1.0
@@ -102,11 +102,11 @@ class RolloutConfig:
     val_temperature: float = 0.0
     """temperature for validation; 0 = greedy"""
     log_prob_micro_batch_size: int = 0
-    """sequences per forward pass when computing log-probs (and values) without gradients (0 = the update's micro-batch, --actor.ppo-micro-batch-size)"""
+    """rows per forward pass of the log-prob and value passes (0 = --actor.ppo-micro-batch-size)"""
     micro_batch_size: int = 0
-    """hf: rows per generate call, in training and validation (0 = auto: all rows for a model under 10M parameters, like the embedded one, else 64)"""
+    """hf: rows per generate call (0 = auto: on CUDA what half the free memory holds, docs/gpu.md; on CPU 64, all under 10M params)"""
     gpu_memory_utilization: float = 0.5
-    """vllm on a GPU: share of GPU memory the engine takes while it generates (weights + KV cache); it sleeps during the trainer's passes (weights to CPU, KV cache freed), so the trainer's weights and optimizer state must fit in the rest (docs/gpu.md)"""
+    """vllm on a GPU: share of GPU memory the engine takes while it generates; it sleeps in the trainer's passes (docs/gpu.md)"""
     kv_cache_gb: int = 1
     """vllm on CPU: GiB of RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE)"""
     enforce_eager: bool = False
@@ -114,9 +114,9 @@ class RolloutConfig:
     max_num_seqs: int = 0
     """vllm: most sequences decoded at once (0 = vLLM's default)"""
     lora_adapter_sync: bool = True
-    """vllm with --model.lora-rank > 0: serve the LoRA adapter to vLLM as an adapter (saved to a folder after each update, a new LoRARequest) instead of merging W + BA into the base weights; falls back to merging where vLLM takes no adapter (docs/vllm.md)"""
+    """vllm with --model.lora-rank > 0: sync the LoRA adapter as an adapter, not merged into the weights (docs/vllm.md)"""
     log_probs: bool = False
-    """hf: also keep the rollout's own log-probs of the sampled tokens (rollout_log_probs), for the rollout_corr/ mismatch metrics and --actor.rollout-correction (vllm and --trainer.async-steps > 0 always keep them)"""
+    """hf: also keep the sampler's own log-probs, for the rollout_corr/ metrics and the correction (docs/off-policy.md)"""
 
 
 @dataclass
@@ -132,9 +132,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 32
     """prompts per optimizer step; × rollout.n trajectories (as in verl). train_batch_size / this = optimizer steps per epoch"""
     ppo_micro_batch_size: int = 0
-    """trajectories per forward/backward pass; gradients are accumulated over a mini-batch (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 8)"""
+    """trajectories per forward/backward pass, memory only (0 = auto: 256 under 10M parameters, else 8)"""
     max_token_len_per_micro_batch: int = 0
-    """token budget of a forward pass (verl's ppo_max_token_len_per_gpu), in the update and the log-prob passes: consecutive trajectories up to this many positions (packed: real tokens, a shared prompt once); 0 = off, ppo_micro_batch_size rows"""
+    """token budget of a forward pass instead of a row count (verl's ppo_max_token_len_per_gpu; 0 = off)"""
     ppo_epochs: int = 1
     """passes over the rollout batch per training step"""
     shuffle: bool = False
@@ -162,7 +162,7 @@ class ActorConfig:
     max_skipped_steps: int = 3
     """with --actor.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
     rollout_correction: Literal["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-mask"] = "token-tis"
-    """when the batch has rollout log-probs mu (vllm, --rollout.log-probs, --trainer.async-steps > 0): weight (or mask) each token's policy loss by pi_old/mu, detached (docs/off-policy.md)"""
+    """with rollout log-probs (vllm, async): weight or mask each token's loss by pi_old/mu (docs/off-policy.md)"""
     rollout_is_cap: float | None = None
     """the correction's upper bound C: the -tis cap, the upper bound of -mis and geo-mask (default per mode: 2.0; geo-mask 1.001)"""
     rollout_is_low: float | None = None
@@ -209,7 +209,7 @@ class CriticConfig:
     ppo_mini_batch_size: int | None = None
     """prompts per critic optimizer step, × rollout.n trajectories (default: actor.ppo_mini_batch_size)"""
     ppo_micro_batch_size: int = 0
-    """trajectories per forward/backward pass of the value model (0 = auto: 256 for a model under 10M parameters, like the embedded one, else 8)"""
+    """trajectories per forward/backward pass of the value model, memory only (0 = auto, as the actor's)"""
     max_token_len_per_micro_batch: int = 0
     """token budget of a value-model forward pass, as --actor.max-token-len-per-micro-batch; 0 = off"""
     ppo_epochs: int = 1
@@ -271,7 +271,7 @@ class TrainerConfig:
     project_name: str = "rlkit"
     """project name for wandb"""
     experiment_name: str | None = None
-    """run name (default: the recipe's file name, plus the model and the data when they are not the embedded ones, e.g. grpo-qwen2.5-0.5b-instruct-gsm8k)"""
+    """run name (default: recipe, model, data, e.g. grpo-qwen2.5-0.5b-instruct-gsm8k)"""
     logger: list[Literal["console", "wandb"]] = field(default_factory=lambda: ["console"])
     """where to log: console and/or wandb (WANDB_MODE=offline works with no network)"""
     seed: int = 1
@@ -289,11 +289,11 @@ class TrainerConfig:
     reward_workers: int = 0
     """a reward model (--reward.model-path) with --trainer.backend ray: 0 = replicas colocated with the actor (one per bundle); N = a pool of N bundles of its own"""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """FSDP2 compute dtype: weights are gathered in it for forward/backward and generation; the sharded master weights stay in --model.dtype (auto: float32 under FSDP2) and gradients are reduced in float32 (auto: bfloat16 on GPU, float32 on CPU)"""
+    """FSDP2 compute dtype (auto: bfloat16 on GPU, float32 on CPU); master weights stay float32 (docs/scaling.md)"""
     fsdp_offload: bool = False
-    """FSDP2: keep the sharded weights, gradients and optimizer state in CPU memory, moved to the GPU only when used (larger models, slower steps)"""
+    """FSDP2: keep sharded weights, gradients and optimizer state in CPU memory (larger models, slower)"""
     engine: Literal["fsdp", "megatron"] = "fsdp"
-    """the policy's engine with --trainer.backend ray: fsdp (FSDP2 sharding) or megatron (Megatron-core tensor parallelism, --trainer.tp-size; `bash scripts/install.sh megatron`; docs/scaling.md)"""
+    """the policy's engine on Ray: fsdp (FSDP2) or megatron (tensor parallel, --trainer.tp-size; docs/scaling.md)"""
     tp_size: int = 1
     """--trainer.engine megatron: tensor-parallel size T (n_workers = T x data-parallel size)"""
     ray_address: str | None = None
@@ -301,11 +301,118 @@ class TrainerConfig:
     num_threads: int = 0
     """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
     async_steps: int = 0
-    """asynchronous k-step off-policy training: a generation worker (a process, or a Ray actor) with its own weight copy samples the batches of steps t+1..t+k while step t updates (0 = the synchronous loop; every recipe; hf or vllm rollout; not with --trainer.engine megatron)"""
+    """k >= 1: a generation worker samples the batches of steps t+1..t+k while step t updates (docs/off-policy.md)"""
     async_workers: int = 1
-    """with --trainer.async-steps k >= 1: how many generation workers (processes, or Ray actors on a pool of their own), each sampling an equal share of every batch's prompt groups"""
+    """with --trainer.async-steps >= 1: generation workers, each sampling a share of every batch"""
     async_timeout_s: float = 3600.0
-    """with --trainer.async-steps k >= 1: stop with an error when a generation worker sends nothing for this many seconds (hung, or stopped by SIGSTOP: then after at most 60 s); 0 = wait forever"""
+    """with --trainer.async-steps >= 1: stop with one line when a generation worker sends nothing for this many seconds (a stopped one: after at most 60 s); 0 = wait forever"""
+
+
+# --help by audience. These options say how and where a run executes, not what it learns: --help lists them
+# after every learning option, in system.<group> boxes. Their flags (--trainer.backend, --rollout.name, ...) and
+# their place in the config (cfg.trainer.backend, cfg.rollout.name) do not change: only the help is regrouped,
+# by cli_view. group -> {section: fields}; a section a recipe lacks (critic) is skipped.
+SYSTEM_OPTIONS = {
+    "performance": {
+        "trainer": ("device", "num_threads"),
+        "model": ("attn_implementation", "gradient_checkpointing", "remove_padding", "share_prompt"),
+        "rollout": ("micro_batch_size", "log_prob_micro_batch_size"),
+        "actor": ("max_token_len_per_micro_batch",),
+        "critic": ("max_token_len_per_micro_batch",),
+    },
+    "scale_out": {
+        "trainer": (
+            "backend",
+            "n_workers",
+            "cpus_per_worker",
+            "critic_workers",
+            "reward_workers",
+            "engine",
+            "tp_size",
+            "fsdp_param_dtype",
+            "fsdp_offload",
+            "ray_address",
+        )
+    },
+    "vllm": {"rollout": ("name", "gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "max_num_seqs", "lora_adapter_sync")},
+    "async_rollout": {"trainer": ("async_steps", "async_workers", "async_timeout_s")},
+    "sandbox": {
+        "reward": ("sandbox", "sandbox_level", "sandbox_workers", "sandbox_fresh", "sandbox_memory_mb"),
+        "agent": ("sandbox_level",),
+    },
+}
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: the docstring under it} of a dataclass (its --help text), from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    out = {}
+    for klass in reversed(cls.__mro__[:-1]):  # a subclass's docstring wins
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError):  # made at run time: no source
+            continue
+        for stmt, nxt in zip(body, body[1:]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                out[stmt.target.id] = " ".join(str(nxt.value.value).split())
+    return out
+
+
+def cli_view(config_cls):
+    """What tyro parses for a recipe's Config: the same flags, with SYSTEM_OPTIONS shown apart (see there).
+
+    Returns (view_cls, to_config): view_cls is config_cls with those fields hidden in their sections and offered
+    again, under their own flag names, in a `system` section of one box per group; to_config(parsed view) is the
+    config_cls instance the recipe gets (each section its own class again, the system values back in place).
+    """
+    import copy
+    import dataclasses
+    import typing
+
+    default = config_cls()
+    moved: dict[str, dict[str, str]] = {}  # section -> {field: group}
+    for group, sections in SYSTEM_OPTIONS.items():
+        for section, names in sections.items():
+            if dataclasses.is_dataclass(getattr(default, section, None)):
+                moved.setdefault(section, {}).update(dict.fromkeys(names, group))
+
+    if not moved:  # a config without the shared sections: as it is
+        return config_cls, lambda cfg: cfg
+
+    def keep(value):  # a default: a fresh copy of the recipe's own default value
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(value))
+
+    sections, groups = [], {group: [] for group in SYSTEM_OPTIONS}
+    for section, names in moved.items():
+        value = getattr(default, section)
+        hints, docs = typing.get_type_hints(type(value), include_extras=True), field_docs(type(value))
+        hidden = [(n, Annotated[hints[n], tyro.conf.Suppress], keep(getattr(value, n))) for n in names]
+        view = dataclasses.make_dataclass(type(value).__name__, hidden, bases=(type(value),))
+        state = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        sections.append((section, view, dataclasses.field(default_factory=lambda v=view, s=state: v(**copy.deepcopy(s)))))
+        for n, group in names.items():
+            flag = tyro.conf.arg(name=f"{section}.{n}", prefix_name=False, help=docs.get(n))
+            groups[group].append((f"{section}__{n}", Annotated[hints[n], flag], keep(getattr(value, n))))
+    boxes = [(g, dataclasses.make_dataclass(f"System_{g}", f)) for g, f in groups.items() if f]
+    system = dataclasses.make_dataclass("System", [(g, cls, dataclasses.field(default_factory=cls)) for g, cls in boxes])
+    view_cls = dataclasses.make_dataclass(
+        config_cls.__name__, [*sections, ("system", system, dataclasses.field(default_factory=system))], bases=(config_cls,)
+    )
+    view_cls.__module__ = config_cls.__module__  # (loop.run_name names a run after the recipe's module)
+
+    def to_config(view) -> config_cls:
+        values = {f.name: getattr(view, f.name) for f in dataclasses.fields(config_cls)}
+        for section, names in moved.items():
+            cls = type(getattr(default, section))
+            state = {f.name: getattr(values[section], f.name) for f in dataclasses.fields(cls)}
+            state.update({n: getattr(getattr(view.system, g), f"{section}__{n}") for n, g in names.items()})
+            values[section] = cls(**state)
+        return config_cls(**values)
+
+    return view_cls, to_config
 
 
 def check_flags(cfg) -> None:
@@ -326,7 +433,7 @@ def check_flags(cfg) -> None:
         "--actor.max-skipped-steps": a.max_skipped_steps,
     }
     lrs = {"--actor.lr": a.lr}
-    critic = getattr(cfg, "critic", None)
+    critic = getattr(cfg, "critic", None)  # the recipe's critic section, if it trains one (ppo.py)
     if critic is not None:
         positive["--critic.ppo-epochs"] = critic.ppo_epochs
         non_negative["--critic.ppo-micro-batch-size"] = critic.ppo_micro_batch_size

@@ -77,7 +77,7 @@ def check_rows(cols: dict, files, prompt_key: str = "prompt") -> None:
 
 def check_files(cfg) -> None:
     """Read the train and val files (cfg: DataConfig) and check their rows, before any model loads."""
-    if getattr(cfg, "task", None):
+    if cfg.task:
         return
     for files in (cfg.train_files, cfg.val_files):
         if files:
@@ -199,7 +199,7 @@ def build_prompts(
     With cfg.task set the files are ignored; the split is `split`, or 'val' when `files` is cfg.val_files itself
     (what recipes pass), else 'train'. tools: JSON schemas of tools the prompts offer (see render_prompts).
     """
-    if getattr(cfg, "task", None):
+    if cfg.task:
         cols = task_columns(cfg, split or ("val" if files is cfg.val_files else "train"))
         if max_samples > 0:
             cols = {k: v[:max_samples] for k, v in cols.items()}

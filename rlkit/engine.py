@@ -15,11 +15,17 @@ read at the same positions. The update loop is shared: the loss function gets va
 log-probs.
 
 Layout. The passes run on real tokens only (rlkit/packing.py): sequences packed into rows with a block attention
-mask, each group's shared prompt computed once (GRPO's n rows of a prompt), position ids per sequence, the LM
-head on the positions read. Same log-probs as the padded rows to float rounding; --model.remove-padding false
-(and flash_attention_2, which takes no 4D mask) keeps the padded layout. Micro-batches hold
+mask (built on the device from segment ids), each group's shared prompt computed once (GRPO's n rows of a prompt),
+position ids per sequence, the LM head on the positions read. Same log-probs as the padded rows to float rounding;
+--model.remove-padding false keeps the padded layout. flash_attention_2 takes no 4D mask: its passes pack every
+prompt ++ response end to end in one row (varlen, no shared prompt). Micro-batches hold
 --actor.ppo-micro-batch-size rows, or with --actor.max-token-len-per-micro-batch > 0 as many rows as fit in that
-many positions; the loss's Norm is the mini-batch's either way.
+many positions, in as many micro-batches as the data-parallel process that needs the most (agreed_count); the
+loss's Norm is the mini-batch's either way.
+
+Logits. Log-probs and entropy come from one log-sum-exp per position, in chunks, with a backward that recomputes
+softmax chunk by chunk (algos.token_logprob_entropy): a pass holds the logits, in the backward their gradient,
+and a few 16 MiB buffers; no float32 copy of the whole logits, with or without an entropy term.
 
 Dropout stays off (eval mode) in every pass, so the log-probs of the update equal the old
 log-probs when the weights have not moved: the PPO ratio is exactly 1 on-policy.
@@ -86,11 +92,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def flash_attn_problem() -> str | None:
+    """None when flash-attn imports with its compiled kernel (what transformers' flash_attention_2 calls), else why not.
+
+    Finding the package is not enough: a wheel built against another torch (common once vLLM pins its own) is found
+    but fails to import (undefined symbol), and then every forward pass would crash."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "not installed"
+    try:
+        from flash_attn import flash_attn_varlen_func  # imports flash_attn_2_cuda, the compiled extension
+    except Exception as e:  # noqa: BLE001 -- ImportError, OSError (a missing .so), RuntimeError: all mean "unusable"
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else 'no message'}"
+    if not callable(flash_attn_varlen_func):
+        return "flash_attn.flash_attn_varlen_func is missing"
+    return None
+
+
 def resolve_attn_implementation(name: str, device: torch.device) -> str:
-    """'auto' -> flash_attention_2 on CUDA when the flash-attn package is importable, else sdpa; otherwise as given."""
+    """'auto' -> flash_attention_2 on CUDA when flash-attn imports with its kernel (flash_attn_problem), else sdpa (with one
+    line saying why when flash-attn is installed but broken); otherwise as given."""
     if name != "auto":
         return name
-    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+    if device.type != "cuda":
+        return "sdpa"
+    why = flash_attn_problem()
+    if why is None:
+        return "flash_attention_2"
+    if why != "not installed":
+        warnings.warn(
+            f"flash-attn is installed but unusable ({why}); attention sdpa. Reinstall it for this torch, or uninstall it", stacklevel=2
+        )
+    return "sdpa"
 
 
 def resolve_gradient_checkpointing(setting, device: torch.device, n_params: int) -> bool:
@@ -227,6 +259,22 @@ def all_finite(x: torch.Tensor) -> bool:
     return ok
 
 
+def agreed_count(n: int) -> int:
+    """The largest n over all data-parallel processes (n itself with one process).
+
+    Each process splits its own rows by tokens (--actor.max-token-len-per-micro-batch), so the counts differ; but FSDP
+    gathers weights in every forward and backward pass and all_finite is agreed per micro-batch, so a process with
+    fewer passes would leave the others waiting in a collective until the timeout. All run the largest count
+    instead (packing.split_to_count), as verl does."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([n], dtype=torch.int64)  # on CPU: gloo serves it beside NCCL
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+    return n
+
+
 def global_counts(num_tokens: int, num_seqs: int) -> Norm:
     """The loss normalisers of a mini-batch: its token and sequence counts, over all data-parallel processes.
 
@@ -242,6 +290,26 @@ def global_counts(num_tokens: int, num_seqs: int) -> Norm:
         n = dist.get_world_size()
         return Norm(num_tokens=max(t[0].item(), 1.0) / n, num_seqs=t[1].item() / n, dp_size=n)
     return Norm(num_tokens=max(num_tokens, 1), num_seqs=num_seqs)
+
+
+class UpdateMetrics:
+    """An update's metrics: each name's mean over the times it is added (micro-batches, optimizer steps), a name ending
+    in _max / _min its max / min, skipped_steps a count; a name without a "/" gets the role's prefix (actor/...)."""
+
+    def __init__(self, role: str):
+        self.role, self.sums, self.counts = role, {}, {}
+
+    def add(self, key: str, value) -> None:
+        key = key if "/" in key else f"{self.role}/{key}"
+        if key.endswith(("_max", "_min")) and key in self.sums:  # a max (min) over micro-batches and steps stays one
+            self.sums[key] = (max if key.endswith("_max") else min)(self.sums[key], float(value))
+            return
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def result(self) -> dict:
+        count = f"{self.role}/skipped_steps"
+        return {k: v / self.counts[k] if k != count else v for k, v in self.sums.items()}
 
 
 class TorchEngine:
@@ -272,7 +340,7 @@ class TorchEngine:
         # FSDP (wrap) has its own mixed precision policy, LoRA trains float32 adapters on a frozen base
         self.master_fp32 = actor_cfg is not None and not self.lora and wrap is None and self.dtype in (torch.bfloat16, torch.float16)
         self.param_dtype = torch.float32 if self.master_fp32 else self.dtype
-        self.attn_implementation = resolve_attn_implementation(getattr(model_cfg, "attn_implementation", "auto"), self.device)
+        self.attn_implementation = resolve_attn_implementation(model_cfg.attn_implementation, self.device)
         # FSDP: load in CPU memory; sharding moves each process's 1/N to its GPU (no full copy, no reference copy on the GPU)
         load_on = torch.device("cpu") if wrap is not None else self.device
         model = load_model(
@@ -289,16 +357,19 @@ class TorchEngine:
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
         self.keep_logits = accepts_logits_to_keep(model)
-        # padding-free passes (rlkit/packing.py): a 4D block mask, which flash_attention_2 does not take
-        self.remove_padding = getattr(model_cfg, "remove_padding", True) and self.attn_implementation in ("sdpa", "eager")
-        self.share_prompt = self.remove_padding and getattr(model_cfg, "share_prompt", True)
-        if getattr(model_cfg, "remove_padding", True) and not self.remove_padding:
+        # padding-free passes (rlkit/packing.py): sdpa/eager take the 4D block mask (a shared prompt computed once);
+        # flash_attention_2 takes packed sequences without a mask (varlen: each response with its own copy of its prompt)
+        self.varlen = self.attn_implementation == "flash_attention_2"
+        self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager", "flash_attention_2")
+        self.share_prompt = self.remove_padding and model_cfg.share_prompt and not self.varlen
+        if model_cfg.remove_padding and not self.remove_padding:
             warnings.warn(
-                f"--model.remove-padding: attention {self.attn_implementation} takes no 4D mask; passes use the padded layout",
+                f"--model.remove-padding: attention {self.attn_implementation} takes neither a 4D mask nor packed sequences; "
+                "passes use the padded layout",
                 stacklevel=2,
             )
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
-        self.max_tokens = getattr(actor_cfg, "max_token_len_per_micro_batch", 0) if actor_cfg is not None else 0
+        self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
         if wrap is not None:
             model = wrap(model)
             self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None
@@ -322,9 +393,8 @@ class TorchEngine:
         if self.lora:
             params = f"{params} (LoRA adapters float32)"
         ckpt = "on" if self.gradient_checkpointing else "off"
-        return (
-            f"device {self.device}, params {params}, compute {compute}, attention {self.attn_implementation}, gradient checkpointing {ckpt}"
-        )
+        attn = self.attn_implementation + (" (varlen packing, prompts not shared)" if self.varlen and self.remove_padding else "")
+        return f"device {self.device}, params {params}, compute {compute}, attention {attn}, gradient checkpointing {ckpt}"
 
     # -- forward passes ------------------------------------------------------------------------
     def _reference(self):
@@ -341,69 +411,80 @@ class TorchEngine:
         if self.max_tokens <= 0:
             return batch.split(micro_batch_size)
         prompt_len = batch["prompts"].shape[1]
-        if self.remove_padding:
-            spans = packing.split_by_tokens(batch["input_ids"], batch["attention_mask"], prompt_len, self.share_prompt, self.max_tokens)
-        else:  # padded: a row costs the longest sequence; approximate it by its own length
-            mask = batch["attention_mask"].clone()
+        mask, share = batch["attention_mask"], self.share_prompt
+        if not self.remove_padding:  # padded: a row costs the longest sequence; approximate it by its own length
+            mask = mask.clone()
             mask[:, :prompt_len] = 1
-            spans = packing.split_by_tokens(batch["input_ids"], mask, prompt_len, False, self.max_tokens)
+            share = False
+        spans = packing.split_by_tokens(batch["input_ids"], mask, prompt_len, share, self.max_tokens)
+        count = agreed_count(len(spans))
+        if count != len(spans):
+            spans = packing.split_to_count(spans, packing.row_costs(batch["input_ids"], mask, prompt_len, share), count)
         return [batch[a:b] for a, b in spans]
 
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
         """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R).
 
         A value model returns (values, None) instead: V(s_t) read where the logits predicting y_t are.
-        Padding-free (rlkit/packing.py) unless --model.remove-padding false or flash_attention_2; 0 past each response.
+        Padding-free (rlkit/packing.py) unless --model.remove-padding false; 0 past each response.
         """
         if self.remove_padding:
             return self.forward_packed(model, mb, temperature, with_entropy)
         return self.forward_padded(model, mb, temperature, with_entropy)
 
     def forward_packed(self, model, mb: DataProto, temperature: float, with_entropy: bool):
-        """forward() in the packed layout: only real tokens, each group's prompt once (rlkit/packing.py)."""
+        """forward() in the packed layout: only real tokens, each group's prompt once (rlkit/packing.py).
+
+        The layout's indices are worked out on the host (small (T,) tensors, no device sync); the (rows, C, C) mask
+        is built on the device from the segment ids (packing.block_mask); flash_attention_2 gets no mask at all
+        (varlen: one row, sequences cut where the position ids restart)."""
         b, resp_len = len(mb), mb["responses"].shape[1]
         p = packing.pack(
-            mb["input_ids"].cpu(), mb["attention_mask"].cpu(), mb["position_ids"].cpu(), mb["prompts"].shape[1], self.share_prompt
+            mb["input_ids"].cpu(),
+            mb["attention_mask"].cpu(),
+            mb["position_ids"].cpu(),
+            mb["prompts"].shape[1],
+            self.share_prompt,
+            one_row=self.varlen,
         )
-        mask = p.attention_mask.to(self.device)  # (rows, 1, C, C) bool: sdpa takes it as is
-        if self.attn_implementation == "eager":  # eager adds the mask to the scores
-            mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-        dst_row, dst_col = p.dst_row.to(self.device), p.dst_col.to(self.device)
-        src_row, pos = p.src_row.to(self.device), p.read.to(self.device)[p.src_k.to(self.device)]  # (T,): row and position read
-        labels = p.labels.to(self.device)
-        out_lp = torch.zeros(b, resp_len, device=self.device)
-        out_ent = torch.zeros(b, resp_len, device=self.device) if with_entropy else None
+        dev = self.device
+        mask = None
+        if not self.varlen:
+            mask = packing.block_mask(p.segment_ids.to(dev, non_blocking=True), p.sub_ids.to(dev, non_blocking=True))[:, None]
+            if self.attn_implementation == "eager":  # eager adds the mask to the scores
+                mask = torch.zeros(mask.shape, device=dev).masked_fill(~mask, torch.finfo(torch.float32).min)
+        pos = p.read[p.src_k]  # (T,) on the host: the position read for each token
+        out_lp = torch.zeros(b, resp_len, device=dev)
+        out_ent = torch.zeros(b, resp_len, device=dev) if with_entropy else None
         rows, vocab = p.input_ids.shape[0], 1 if self.value_head else vocab_size(model)
         # the LM head reads the union of the rows' read positions (rows, K, V); when that union wastes much memory
         # (rows x K >> T at a real vocabulary) run the rows one by one, each on its own positions
-        one_by_one = rows > 1 and rows * len(p.read) > 2 * len(labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
+        one_by_one = rows > 1 and rows * len(p.read) > 2 * len(p.labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
         for r0, r1 in [(r, r + 1) for r in range(rows)] if one_by_one else [(0, rows)]:
-            sel = (src_row >= r0) & (src_row < r1)  # (T,) the tokens read in these rows
+            sel = (p.src_row >= r0) & (p.src_row < r1)  # (T,) the tokens read in these rows
             read, k = torch.unique(pos[sel], sorted=True, return_inverse=True)  # (K,), (t,)
-            row = src_row[sel] - r0
-            dst = (dst_row[sel], dst_col[sel])
-            only = {"logits_to_keep": read} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
+            row = p.src_row[sel] - r0
+            dst = (p.dst_row[sel].to(dev), p.dst_col[sel].to(dev))
+            only = {"logits_to_keep": read.to(dev)} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
             with self.autocast():
                 out = model(
-                    input_ids=p.input_ids[r0:r1].to(self.device),
-                    attention_mask=mask[r0:r1],
-                    position_ids=p.position_ids[r0:r1].to(self.device),
+                    input_ids=p.input_ids[r0:r1].to(dev),
+                    attention_mask=None if mask is None else mask[r0:r1],
+                    position_ids=p.position_ids[r0:r1].to(dev),
                     use_cache=False,
                     **only,
                 ).logits  # (rows, K, V)
             if not self.keep_logits:
-                out = out[:, read]
+                out = out[:, read.to(dev)]
             if self.value_head:
-                out_lp[dst] = out[row, k, 0].float()
+                out_lp[dst] = out[row.to(dev), k.to(dev), 0].float()
                 continue
-            logits = out.float()  # the one float32 copy (none when computed in float32)
-            if temperature != 1.0:
-                logits = logits / temperature
-            # log softmax(z)[y] = z_y - logsumexp(z), without a (T, V) copy: the prompt's last position serves n tokens
-            out_lp[dst] = logits[row, k, labels[sel]] - torch.logsumexp(logits, dim=-1)[row, k]
-            if with_entropy:  # "metric": computed without gradient, for logging only
-                with torch.no_grad() if with_entropy == "metric" else nullcontext():
-                    out_ent[dst] = algos.entropy_from_logits(logits)[row, k]
+            # one log-sum-exp per position read, chunked (algos.token_logprob_entropy): the prompt's last position serves n tokens
+            at = (row * out.shape[1] + k).to(dev)  # (t,) flat index into the (rows * K) positions
+            lp, ent = algos.token_logprob_entropy(out.reshape(-1, out.shape[-1]), at, p.labels[sel].to(dev), temperature, with_entropy)
+            out_lp[dst] = lp.float()
+            if with_entropy:
+                out_ent[dst] = ent[at].float()
         return out_lp, (None if self.value_head else out_ent)
 
     def forward_padded(self, model, mb: DataProto, temperature: float, with_entropy: bool):
@@ -417,23 +498,23 @@ class TorchEngine:
             out = model(
                 input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False, **only
             ).logits
-        logits = out[:, -keep - 1 : -1]  # position t-1 predicts y_t (or values state y_<t): (b, keep, V)
         if self.value_head:
             values = torch.zeros(len(mb), resp_len, device=self.device)
-            values[:, :keep] = logits[..., 0].float()
+            values[:, :keep] = out[:, -keep - 1 : -1, 0].float()  # position t-1 values state y_<t
             return values, None
-        logits = logits.float()  # the one float32 copy of the vocabulary-wide logits (none when computed in float32)
-        if temperature != 1.0:
-            logits = logits / temperature
-        labels = mb["responses"][:, :keep].to(self.device)
+        out = out[:, -keep - 1 :]  # (b, keep+1, V): position t-1 predicts y_t; the last one predicts nothing
+        b, width = out.shape[0], out.shape[1]
+        at = (torch.arange(b, device=self.device)[:, None] * width + torch.arange(keep, device=self.device)).reshape(-1)  # (b*keep,)
+        labels = mb["responses"][:, :keep].to(self.device).reshape(-1)
+        flat = out.reshape(-1, out.shape[-1])  # (b*(keep+1), V): a view when the model computed only these positions
+        lp, ent = algos.token_logprob_entropy(flat, at, labels, temperature, with_entropy)
         logp = torch.zeros(len(mb), resp_len, device=self.device)
-        logp[:, :keep] = algos.logprobs_from_logits(logits, labels)
-        ent = None
-        if with_entropy:  # "metric": computed without gradient, for logging only
-            ent = torch.zeros(len(mb), resp_len, device=self.device)
-            with torch.no_grad() if with_entropy == "metric" else nullcontext():
-                ent[:, :keep] = algos.entropy_from_logits(logits)
-        return logp, ent
+        logp[:, :keep] = lp.float().view(b, keep)
+        if not with_entropy:
+            return logp, None
+        out_ent = torch.zeros(len(mb), resp_len, device=self.device)
+        out_ent[:, :keep] = ent.float().view(b, width)[:, :keep]
+        return logp, out_ent
 
     @torch.no_grad()
     def compute_log_prob(self, batch: DataProto, temperature: float, micro_batch_size: int, ref: bool = False, with_entropy: bool = False):
@@ -466,17 +547,6 @@ class TorchEngine:
             for m in flagged:
                 m.training = False
 
-    def _skipped(self, what: str) -> None:
-        """Count a skipped optimizer step (nan_policy skip); too many in a row stop the run."""
-        self.skips_in_a_row = getattr(self, "skips_in_a_row", 0) + 1
-        limit = getattr(self.actor_cfg, "max_skipped_steps", 0)
-        if limit and self.skips_in_a_row >= limit:
-            raise NonFinite(
-                f"{self.skips_in_a_row} optimizer steps in a row skipped for a non-finite {what} in the {self.role} update "
-                f"(--{self.role}.max-skipped-steps {limit}): the run no longer trains. Lower --{self.role}.lr, check rewards for NaN/inf, "
-                f"or resume from an earlier checkpoint"
-            )
-
     def update(
         self,
         batch: DataProto,
@@ -487,86 +557,103 @@ class TorchEngine:
         temperature: float = 1.0,
         shuffle_seed: int | None = None,
     ) -> dict:
-        """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches.
+        """ppo_epochs × mini-batches of `mini_batch_size` trajectories, each accumulated over micro-batches:
 
-        One optimizer step per mini-batch; loss_fn follows the contract above (LossFn). Returns metrics
-        averaged over optimizer steps, each prefixed with the role (actor/..., critic/... for a value
-        model): loss, grad_norm (before clipping), lr, the loss's parts (summed over the micro-batches of
-        a mini-batch, so they do not depend on the micro-batch size) and its metrics (averaged).
+            for epoch in range(epochs):
+                for mini in batch.split(mini_batch_size):             # one optimizer step each
+                    zero_grad()
+                    for micro in mini.split(micro_batch_size):       # memory only: the same gradient
+                        loss_fn(micro, log_prob, entropy, norm).backward()   # norm: the mini-batch's counts
+                    clip_grad_norm(grad_clip); optimizer.step()
+
+        loss_fn follows the contract above (LossFn). A non-finite loss or gradient norm stops the run before
+        the step (NonFinite), or with nan_policy skip skips that step (counted, actor/skipped_steps). Returns
+        metrics averaged over optimizer steps, each prefixed with the role (actor/..., critic/... for a value
+        model): loss, grad_norm (before clipping), lr, the loss's parts (summed over the micro-batches of a
+        mini-batch, so they do not depend on the micro-batch size) and its metrics (averaged).
         """
-        cfg, role = self.actor_cfg, self.role
-        with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        # On-policy shortcut: a batch without old log-probs is updated in exactly one optimizer step, where
-        # pi_old = pi, so log pi_old is this step's own log-probs, detached (rho = 1, the gradient unchanged).
+        # One optimizer step on a batch without old log-probs: pi_old = pi, so log pi_old is this step's own
+        # log-probs, detached (rho = 1, the gradient unchanged), and needs no pass of its own.
         reuse_old = not self.value_head and "old_log_probs" not in batch
         if reuse_old and (epochs != 1 or len(batch) > mini_batch_size):
             raise ValueError(
                 "the batch has no old_log_probs, but its update takes more than one optimizer step "
                 "(ppo_epochs > 1 or several mini-batches): compute them with policy.compute_log_prob first"
             )
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def add(key, value):
-            key = key if "/" in key else f"{role}/{key}"
-            if key.endswith(("_max", "_min")) and key in sums:  # a max (min) over micro-batches and steps stays a max (min)
-                sums[key] = (max if key.endswith("_max") else min)(sums[key], float(value))
-                return
-            sums[key] = sums.get(key, 0.0) + float(value)
-            counts[key] = counts.get(key, 0) + 1
-
+        log = UpdateMetrics(self.role)
         with self._checkpointing():
             for epoch in range(epochs):
                 data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
-                for mini in data.split(mini_batch_size):
-                    norm = global_counts(int(mini["response_mask"].sum()), len(mini))
+                for mini in data.split(mini_batch_size):  # one optimizer step per mini-batch
                     self.optimizer.zero_grad(set_to_none=True)
-                    total, part_sums = 0.0, {}  # the mini-batch's loss and loss parts, summed over micro-batches
-                    for mb in self.micro_batches(mini, micro_batch_size):
-                        logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
-                        mb = mb.to(self.device)
-                        if reuse_old:  # the old log-probs and the entropy metric, from this very pass
-                            mb["old_log_probs"] = logp.detach()
-                            add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
-                        loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
-                        if not all_finite(loss):
-                            if cfg.nan_policy == "skip":
-                                add("skipped_steps", 1)
-                                self._skipped("loss")
-                                break
-                            raise NonFinite(
-                                f"non-finite loss ({loss.item()}) in the {role} update; no step was taken and no checkpoint written. "
-                                f"Lower --{role}.lr, check rewards for NaN/inf, or pass --{role}.nan-policy skip"
-                            )
-                        loss.backward()
-                        total += loss.item()
-                        for k, v in parts.items():
-                            part_sums[k] = part_sums.get(k, 0.0) + float(v.detach())
-                        for k, v in metrics.items():
-                            add(k, v)
-                    else:
-                        params = [p for p in self.model.parameters() if p.requires_grad]
-                        grad_norm = self.clip_grad_norm(params, cfg.grad_clip)  # the norm before clipping
-                        if not all_finite(grad_norm):
-                            if cfg.nan_policy == "skip":
-                                add("skipped_steps", 1)
-                                self._skipped("gradient norm")
-                                self.optimizer.zero_grad(set_to_none=True)
-                                continue
-                            raise NonFinite(
-                                f"non-finite gradient norm in the {role} update; no step was taken and no checkpoint written. "
-                                f"Lower --{role}.lr or pass --{role}.nan-policy skip"
-                            )
-                        add("lr", self.optimizer.param_groups[0]["lr"])
-                        self.optimizer.step()
-                        self.scheduler.step()
-                        self.skips_in_a_row = 0
-                        add("loss", total)
-                        for k, v in part_sums.items():
-                            add(k, v)
-                        add("grad_norm", grad_norm.item())
+                    summed = self._backward(mini, loss_fn, micro_batch_size, temperature, reuse_old, log)
+                    if summed is not None:  # None: a non-finite loss, the step skipped
+                        self._step(*summed, log)
         self.optimizer.zero_grad(set_to_none=True)
-        return {k: sums[k] / counts[k] if k != f"{role}/skipped_steps" else sums[k] for k in sums}
+        return log.result()
+
+    def _backward(self, mini: DataProto, loss_fn: LossFn, micro_batch_size: int, temperature: float, reuse_old: bool, log):
+        """loss -> backward on each micro-batch of a mini-batch, the gradients accumulating. Returns the mini-batch's
+        loss and loss parts (each summed over the micro-batches), or None after a non-finite loss (nan_policy skip)."""
+        with_entropy = bool(getattr(loss_fn, "needs_entropy", False))  # (an attribute of the loss, not a config field)
+        norm = global_counts(int(mini["response_mask"].sum()), len(mini))  # the mini-batch's, whatever the split
+        total, part_sums = 0.0, {}
+        for mb in self.micro_batches(mini, micro_batch_size):
+            logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
+            mb = mb.to(self.device)
+            if reuse_old:  # the old log-probs and the entropy metric, from this very pass
+                mb["old_log_probs"] = logp.detach()
+                log.add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
+            loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
+            if not self._finite(loss, "loss", log):
+                return None
+            loss.backward()
+            total += loss.item()
+            for k, v in parts.items():
+                part_sums[k] = part_sums.get(k, 0.0) + float(v.detach())
+            for k, v in metrics.items():
+                log.add(k, v)
+        return total, part_sums
+
+    def _step(self, total: float, part_sums: dict, log) -> None:
+        """Clip the accumulated gradient's global norm and take the optimizer (and scheduler) step; a non-finite norm
+        skips it (nan_policy skip)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = self.clip_grad_norm(params, self.actor_cfg.grad_clip)  # the norm before clipping
+        if not self._finite(grad_norm, "gradient norm", log):
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        log.add("lr", self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.skips_in_a_row = 0
+        log.add("loss", total)
+        for k, v in part_sums.items():
+            log.add(k, v)
+        log.add("grad_norm", grad_norm.item())
+
+    def _finite(self, x: torch.Tensor, what: str, log) -> bool:
+        """Whether x (a loss, a gradient norm) is finite on every process; if not, with nan_policy skip count a
+        skipped step (too many in a row stop the run), else stop with NonFinite before any weight changes."""
+        if all_finite(x):
+            return True
+        role = self.role
+        if self.actor_cfg.nan_policy != "skip":
+            value, rewards = (f" ({x.item()})", ", check rewards for NaN/inf,") if what == "loss" else ("", "")
+            raise NonFinite(
+                f"non-finite {what}{value} in the {role} update; no step was taken and no checkpoint written. "
+                f"Lower --{role}.lr{rewards} or pass --{role}.nan-policy skip"
+            )
+        log.add("skipped_steps", 1)
+        self.skips_in_a_row = getattr(self, "skips_in_a_row", 0) + 1
+        limit = self.actor_cfg.max_skipped_steps
+        if limit and self.skips_in_a_row >= limit:
+            raise NonFinite(
+                f"{self.skips_in_a_row} optimizer steps in a row skipped for a non-finite {what} in the {role} update "
+                f"(--{role}.max-skipped-steps {limit}): the run no longer trains. Lower --{role}.lr, check rewards for NaN/inf, "
+                f"or resume from an earlier checkpoint"
+            )
+        return False
 
     def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a total norm of max_norm; returns the norm before clipping (a distributed engine
@@ -619,10 +706,11 @@ def num_params(model) -> tuple[int, int]:
 
 
 def pack_weights(named) -> tuple[torch.Tensor, list[tuple[str, tuple, int]]]:
-    """[(name, tensor)] -> one flat float32 tensor in shared memory, and its (name, shape, offset) layout: weights in one
-    piece for another process (--trainer.async-steps' generation worker)."""
+    """[(name, tensor)] -> one flat float32 tensor in ordinary host memory, and its (name, shape, offset) layout: weights in
+    one piece for another process (the Ray async generation actors: ray.put copies it into the object store, so no
+    /dev/shm segment is needed, which containers often cap at 64 MB)."""
     named = list(named)
-    flat = torch.cat([t.detach().reshape(-1).float().cpu() for _, t in named]).share_memory_()
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for _, t in named])
     layout, offset = [], 0
     for name, t in named:
         layout.append((name, tuple(t.shape), offset))

@@ -188,8 +188,11 @@ class FSDPMixin:
                 f"{folder} holds no sharded checkpoint (.metadata): was it saved with --trainer.backend local? "
                 "Resume with the same --trainer.backend"
             )
+        from rlkit.checkpoint import dcp_reader, load_file, read_dcp_metadata
+
+        read_dcp_metadata(folder / ".metadata")  # a tampered file fails here in one line (inside dcp.load, DCP wraps the error)
         state = self._sharded_state()
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, storage_reader=dcp_reader(folder))  # .metadata unpickled safely (DCP pickle.loads it)
         set_state_dict(
             self.engine.model,
             self.engine.optimizer,
@@ -197,8 +200,6 @@ class FSDPMixin:
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(strict=False),
         )
-        from rlkit.checkpoint import load_file
-
         extra = load_file(folder / "extra_state.pt")  # weights_only: a shared checkpoint cannot run code
         self.engine.scheduler.load_state_dict(extra.pop("scheduler"))
         return extra

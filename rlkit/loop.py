@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import checkpoint
+from rlkit import checkpoint, sandbox
 from rlkit.async_rollout import Rollouts  # noqa: F401  (recipes call loop.Rollouts)
 from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
@@ -103,7 +103,7 @@ def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: i
 
 def mean_metrics(batches: list[tuple[dict, int]]) -> dict:
     """The metrics of several batches as one: each name's mean over the batches that report it, weighted by their
-    rows; a count (reward/errors) is summed instead.
+    rows; a count (reward/errors, reward/timeouts) is summed instead.
 
     batches: [(metrics, number of rows), ...], e.g. the reward metrics of every generation batch of a DAPO step.
     """
@@ -117,7 +117,7 @@ def mean_metrics(batches: list[tuple[dict, int]]) -> dict:
     return {k: sums[k] / rows[k] if k not in COUNTS else sums[k] for k in sums}
 
 
-COUNTS = {"reward/errors"}  # metrics that count events in a batch, rather than average over its rows
+COUNTS = {"reward/errors", "reward/timeouts"}  # metrics that count events in a batch (summed), rather than average over its rows
 
 
 def validate(policy, prompts, reward_fn, batch_size: int) -> dict:
@@ -231,7 +231,8 @@ class Run:
             describe = policy.describe() + " | "
         except AttributeError:
             describe = ""
-        if getattr(t, "async_steps", 0):  # the trainer's own rollout (above) only validates
+        describe += sandbox.start_clause(cfg) + " | "  # where model-written text runs, and how contained (docs/sandbox.md)
+        if t.async_steps:  # the trainer's own rollout (above) only validates
             describe += f"async: a generation worker samples {t.async_steps} batch(es) ahead with {cfg.rollout.name} | "
         self.tracker.message(
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
@@ -243,7 +244,7 @@ class Run:
         """Step numbers still to run (1-based); validates before the first when asked. When the loop ends, or
         stops on an error, the recipe's Rollouts are closed (no generation process outlives the loop)."""
         t = self.cfg.trainer
-        if getattr(t, "async_steps", 0) and self.rollouts is None:
+        if t.async_steps and self.rollouts is None:
             raise ConfigError(
                 f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no loop.Rollouts); use 0"
             )
@@ -371,7 +372,10 @@ def cli(main, config_cls):
 
     import tyro
 
-    cfg = tyro.cli(config_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:]))
+    from rlkit.config import cli_view
+
+    view_cls, to_config = cli_view(config_cls)  # the system options in boxes of their own, after the learning options
+    cfg = to_config(tyro.cli(view_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:])))
     try:
         return main(cfg)
     except UserError as e:

@@ -283,8 +283,8 @@ class MegatronEngine(TorchEngine):
             for k, p in params.items():
                 p.copy_(shards[k])
         gpt.requires_grad_(any(p.requires_grad for p in hf.parameters()))  # the reference copy is frozen
-        if self.hf_model is None:
-            self.hf_model = hf.requires_grad_(False).eval()
+        if self.hf_model is None:  # on the engine's device: HFRollout generates there (ids on cuda:0 meet weights on cuda:0)
+            self.hf_model = hf.requires_grad_(False).eval().to(self.device)
         return gpt.to(self.device)
 
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
@@ -321,14 +321,24 @@ class MegatronEngine(TorchEngine):
                     dist.all_reduce(p.grad, group=self.dp_group)
                     p.grad /= dp
         grads = [(p.grad, getattr(p, "tensor_model_parallel", False)) for p in params if p.grad is not None]
-        sq = torch.stack([torch.zeros((), dtype=torch.float64)] + [g.double().pow(2).sum() for g, split in grads if split]).sum()
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)  # on the gradients' device (NCCL reduces CUDA tensors)
+        sq = torch.stack([zero] + [g.double().pow(2).sum() for g, split in grads if split]).sum()
         dist.all_reduce(sq, group=self.tp_group)
-        sq = sq + sum(g.double().pow(2).sum() for g, split in grads if not split)
+        sq = sq + sum((g.double().pow(2).sum() for g, split in grads if not split), zero)
         norm = sq.sqrt().float()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g, _ in grads:
             g.mul_(coef)
         return norm
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed Megatron's RNG tracker (its "model-parallel-rng" state, which attention's `fork()` asks for on CUDA; unseeded,
+    the first forward pass raises). Megatron's rule: the default generator gets `seed` in every process, the
+    tensor-parallel one seed + 2718 + tp rank. Without CUDA the shims make the tracker a no-op (rlkit/megatron_shims.py)."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 # -- the worker ------------------------------------------------------------------------------------
@@ -371,6 +381,7 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         init_process_group(rank, world_size, master_addr, master_port, dev)
         megatron_shims.apply()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        seed_model_parallel_rng(seed)
         self.rank, self.world_size = rank, world_size
         if model_cfg.dtype == "auto":  # float32 weights and compute: mixed precision (bf16 compute, float32 masters) is not wired yet
             model_cfg = dataclasses.replace(model_cfg, dtype="float32")
@@ -465,7 +476,9 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         file = Path(folder) / f"rank{self.rank}.pt"
         if not file.is_file():
             raise MissingFile(f"{file} is missing: resume a Megatron checkpoint with the same --trainer.engine, tp-size and n-workers")
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        from rlkit.checkpoint import load_file
+
+        state = load_file(file)  # weights_only: a shared checkpoint cannot run code (a pickled object is refused in one line)
         if (state["world_size"], state["tp_size"]) != (self.world_size, self.engine.tp):
             raise ConfigError(
                 f"{folder} was saved with --trainer.n-workers {state['world_size']} --trainer.tp-size {state['tp_size']}: resume with the same"

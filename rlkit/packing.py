@@ -16,7 +16,15 @@ The gradient of the shared prompt is the sum over its n responses, as in the pad
 
 Cost per segment: P + sum_i R_i positions instead of n * (P + max R). Attention runs on the dense
 (row length)^2 mask, a row being no longer than the longest segment, so it never costs more than the
-padded layout's rows do. flash_attention_2 takes no 4D mask: the engine keeps the padded layout there.
+padded layout's rows do. The mask is not shipped: `pack` returns each position's segment and sub-sequence
+ids (rows, C), and `block_mask` builds the (rows, C, C) mask from them with four tensor ops on the device
+that runs the model (no host loop, no host-to-device copy of C^2 booleans).
+
+flash_attention_2 takes no 4D mask. It takes packed sequences instead ("varlen": one row, position ids
+restarting at 0 where a sequence starts, no attention mask): `pack(..., share=False, one_row=True)` lays
+every prompt ++ response out once, end to end, in one row, and transformers' flash-attention path cuts it
+at the position-id restarts (sdpa and eager do the same from the position ids, so the layout is tested on
+CPU). A shared prompt cannot be expressed that way, so flash-attention packs without sharing.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ class Packed:
 
     input_ids: torch.Tensor  # (rows, C)
     position_ids: torch.Tensor  # (rows, C)
-    attention_mask: torch.Tensor  # (rows, 1, C, C) bool, True = attend
+    segment_ids: torch.Tensor  # (rows, C) the segment of each position, -1 = padding
+    sub_ids: torch.Tensor  # (rows, C) 0 = the segment's prompt, k = its k-th response
     read: torch.Tensor  # (K,) positions (in the row) of the logits read, sorted: the model's logits_to_keep
     src_row: torch.Tensor  # (T,) for each response token read: its packed row
     src_k: torch.Tensor  # (T,) ... the index into `read` of the position predicting it
@@ -43,6 +52,25 @@ class Packed:
     @property
     def num_positions(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(rows, 1, C, C) bool, True = attend: block_mask on the ids' device."""
+        return block_mask(self.segment_ids, self.sub_ids)[:, None]
+
+
+def block_mask(seg: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """Who sees whom, (rows, C) ids -> (rows, C, C) bool on their device: query i sees key j iff
+
+        seg_i = seg_j >= 0  and  j <= i  and  (sub_j = 0 or sub_j = sub_i)      (or i = j: padding sees itself)
+
+    i.e. the earlier tokens of its own segment that are the prompt or its own response.
+    """
+    idx = torch.arange(seg.shape[-1], device=seg.device)
+    causal = idx[None, :] <= idx[:, None]  # (C, C) key <= query
+    same_seg = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)  # (rows, C, C)
+    same_sub = (sub[:, None, :] == 0) | (sub[:, :, None] == sub[:, None, :])
+    return (causal & same_seg & same_sub) | (idx[None, :] == idx[:, None])  # the diagonal: no empty softmax row
 
 
 def group_starts(prompts: torch.Tensor, prompt_mask: torch.Tensor, share: bool) -> list[int]:
@@ -58,8 +86,11 @@ def segment_tokens(mask_row: torch.Tensor) -> torch.Tensor:
     return mask_row.nonzero().squeeze(-1)
 
 
-def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool = True, pad_id: int = 0) -> Packed:
-    """The packed layout of one micro-batch (CPU tensors (b, P+R) in the rollout's layout)."""
+def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool = True, pad_id: int = 0, one_row: bool = False) -> Packed:
+    """The packed layout of one micro-batch (CPU tensors (b, P+R) in the rollout's layout).
+
+    one_row: every segment in a single row (the varlen layout of flash-attention), else rows as long as the longest segment.
+    """
     b = len(input_ids)
     starts = group_starts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len], share) + [b]
     segments = []  # per segment: (ids, pos, sub) lists and the reads: (position in segment, batch row, response column)
@@ -84,7 +115,7 @@ def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool =
             n_tok += len(rcols)
         segments.append((torch.cat(ids), torch.cat(pos), torch.cat(sub), reads))
     # first-fit decreasing into rows of the longest segment's length
-    cap = max(len(s[0]) for s in segments)
+    cap = sum(len(s[0]) for s in segments) if one_row else max(len(s[0]) for s in segments)
     order = sorted(range(len(segments)), key=lambda i: -len(segments[i][0]))
     bins: list[list[int]] = []
     fill: list[int] = []
@@ -115,15 +146,23 @@ def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool =
                 dst_col.append(c)
             at += L
     src_row, src_pos, dst_row, dst_col = (torch.cat(x).long() for x in (src_row, src_pos, dst_row, dst_col))
-    # who sees whom: same segment, not later, and the key is the prompt or the query's own response
-    idx = torch.arange(cap)
-    causal = idx[None, :] <= idx[:, None]  # (C, C) key <= query
-    same_seg = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)  # (rows, C, C)
-    same_sub = (sub[:, None, :] == 0) | (sub[:, :, None] == sub[:, None, :])
-    mask = (causal & same_seg & same_sub) | torch.eye(cap, dtype=torch.bool)  # padding sees itself: no empty softmax row
     read, src_k = torch.unique(src_pos, sorted=True, return_inverse=True)
     labels = input_ids[dst_row, prompt_len + dst_col]
-    return Packed(ids, pos, mask[:, None], read, src_row, src_k, dst_row, dst_col, labels)
+    return Packed(ids, pos, seg, sub, read, src_row, src_k, dst_row, dst_col, labels)
+
+
+def row_costs(input_ids, attention_mask, prompt_len: int, share: bool) -> tuple[list[int], list[int], set[int]]:
+    """(response tokens, prompt tokens, rows that start a segment) of every row: what split_by_tokens charges."""
+    resp = attention_mask[:, prompt_len:].sum(-1).tolist()
+    prompt = attention_mask[:, :prompt_len].sum(-1).tolist()
+    starts = set(group_starts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len], share))
+    return resp, prompt, starts
+
+
+def span_cost(costs, a: int, b: int) -> int:
+    """Packed positions of rows [a, b): their responses, plus the prompt of every row that starts a segment (or the span)."""
+    resp, prompt, starts = costs
+    return sum(resp[i] + (prompt[i] if i in starts or i == a else 0) for i in range(a, b))
 
 
 def split_by_tokens(input_ids, attention_mask, prompt_len: int, share: bool, budget: int) -> list[tuple[int, int]]:
@@ -132,9 +171,7 @@ def split_by_tokens(input_ids, attention_mask, prompt_len: int, share: bool, bud
     A row costs its response tokens, plus its prompt tokens when it starts a segment (a new prompt, or the first
     row of a micro-batch): what it adds to the packed layout.
     """
-    resp = attention_mask[:, prompt_len:].sum(-1).tolist()
-    prompt = attention_mask[:, :prompt_len].sum(-1).tolist()
-    starts = set(group_starts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len], share))
+    resp, prompt, starts = row_costs(input_ids, attention_mask, prompt_len, share)
     out, start, total = [], 0, 0
     for i in range(len(resp)):
         cost = resp[i] + (prompt[i] if i in starts or i == start else 0)
@@ -146,3 +183,20 @@ def split_by_tokens(input_ids, attention_mask, prompt_len: int, share: bool, bud
     if start < len(resp):
         out.append((start, len(resp)))
     return out
+
+
+def split_to_count(spans: list[tuple[int, int]], costs, count: int) -> list[tuple[int, int]]:
+    """The same rows in exactly `count` consecutive spans (len(spans) <= count <= rows): the costliest span of 2+ rows
+    is cut where its two halves cost the most alike, until there are `count`. Cutting never makes a span costlier
+    (the second half pays its prompt again, which the whole span paid once), so every span stays within the budget
+    split_by_tokens kept. Data-parallel processes run the same number of micro-batches this way (engine.micro_batches).
+    """
+    spans = list(spans)
+    if count > spans[-1][1] - spans[0][0]:
+        raise RuntimeError(f"{count} micro-batches asked of {spans[-1][1] - spans[0][0]} rows")
+    while len(spans) < count:
+        j = max((j for j, (a, b) in enumerate(spans) if b - a > 1), key=lambda j: span_cost(costs, *spans[j]))
+        a, b = spans[j]
+        cut = min(range(a + 1, b), key=lambda c: abs(span_cost(costs, a, c) - span_cost(costs, c, b)))
+        spans[j : j + 1] = [(a, cut), (cut, b)]
+    return spans

@@ -66,8 +66,10 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     """
     t = cfg.trainer
     rollout = cfg.rollout
-    if getattr(t, "async_steps", 0) and rollout.name != "hf":  # the async generation worker owns the vLLM engine; HF here validates
+    if t.async_steps and rollout.name != "hf":  # the async generation worker owns the vLLM engine; HF here validates
         rollout = dataclasses.replace(rollout, name="hf")
+    if t.async_steps:  # the generation workers compute ref_log_prob (rlkit/async_rollout.py): a frozen copy here would go unused
+        need_ref = False
     args = (cfg.model, cfg.actor, rollout, cfg.data)
     if t.backend == "local" and t.engine != "fsdp":
         raise ConfigError(f"--trainer.engine {t.engine} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N")

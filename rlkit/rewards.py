@@ -216,6 +216,9 @@ def time_limit(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
+DEFAULT_TIMEOUT_S = 30.0  # RewardFn's wall-clock limit per scorer call when none is given (as --reward.timeout-s)
+
+
 class RewardFn:
     """Scores a batch of decoded responses: one scalar per trajectory.
 
@@ -240,7 +243,7 @@ class RewardFn:
 
         on_error: "raise" turns a failing, hanging, exiting or invalid score into a RunFailed naming the function,
         sample and response; "zero" scores such samples 0.0 and counts them in metrics["reward/errors"] (of which
-        metrics["reward/timeouts"] ran out of time). timeout_s: wall-clock limit per scorer call.
+        metrics["reward/timeouts"] ran out of time). timeout_s: wall-clock limit per scorer call (None: DEFAULT_TIMEOUT_S; 0: none).
         sandbox: auto | all | off (off: every scorer in this process, only for code and data you trust).
         sandbox_level: the least isolation to accept (rlkit.sandbox.LEVELS); sandbox_workers: 0 = one per core (at most 8);
         sandbox_fresh: a new process for every call. stop_if_all_fail (on for a run: from_config): with on_error="zero", a
@@ -258,7 +261,7 @@ class RewardFn:
             self.custom_fn = load_function(custom_fn)
         self.on_error = on_error
         self.stop_if_all_fail = stop_if_all_fail
-        self.timeout_s = timeout_s
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s  # finite unless 0 is asked for
         self.sandbox, self.sandbox_level, self.sandbox_fresh, self.sandbox_memory_mb = (
             sandbox,
             sandbox_level,
@@ -276,7 +279,7 @@ class RewardFn:
         fn = cls(
             cfg.custom_fn,
             cfg.on_error,
-            cfg.timeout_s or None,
+            cfg.timeout_s,
             cfg.sandbox,
             cfg.sandbox_level,
             cfg.sandbox_workers,

@@ -11,20 +11,27 @@ RL trains a policy to find whatever earns reward, so every response is adversari
 How (each layer is probed when a worker starts; `level` says what applied, see docs/sandbox.md):
 
     trainer --JSON lines--> worker (a fresh `python -E -s`: own session, clean env, temp cwd, rlimits,
-                                    no network, no writes outside its temp dir)
+                                    no network, dies with the trainer; in PID + mount namespaces it
+                                    forks pid 1, which goes on as the worker: own /proc, / read-only
+                                    but the temp dir, credentials hidden; no capabilities, Landlock)
                               fork per job --> job child (own process group, CPU limit, nested Landlock)
                             <--JSON lines--  {"status": "ok" | "error" | "timeout" | "crash" | "exit", ...}
 
 The worker is started from a small entry string (no `preexec_fn`: the trainer has threads) and sets
 itself up. Each job runs in a fork of the worker, so a job that exits, crashes, hangs or patches the
 verifier never affects the next one; the worker kills the job's process group at the wall-clock limit,
-and the trainer kills the worker's whole session if the worker itself stops answering. Only JSON
+and the trainer kills the worker's whole session if the worker itself stops answering; as pid 1 of its
+namespace the worker then kills whatever the job left (even in a session of its own). Only JSON
 crosses back (never pickle). Levels, weakest first:
 
     process   separate process + session, wall-clock kill, rlimits (CPU, address space, file size,
-              open files, core dumps, processes), fresh temp cwd removed after, clean environment
+              open files, core dumps, processes), fresh temp cwd removed after, clean environment,
+              dies with its owner (PR_SET_PDEATHSIG)
     network   + no network: a network namespace (unshare), or Landlock TCP rules (Linux >= 6.7)
-    strict    + no writes outside the temp dir (Landlock, Linux >= 5.13)
+    strict    + no writes outside the temp dir (Landlock, Linux >= 5.13), no metadata changes outside it
+              (chmod, chown, utime, xattrs: / mounted read-only in a mount namespace), the trainer's credential
+              files emptied there (SECRETS), and no other process in sight (a PID namespace with its own
+              /proc: the trainer's environment is unreadable)
 
 Fork loops are bounded by a pids cgroup where /sys/fs/cgroup/pids is writable, else by RLIMIT_NPROC
 (which the kernel ignores for root). Code that escapes a verifier can still lie about its own score:
@@ -34,9 +41,12 @@ the sandbox protects the trainer and the machine, not the reward.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
+import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -60,12 +70,12 @@ _logged_level: set[str] = set()
 
 @dataclass
 class Limits:
-    """What one job may use. cpu_s defaults to int(timeout_s) + 1."""
+    """What one job may use. cpu_s defaults to ceil(timeout_s) + 1: a job never burns a core much past its wall-clock limit."""
 
     timeout_s: float = 10.0
     """wall-clock seconds per job; the job's whole process group is killed after it"""
     cpu_s: int | None = None
-    """CPU seconds per job (RLIMIT_CPU)"""
+    """CPU seconds per job (RLIMIT_CPU); None: ceil(timeout_s) + 1"""
     memory_mb: int = 2048
     """address space of the worker and each job (RLIMIT_AS)"""
     nproc: int = 64
@@ -74,6 +84,14 @@ class Limits:
     """open files (RLIMIT_NOFILE)"""
     output_bytes: int = 1 << 20
     """most bytes kept of a job's result, stdout and stderr each (and RLIMIT_FSIZE)"""
+
+    def cpu_seconds(self) -> int:
+        """RLIMIT_CPU of a job: cpu_s, else ceil(timeout_s) + 1."""
+        return cpu_limit(asdict(self))
+
+
+def cpu_limit(lim: dict) -> int:
+    return int(lim["cpu_s"] or math.ceil(lim["timeout_s"]) + 1)
 
 
 @dataclass
@@ -87,6 +105,7 @@ class Result:
     stdout: str = ""
     stderr: str = ""
     seconds: float = 0.0
+    worker: int | None = None  # the pid (as the trainer sees it) of the worker that ran the job
 
     @property
     def ok(self) -> bool:
@@ -141,7 +160,7 @@ def _resolve(spec: str):
 
 class _Worker:
     def __init__(self, pool: SandboxPool, index: int):
-        self.tmp = tempfile.mkdtemp(prefix="rlkit-sandbox-")
+        self.tmp = tempfile.mkdtemp(prefix=f"rlkit-sandbox-{os.getpid()}-")  # the owner's pid: cleaned at start if it died
         self.cgroup = pool._make_cgroup(index)
         cfg = {
             "sys_path": [p or os.getcwd() for p in sys.path],
@@ -151,6 +170,8 @@ class _Worker:
             "warm": pool.warm,
             "cgroup": self.cgroup,
             "network": pool.network,
+            "parent": os.getpid(),
+            "home": os.path.expanduser("~"),
         }
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -293,6 +314,19 @@ class SandboxPool:
                 self._replace(w)
         return results
 
+    def start(self) -> SandboxPool:
+        """Start all workers now and wait until each has said which layers applied (level, layers are then set)."""
+        while len(self._workers) < self.n:
+            self._spawn()
+        while starting := [w for w in self._workers if w.state == "starting"]:
+            wait = max(min(w.deadline for w in starting) - time.monotonic(), 0.0)
+            ready, _, _ = select.select([w.fd for w in starting], [], [], wait)
+            for w in [w for w in starting if w.fd in ready]:
+                self._on_readable(w, [], [])
+            for w in [w for w in starting if w.state == "starting" and time.monotonic() > w.deadline]:
+                self._fail_start(w, f"did not start within {self.start_timeout_s:g} s")
+        return self
+
     def call(self, fn, *args, **kwargs):
         """fn(*args, **kwargs) in a sandboxed process; its value, or SandboxFailure."""
         result = self.map([{"fn": function_spec(fn), "args": list(args), "kwargs": kwargs}])[0]
@@ -315,6 +349,8 @@ class SandboxPool:
 
     # -- internals -------------------------------------------------------------------------------
     def _spawn(self) -> _Worker:
+        if not self._spawned:
+            clean_stale()
         w = _Worker(self, self._spawned)
         self._spawned += 1
         self._workers.append(w)
@@ -349,7 +385,9 @@ class SandboxPool:
             self._on_hello(msg)
             w.state = "idle"
             return
-        results[w.job_index] = Result(**{k: v for k, v in msg.items() if k in Result.__dataclass_fields__})
+        results[w.job_index] = Result(
+            **{k: v for k, v in msg.items() if k in Result.__dataclass_fields__ and k != "worker"}, worker=w.proc.pid
+        )
         w.jobs_done += 1
         w.state = "idle"
         if w.jobs_done >= self.max_jobs:
@@ -359,11 +397,7 @@ class SandboxPool:
         self.layers, self.level = msg["layers"], msg["level"]
         if LEVELS.index(self.level) < LEVELS.index(self.min_level):
             self.close()
-            missing = {"network": "a network namespace or Landlock >= 4", "strict": "Landlock (Linux >= 5.13)"}[self.min_level]
-            raise ConfigError(
-                f"{self.flag} {self.min_level}: this machine gives only level {self.level!r} ({', '.join(self.layers)}); "
-                f"it needs {missing}. Lower {self.flag}, or run where that is allowed"
-            )
+            raise ConfigError(level_error(self.flag, self.min_level, self.level, self.layers))
         if self.level not in _logged_level:
             _logged_level.add(self.level)
             logger.info("sandbox level %s: %s", self.level, ", ".join(self.layers))
@@ -380,6 +414,122 @@ class SandboxPool:
         except OSError:
             return None
         return path
+
+
+def level_of(layers: list[str], network_allowed: bool = False) -> str:
+    """The level (LEVELS) the applied layers add up to; see the module docstring."""
+    have = set(layers)
+    if not (network_allowed or have & {"netns", "landlock-tcp"}):
+        return "process"
+    return "strict" if {"landlock-fs", "ro-root", "pidns", "hidden-secrets"} <= have else "network"
+
+
+_NEEDS = {  # layer -> what provides it, for the one-line error
+    "landlock-fs": "Landlock (Linux >= 5.13)",
+    "ro-root": "a mount namespace (root, or unprivileged user namespaces)",
+    "pidns": "a PID namespace with its own /proc (root, or unprivileged user namespaces)",
+}  # ("hidden-secrets" comes with "ro-root": the same mount namespace)
+
+
+def level_error(flag: str, wanted: str, level: str, layers: list[str]) -> str:
+    """The one line for a machine that cannot give `wanted`."""
+    if wanted == "network" or level == "process":
+        missing = "a network namespace or Landlock >= 4" + (" (and for strict: Landlock and namespaces)" if wanted == "strict" else "")
+    else:
+        missing = " and ".join(v for k, v in _NEEDS.items() if k not in layers)
+    return (
+        f"{flag} {wanted}: this machine gives only level {level!r} ({', '.join(layers)}); "
+        f"it needs {missing}. Lower {flag}, or run where that is allowed (Docker: --security-opt seccomp=unconfined; "
+        "Ubuntu >= 23.10: sysctl kernel.apparmor_restrict_unprivileged_userns=0)"
+    )
+
+
+_probed: dict = {}
+
+
+def probe() -> tuple[str, list[str]]:
+    """(level, layers) this machine gives a sandbox worker: one worker started and stopped, once per process."""
+    if "level" not in _probed:
+        with Sandbox(Limits(timeout_s=5)) as box:
+            box.start()
+            _probed.update(level=box.level, layers=box.layers)
+    return _probed["level"], _probed["layers"]
+
+
+def check_level(wanted: str, flag: str) -> str:
+    """Fail closed before anything is loaded: ConfigError (one line) unless this machine gives `wanted`; the level."""
+    if wanted not in LEVELS:
+        raise ConfigError(f"{flag} {wanted!r}: choose one of {', '.join(LEVELS)}")
+    if wanted == LEVELS[0]:  # any Linux: no worker started to check
+        return wanted
+    level, layers = probe()
+    if LEVELS.index(level) < LEVELS.index(wanted):
+        raise ConfigError(level_error(flag, wanted, level, layers))
+    return level
+
+
+def start_clause(cfg) -> str:
+    """The run's start line says how model-written text is contained: "sandbox level strict", or why nothing runs there."""
+    reward = getattr(getattr(cfg, "reward", None), "sandbox", "off")
+    tools = str(getattr(getattr(cfg, "agent", None), "tools", ""))
+    if reward == "off" and "python" not in tools:
+        return "sandbox off (scorers run in this process)"
+    try:
+        level, _ = probe()
+    except (RunFailed, OSError, ConfigError) as e:  # said again, as an error, where a pool starts
+        return f"sandbox unavailable ({str(e)[:80]})"
+    return f"sandbox level {level}" + (" (scorers in this process: --reward.sandbox off)" if reward == "off" else "")
+
+
+_STALE = re.compile(r"rlkit-sandbox-(\d+)-")
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def clean_stale(tmp_root: str | None = None, cgroup_root: str = "/sys/fs/cgroup/pids") -> list[str]:
+    """Remove the temp dirs and pids cgroups of pools whose owner died without closing them (a SIGKILLed trainer);
+    the owner's pid is in their names, and those of a live owner are left alone. Returns what was removed."""
+    removed = []
+    tmp_root = tmp_root or tempfile.gettempdir()
+    for root, is_cgroup in ((tmp_root, False), (cgroup_root, True)):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            m = _STALE.match(name)
+            if not m or not _dead(int(m.group(1))):
+                continue
+            path = os.path.join(root, name)
+            if is_cgroup:
+                try:
+                    with open(os.path.join(path, "cgroup.procs")) as f:
+                        for pid in f.read().split():  # leftovers of the dead owner's jobs
+                            try:
+                                os.kill(int(pid), signal.SIGKILL)
+                            except OSError:
+                                pass
+                    for _ in range(50):
+                        try:
+                            os.rmdir(path)
+                            break
+                        except OSError:
+                            time.sleep(0.01)
+                except OSError:
+                    continue
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+    return removed
 
 
 class Sandbox(SandboxPool):
@@ -459,6 +609,126 @@ def _unshare_net() -> bool:
     return libc.unshare(0x10000000 | 0x40000000) == 0  # CLONE_NEWUSER | CLONE_NEWNET
 
 
+_CLONE_NEWNS, _CLONE_NEWPID = 0x00020000, 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 0x40000
+_MOUNT_ATTR_RDONLY, _AT_RECURSIVE, _AT_FDCWD = 1, 0x8000, -100
+
+
+def die_with_parent(parent_alive) -> None:
+    """PR_SET_PDEATHSIG(SIGKILL): the kernel kills this process when its parent ends; and end now if it already has
+    (it may have died before the call). parent_alive() is checked after the call, so there is no gap."""
+    _libc().prctl(1, signal.SIGKILL, 0, 0, 0)
+    if not parent_alive():
+        os._exit(0)
+
+
+def _mount_setattr(path: str, set_: int, clear: int) -> bool:
+    """mount_setattr(2) (Linux >= 5.12) on the mount at `path` and every mount under it."""
+    attr = ctypes.create_string_buffer(struct.pack("QQQQ", set_, clear, 0, 0), 32)
+    rc = _libc().syscall(
+        ctypes.c_long(442), ctypes.c_int(_AT_FDCWD), path.encode(), ctypes.c_uint(_AT_RECURSIVE), attr, ctypes.c_size_t(32)
+    )
+    return rc == 0
+
+
+# Credential files and folders under the trainer's home, emptied in the sandbox's mount namespace (readable otherwise).
+SECRETS = (
+    ".ssh", ".netrc", ".git-credentials", ".aws", ".azure", ".config/gcloud", ".config/wandb", ".docker", ".kube",
+    ".pypirc", ".npmrc", ".huggingface", ".cache/huggingface/token", ".cache/huggingface/stored_tokens",
+)  # fmt: skip
+
+
+def _hide_secrets(home: str) -> bool:
+    """Mount an empty read-only tmpfs over each SECRETS folder and /dev/null over each such file; True if all went."""
+    libc = _libc()
+    for rel in SECRETS:
+        path = os.path.join(home, rel)
+        if os.path.isdir(path):
+            rc = libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=4k,mode=000")
+        elif os.path.exists(path):
+            rc = libc.mount(b"/dev/null", path.encode(), None, _MS_BIND, None)
+        else:
+            continue
+        if rc != 0:
+            return False
+    return True
+
+
+def _hide_sockets(tmp: str, keep: list[str]) -> bool:
+    """Empty tmpfs over /run and over the temp root holding `tmp` (with `tmp` bound back in): the unix socket files
+    of other programs there (Ray's raylet and plasma store, docker.sock, dbus) are out of reach. Skipped for a
+    folder that holds a path in `keep` (the Python installation). True if it applied to both."""
+    libc, done = _libc(), 0
+    root = os.path.dirname(tmp)
+    for d in ("/run", root):
+        if d == "/" or not os.path.isdir(d) or any(p == d or p.startswith(d + "/") for p in keep):
+            continue
+        fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY) if d == root else None
+        try:
+            if libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=64k,mode=755") != 0:
+                continue
+            if fd is not None:
+                os.mkdir(tmp, 0o700)
+                if libc.mount(f"/proc/self/fd/{fd}".encode(), tmp.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+                    raise OSError("cannot bind the temp dir back")
+            done += 1
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return done == 2
+
+
+def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
+    """A PID namespace and a mount namespace: this process forks the namespace's first process (pid 1, which goes on
+    as the worker) and only waits for it. There /proc is mounted afresh (only the namespace's processes: the
+    trainer's /proc/<pid>/environ is out of reach), and every mount is read-only but the temp dir (no chmod, chown,
+    utime, xattrs or writes anywhere else). When pid 1 ends, the kernel kills every process left in the namespace.
+    The trainer's credential files (SECRETS under its home) are emptied. Returns the layers that applied ("pidns",
+    "hidden-secrets", "ro-root"; [] when namespaces are not allowed)."""
+    libc = _libc()
+    if libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID) != 0:
+        return []
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:  # the outer process: keep nothing the trainer reads (it sees EOF when pid 1 ends), wait, end with it
+        os.close(r)
+        os.closerange(0, 2)
+        _, status = os.waitpid(pid, 0)
+        os._exit(os.waitstatus_to_exitcode(status) & 0x7F)
+    os.close(w)
+    die_with_parent(lambda: not select.select([r], [], [], 0)[0])  # the pipe reads EOF once the outer process is gone
+    os.close(r)
+    layers = []
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return layers
+    if libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) == 0:
+        layers.append("pidns")
+    if _hide_secrets(home):
+        layers.append("hidden-secrets")
+    if "pidns" in layers and _hide_sockets(tmp, keep):  # (needs the fresh /proc to bind the temp dir back)
+        layers.append("hidden-sockets")
+    t = tmp.encode()
+    if (
+        libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0
+        and _mount_setattr("/", _MOUNT_ATTR_RDONLY, 0)
+        and _mount_setattr(tmp, 0, _MOUNT_ATTR_RDONLY)
+    ):
+        layers.append("ro-root")
+    return layers
+
+
+def _drop_capabilities() -> bool:
+    """No capabilities, now or after an exec (root keeps its uid, not its powers: no mount, no ptrace, no
+    CAP_DAC_OVERRIDE); True if it applied."""
+    libc = _libc()
+    for cap in range(64):  # the bounding set (needs CAP_SETPCAP, so before the capset below)
+        if libc.prctl(24, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:  # PR_CAPBSET_DROP
+            break
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    header = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0), 8)  # _LINUX_CAPABILITY_VERSION_3, this process
+    return libc.capset(header, ctypes.create_string_buffer(24)) == 0
+
+
 def _set_limits(lim: dict) -> list[str]:
     import resource
 
@@ -485,8 +755,9 @@ def _on_alarm(signum, frame):
 def _worker_main(cfg: dict) -> None:
     """Entry point of a worker process (started by _BOOT): set up, say hello, then run jobs until stdin ends."""
     sys.dont_write_bytecode = True
-    out = os.fdopen(os.dup(1), "w")  # the channel back; fds 0/1 are taken away from jobs
-    layers = ["process", "session", "clean-env", "temp-dir"]
+    die_with_parent(lambda: os.getppid() == cfg["parent"])  # a SIGKILLed trainer takes its workers (and their jobs) along
+    layers = ["process", "session", "clean-env", "temp-dir", "dies-with-parent"]
+    fatal = lambda e: json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"})  # noqa: E731
     try:
         if cfg["cgroup"]:
             with open(f"{cfg['cgroup']}/cgroup.procs", "w") as f:
@@ -506,14 +777,23 @@ def _worker_main(cfg: dict) -> None:
                 pass
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+        files = [spec.rpartition(":")[0] for spec in cfg["preload"] if spec.rpartition(":")[0].endswith(".py")]
+        keep = [os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, *cfg["sys_path"], *files) if p]
+        layers += _private_pids_and_mounts(cfg["tmp"], cfg["home"], keep)  # from here on this may be pid 1 of a PID namespace
+    except Exception as e:
+        print(fatal(e), flush=True)
+        return
+    out = os.fdopen(os.dup(1), "w")  # the channel back; fds 0/1 are taken away from jobs
+    try:
         layers += _set_limits(cfg["limits"])
+        if _drop_capabilities():
+            layers.append("no-caps")
         layers += landlock_restrict([cfg["tmp"]])
     except Exception as e:
-        out.write(json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"}) + "\n")
+        out.write(fatal(e) + "\n")
         out.flush()
         return
-    net_ok = "netns" in layers or "landlock-tcp" in layers or cfg["network"]
-    level = "strict" if net_ok and "landlock-fs" in layers else "network" if net_ok else "process"
+    level = level_of(layers, cfg["network"])
     out.write(json.dumps({"layers": layers, "level": level}) + "\n")
     out.flush()
     nested_landlock = "landlock-fs" in layers
@@ -529,11 +809,11 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
     lim = cfg["limits"]
     jobdir = tempfile.mkdtemp(dir=cfg["tmp"])
     r, w = os.pipe()
-    start = time.monotonic()
+    start, me = time.monotonic(), os.getpid()
     pid = os.fork()
     if pid == 0:  # the job child: never returns
         os.close(r)
-        _job_child(job, jobdir, w, lim, nested_landlock)
+        _job_child(job, jobdir, w, lim, nested_landlock, me)
     os.close(w)
     data, timed_out, overflow = b"", False, False
     deadline = start + lim["timeout_s"]
@@ -559,6 +839,8 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
         except (ProcessLookupError, PermissionError):
             pass
     _, status = os.waitpid(pid, 0)
+    if os.getpid() == 1:  # pid 1 of the sandbox's PID namespace: whatever the job left (even in its own session) goes
+        _kill_the_rest()
     seconds = time.monotonic() - start
     stdout, stderr = (_read_capped(os.path.join(jobdir, name), lim["output_bytes"]) for name in ("stdout", "stderr"))
     shutil.rmtree(jobdir, ignore_errors=True)
@@ -584,6 +866,21 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
     return {**out, "status": "exit", "exit_code": code, "error": f"the process exited with status {code} without returning a value"}
 
 
+def _kill_the_rest() -> None:
+    """As pid 1 of a PID namespace: SIGKILL every other process in it and reap them (orphans are ours to reap)."""
+    if all(not d.isdigit() or d == "1" for d in os.listdir("/proc")):  # (this /proc shows only the namespace) nothing left
+        return
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 def _read_capped(path: str, limit: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -592,11 +889,12 @@ def _read_capped(path: str, limit: int) -> str:
         return ""
 
 
-def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool) -> None:
+def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool, worker: int) -> None:
     import resource
 
     code = 0
     try:
+        die_with_parent(lambda: os.getppid() == worker)  # the job dies with its worker (a dead one changes getppid)
         os.setpgid(0, 0)
         os.chdir(jobdir)
         stdin_path = os.path.join(jobdir, "stdin")
@@ -613,7 +911,7 @@ def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool)
         os.closerange(3, w)  # the worker's channel and anything else inherited
         os.closerange(w + 1, 1 << 16)
         sys.stdin, sys.stdout, sys.stderr = (open(i, m, closefd=False) for i, m in ((0, "r"), (1, "w"), (2, "w")))
-        cpu = lim["cpu_s"] or int(lim["timeout_s"]) + 1
+        cpu = cpu_limit(lim)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         if nested_landlock:  # a domain of its own: it cannot signal or ptrace the worker
             landlock_restrict([jobdir])

@@ -171,19 +171,72 @@ class ToolTimeout(Exception):
 
 
 class Tools:
-    """Tools by name: `schemas` for the chat template, `call(ToolCall)` -> ToolResult (never raises)."""
+    """Tools by name: `schemas` for the chat template, `call(ToolCall)` -> ToolResult (never raises), and
+    `call_many(calls)`, which runs the calls of sandboxed tools (those with a `sandbox_job`, the python tool)
+    at once across a pool of sandbox workers (`sandbox_workers`, 0 = one per core, at most 8), the others
+    here, results in order. `sandbox_level`: the least isolation those tools may run under (rlkit.sandbox.LEVELS)."""
 
-    def __init__(self, fns: list, max_chars: int = 256):
+    def __init__(self, fns: list, max_chars: int = 256, sandbox_level: str = "process", sandbox_workers: int = 0):
         from transformers.utils import get_json_schema
 
         self.fns = {fn.__name__: fn for fn in fns}
         self.schemas = [get_json_schema(fn) for fn in fns]
         self.max_chars = max_chars
+        self.sandbox_level, self.sandbox_workers = sandbox_level, sandbox_workers
+        self._pools: dict = {}  # tool name -> its SandboxPool, started at the first call
 
     def __len__(self) -> int:
         return len(self.fns)
 
+    def __getstate__(self):  # (sent to Ray workers: each starts its own sandbox workers)
+        return {**self.__dict__, "_pools": {}}
+
+    def close(self) -> None:
+        """Stop the sandbox workers (they also stop with this object, and with this process)."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
     def call(self, call: ToolCall) -> ToolResult:
+        return self.call_many([call])[0]
+
+    def call_many(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """A ToolResult per call, in order; the sandboxed tools' calls all at once (one pool.map per tool)."""
+        results: list[ToolResult | None] = [None] * len(calls)
+        jobs: dict = {}  # tool name -> [(index, job)]
+        for i, c in enumerate(calls):
+            fn = None if c.error else self.fns.get(c.name)
+            if fn is None or not hasattr(fn, "sandbox_job"):
+                results[i] = self._call_here(c)
+                continue
+            try:
+                jobs.setdefault(c.name, []).append((i, fn.sandbox_job(**c.arguments)))
+            except Exception as e:  # bad arguments
+                results[i] = self._result(f"error: {type(e).__name__}: {e}", True, False, 0.0)
+        for name, todo in jobs.items():
+            fn = self.fns[name]
+            for (i, _), res in zip(todo, self._pool(name).map([job for _, job in todo])):
+                try:
+                    results[i] = self._result(str(fn.sandbox_text(res)), False, False, res.seconds)
+                except ToolTimeout as e:
+                    results[i] = self._result(f"error: timed out ({e})", True, True, res.seconds)
+                except Exception as e:
+                    results[i] = self._result(f"error: {type(e).__name__}: {e}", True, False, res.seconds)
+        return results
+
+    def _pool(self, name: str):
+        if name not in self._pools:
+            from rlkit.sandbox import Limits, SandboxPool
+
+            workers = self.sandbox_workers or min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8)
+            limits = Limits(**self.fns[name].sandbox_limits())
+            self._pools[name] = SandboxPool(limits, workers, min_level=self.sandbox_level, flag="--agent.sandbox-level")
+        return self._pools[name]
+
+    def _result(self, text: str, error: bool, timed_out: bool, seconds: float) -> ToolResult:
+        return ToolResult(truncate_middle(text, self.max_chars), error, timed_out, seconds)
+
+    def _call_here(self, call: ToolCall) -> ToolResult:
         start = time.perf_counter()
         timed_out = False
         if call.error:
@@ -197,7 +250,7 @@ class Tools:
                 text, error, timed_out = f"error: timed out ({e})", True, True
             except Exception as e:  # the model's input broke the tool: tell the model, keep the run going
                 text, error = f"error: {type(e).__name__}: {e}", True
-        return ToolResult(truncate_middle(text, self.max_chars), error, timed_out, time.perf_counter() - start)
+        return self._result(text, error, timed_out, time.perf_counter() - start)
 
 
 # ----------------------------------------------------------------------------- calculator
@@ -324,20 +377,34 @@ def python(code: str) -> str:
         code: The program; print the values you need.
     """
     stdout, stderr, timed_out = run_code(code, PYTHON_TIMEOUT_S)
+    return _python_text(stdout, stderr, timed_out)
+
+
+def _python_text(stdout: str, stderr: str, timed_out: bool) -> str:
     if timed_out:
         raise ToolTimeout(f"over {PYTHON_TIMEOUT_S:g} s")
     return stdout + (("\nstderr:\n" + stderr) if stderr else "")
 
 
+# How Tools runs the python tool: as a job of its sandbox pool (rlkit.sandbox), many calls at once.
+python.sandbox_job = lambda code: {"code": code}
+python.sandbox_text = lambda res: _python_text(res.stdout, res.stderr, res.timed_out)
+python.sandbox_limits = lambda: {"timeout_s": PYTHON_TIMEOUT_S, "memory_mb": 512, "output_bytes": 1 << 16}
+
 BUILTIN = {"calculator": calculator, "python": python}
 
 
-def tools_from_names(names: str, max_chars: int = 256) -> Tools:
-    """Tools("calculator,python") from the shipped ones, by name (--agent.tools)."""
+def tools_from_names(names: str, max_chars: int = 256, sandbox_level: str = "process") -> Tools:
+    """Tools("calculator,python") from the shipped ones, by name (--agent.tools). With the python tool, a
+    --agent.sandbox-level this machine cannot give stops here, before anything loads (one line)."""
     from rlkit.errors import ConfigError
 
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in BUILTIN]
     if unknown:
         raise ConfigError(f"--agent.tools: unknown tool(s) {', '.join(unknown)}; available: {', '.join(BUILTIN)}")
-    return Tools([BUILTIN[n] for n in wanted], max_chars)
+    if "python" in wanted:
+        from rlkit.sandbox import check_level
+
+        check_level(sandbox_level, "--agent.sandbox-level")
+    return Tools([BUILTIN[n] for n in wanted], max_chars, sandbox_level)

@@ -24,10 +24,14 @@ What it does, in order:
    With LoRA (`--model.lora-rank > 0`) only the adapter travels: the engine is built with
    `enable_lora=True`, the adapter is saved to a folder after each update (a few MB instead of the whole
    model) and the next `generate` passes a new `LoRARequest` for it (a new id, so vLLM loads the new
-   file; the previous adapter is removed). Where that cannot work -- `--rollout.no-lora-adapter-sync`,
-   an FSDP-sharded model, an adapter with extra trained modules (`modules_to_save`), a rank vLLM does
-   not accept, or an engine that refuses `enable_lora` -- the adapter is merged on the fly instead
-   (W + scale * B @ A per layer; the trainer's model is not touched), with a warning saying why.
+   file; the previous adapter is removed). An FSDP-sharded adapter is gathered tensor by tensor first
+   (`adapter_state`; a collective, every process saves its own copy for its own engine). Where the adapter
+   cannot go -- `--rollout.no-lora-adapter-sync`, an adapter with extra trained modules (`modules_to_save`),
+   a rank vLLM does not accept, or an engine that refuses `enable_lora` -- it is merged on the fly instead
+   (W + scale * B @ A per layer, in float32; the trainer's model is not touched), with a warning saying why.
+   The merge is one rounding to vLLM's dtype, bf16(W + dW); but a bf16 weight cannot hold a change below half
+   its ulp (2^-9 of |W|): early in training, with |dW|/|W| ~ 1e-4, most of the delta rounds away and vLLM
+   samples nearly the base policy. The adapter path keeps dW whole; use it (the default) where it can run.
    Then `reset_prefix_cache()`: otherwise prompts longer than one KV block would reuse KV computed with
    the old weights and the log-probs would match neither policy. A full reload makes vLLM log
    "RotaryEmbedding: Failed to load weights" (the rotary layer holds a computed cache and no checkpoint
@@ -108,8 +112,16 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         module = adapted.get(name)
         for adapter in module.active_adapters if module is not None else ():
             if adapter in getattr(module, "lora_A", {}):  # FSDP: computed on the shards, then gathered (a collective)
-                tensor = tensor + _full(module.get_delta_weight(adapter).detach()).to(tensor.dtype)
+                # in float32, cast once by the receiver (vLLM's weight dtype): adding a delta ~1e-4 |W| to a bf16
+                # weight in bf16 would round it twice
+                tensor = tensor.float() + _full(module.get_delta_weight(adapter).detach()).float()
         yield name.replace(".base_layer.", "."), tensor
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """A PEFT model's LoRA weights as whole CPU tensors by state-dict name, what `save_pretrained(state_dict=...)` writes.
+    An FSDP2 model's shards are gathered tensor by tensor (a collective: every process must ask, in the same order)."""
+    return {k: _full(v).detach().cpu() for k, v in model.named_parameters() if "lora_" in k}
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (0.32)
@@ -137,10 +149,6 @@ def lora_adapter_plan(model, wanted: bool) -> tuple[int, str | None]:
         return 0, None
     if not wanted:
         return 0, "--rollout.no-lora-adapter-sync"
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return 0, "the model is FSDP-sharded (the adapter would have to be gathered to be saved)"
     if getattr(cfg, "modules_to_save", None):
         return 0, f"the adapter also trains whole modules ({cfg.modules_to_save}), which a vLLM adapter cannot carry"
     rank = next((r for r in VLLM_LORA_RANKS if r >= cfg.r), 0)
@@ -290,7 +298,7 @@ class VLLMRollout:
         old = self.lora_request
         lora_id = (old.lora_int_id if old else 0) + 1
         path = os.path.join(self.lora_dir.name, str(lora_id))
-        self.model.save_pretrained(path)
+        self.model.save_pretrained(path, state_dict=adapter_state(self.model))  # FSDP: gathered from the shards
         self.lora_request = LoRARequest(f"rlkit-{lora_id}", lora_id, path)
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)  # False when it was never loaded; fine

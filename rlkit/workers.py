@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from rlkit.engine import TorchEngine, auto_micro_batch, num_params, pack_weights
+from rlkit.engine import TorchEngine, auto_micro_batch, num_params, unpack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
-from rlkit.rollout import HFRollout
+from rlkit.rollout import HFRollout, free_device_memory, generation_rows
 
 
 def resolved(model_cfg):
@@ -42,7 +42,8 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     """The generation backend named by --rollout.name: hf (generate on the training model) or vllm."""
     if rollout_cfg.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
         model = getattr(engine, "hf_model", engine.model)  # a Megatron engine generates on a gathered HF copy
-        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast)
+        kv = engine.dtype if getattr(engine, "master_fp32", False) else None  # the KV cache in the compute dtype, not the masters'
+        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast, kv_dtype=kv)
     if rollout_cfg.name == "vllm":
         from rlkit.vllm_rollout import VLLMRollout
 
@@ -85,13 +86,27 @@ class ActorRolloutRefWorker(CheckpointFiles):
     engine_class = TorchEngine  # a distributed worker may use another (rlkit/megatron_workers.py)
 
     def __init__(
-        self, model_cfg, actor_cfg, rollout_cfg, data_cfg, device: str = "auto", seed: int = 0, need_ref: bool | None = None, wrap=None
+        self,
+        model_cfg,
+        actor_cfg,
+        rollout_cfg,
+        data_cfg,
+        device: str = "auto",
+        seed: int = 0,
+        need_ref: bool | None = None,
+        wrap=None,
+        trains: bool = True,
     ):
+        """trains=False: a generation-only copy (the async generation worker, rlkit/async_rollout.py): no optimizer,
+        weights from load_weights; actor_cfg still sets its log-prob micro-batches."""
         if rollout_cfg.name not in ("hf", "vllm"):
             raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
-        self.engine = self.engine_class(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=wrap)
+        self.trains = trains
+        self.engine = self.engine_class(model_cfg, actor_cfg if trains else None, device, need_ref=need_ref, wrap=wrap)
+        if not trains:  # no actor_cfg for the engine (no optimizer), but its log-prob passes keep the trainer's token budget
+            self.engine.max_tokens = actor_cfg.max_token_len_per_micro_batch
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
@@ -101,6 +116,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
         self.log_prob_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
         self.gen_micro_batch = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # tiny: one generate call
+        self.kv_budget_fraction = 0.5  # CUDA, --rollout.micro-batch-size 0: the share of free memory HF generation may fill
 
     def describe(self) -> str:
         """Device, dtypes, attention implementation, checkpointing and rollout backend, for the start-of-run line."""
@@ -123,18 +139,32 @@ class ActorRolloutRefWorker(CheckpointFiles):
             temperature=r.val_temperature if validate else r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
-            micro_batch_size=self.gen_micro_batch,
+            micro_batch_size=self.generation_rows(prompts),
             **extra,  # + rollout_log_probs (B, R): mu, for the mismatch metrics and the correction (vllm: always)
         )
 
+    def generation_rows(self, prompts: DataProto) -> int | None:
+        """Rows per HF generate call: --rollout.micro-batch-size; with 0 on CPU gen_micro_batch (64 rows, all for a tiny
+        model), on CUDA as many rows as fit in kv_budget_fraction of the free memory (rollout.generation_rows: the KV
+        cache of prompt + response tokens, the prefill's activations and a step's logits per row)."""
+        if self.rollout_cfg.micro_batch_size or self.engine.device.type != "cuda" or not isinstance(self.rollout, HFRollout):
+            return self.gen_micro_batch
+        tokens = (prompts["input_ids"].shape[1], self.data_cfg.max_response_length)
+        model = self.rollout.model  # the model that generates (Megatron: its Hugging Face copy, whose config this reads)
+        kv_dtype = self.rollout.kv_dtype or next(model.parameters()).dtype
+        return generation_rows(model.config, *tokens, kv_dtype, self.kv_budget_fraction * free_device_memory(self.engine.device))
+
     def _trainer_pass(self) -> None:
-        """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate."""
-        if hasattr(self.rollout, "sleep"):
+        """Before a forward/backward pass of the trainer: a vLLM engine on a GPU sleeps (frees its memory) until the next generate.
+        (A generation-only worker keeps it awake in its own passes; it sleeps between jobs instead: async_rollout.Generator.idle.)"""
+        if self.trains and hasattr(self.rollout, "sleep"):
             self.rollout.sleep()
 
-    def is_on_policy(self) -> bool:
-        """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old = π
-        and the old log-probs need no pass of their own (the update takes its own, detached)."""
+    def update_is_one_step(self) -> bool:
+        """True when an update is one optimizer step (ppo_epochs 1, mini-batch = whole batch): then π_old is the
+        policy before that step, the update's own log-probs (detached), and needs no pass of its own. (Not "the
+        batch is on-policy": an asynchronous batch sampled k updates ago qualifies too; its correction compares
+        those log-probs with the sampler's.)"""
         return self.actor_cfg.ppo_epochs == 1 and self.actor_cfg.ppo_mini_batch_size >= self.data_cfg.train_batch_size
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -144,13 +174,17 @@ class ActorRolloutRefWorker(CheckpointFiles):
         return DataProto.from_dict(tensors={"old_log_probs": lp, "entropys": ent})
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy)."""
+        """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy). A batch that
+        carries them already (--trainer.async-steps: the generation worker computed them) gets its own back."""
+        if "ref_log_prob" in batch:
+            return DataProto.from_dict(tensors={"ref_log_prob": batch["ref_log_prob"]})
         self._trainer_pass()
         lp, _ = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, ref=True)
         return DataProto.from_dict(tensors={"ref_log_prob": lp})
 
     def update(self, batch: DataProto, loss_fn) -> dict:
-        """The policy update: ppo_mini_batch_size prompts × n trajectories per optimizer step."""
+        """The policy update (ppo_mini_batch_size prompts × n trajectories per optimizer step: engine.update), then
+        the weight sync: the rollout samples the new weights from the next batch on (sync_rollout)."""
         a = self.actor_cfg
         self._trainer_pass()
         metrics = self.engine.update(
@@ -163,7 +197,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
             shuffle_seed=(self.seed * 100003 + self.updates) if a.shuffle else None,
         )
         self.updates += 1
-        synced = self.sync_rollout()
+        synced = self.sync_rollout()  # vllm: the new weights into its engine; hf samples this very model
         if synced is not None:
             metrics["timing/weight_sync"] = synced
         return metrics
@@ -184,9 +218,24 @@ class ActorRolloutRefWorker(CheckpointFiles):
         """Updates applied so far: the version of the weights (--trainer.async-steps tags each batch with the one that sampled it)."""
         return self.updates
 
-    def trainable_weights(self) -> tuple[torch.Tensor, list]:
-        """The trainable weights in one flat buffer and its layout (engine.pack_weights), for the async generation worker."""
-        return pack_weights((n, p) for n, p in self.engine.model.named_parameters() if p.requires_grad)
+    def trainable_weights(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list]:
+        """The trainable weights in one flat buffer (B,) of `dtype` in ordinary CPU memory, and its (name, shape, offset)
+        layout (engine.unpack_weights reads it), for the async generation worker: rlkit/async_rollout.py's send_weights
+        moves it to shared memory, or to a file when /dev/shm is small. Each weight is cast on its device, then copied."""
+        named = [(n, p) for n, p in self.engine.model.named_parameters() if p.requires_grad]
+        flat = torch.empty(sum(p.numel() for _, p in named), dtype=dtype)  # (B,)
+        layout, offset = [], 0
+        for name, p in named:
+            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1).to(dtype))
+            layout.append((name, tuple(p.shape), offset))
+            offset += p.numel()
+        return flat, layout
+
+    def load_weights(self, flat: torch.Tensor, layout: list) -> None:
+        """The inverse of trainable_weights: copy such a buffer into this worker's model, and into its vllm engine if any."""
+        with torch.no_grad():
+            unpack_weights(self.engine.model, flat, layout)
+        self.sync_rollout()
 
     def state_dict(self) -> dict:
         return {**self.engine.state_dict(), "updates": self.updates}

@@ -341,7 +341,7 @@ def test_mult_scorer_reads_the_answer_after_the_tool_call():
     assert embedded_tools.mult_score("rlkit/mult", "=407", "408")["score"] == 0.0
 
 
-def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path):
+def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path, capsys):
     import importlib.util
     import json
     from pathlib import Path
@@ -353,6 +353,10 @@ def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path):
     cfg.data.train_batch_size, cfg.data.val_max_samples, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 4, 16, 4, 4
     cfg.trainer.total_training_steps, cfg.trainer.default_local_dir = 2, str(tmp_path)
     summary = recipe.main(cfg)
+    from rlkit import sandbox
+
+    start = next(line for line in capsys.readouterr().out.splitlines() if "M trainable" in line)
+    assert f"| sandbox level {sandbox.probe()[0]} |" in start  # the run's start line says how model text is contained
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     last = rows[-1]
@@ -509,3 +513,70 @@ def test_grpo_tools_runs_smollm2_end_to_end(tmp_path, backend):
     last = rows[-1]
     assert last["step"] == 1 and 0 < last["response_length/mean"] <= 16 and math.isfinite(last["actor/loss"])
     assert last["agent/sampled_tokens/mean"] == last["response_length/mean"] and 1 <= last["agent/turns/mean"] <= cfg.agent.max_turns
+
+
+# ----------------------------------------------------------------------------- issue #21: tool calls in the sandbox pool
+
+
+class Rows:
+    """A Sampler for several rows: each row (known by its prompt) plays its own fixed turns."""
+
+    def __init__(self, turns: dict):
+        self.turns = {k: list(v) for k, v in turns.items()}
+
+    def __call__(self, contexts, max_new_tokens):
+        return [(ids, [-0.5] * len(ids)) for ids in (self.turns[tuple(c[:3])].pop(0) for c in contexts)]
+
+
+def python_call(tok, code: str) -> list[int]:
+    return chars(tok, "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>") + [tok.eos_token_id]
+
+
+def run_rows(tok, tool_set, codes: list[str], first: int = 0) -> list:
+    prompts = [[5, 6, 7 + first + i] for i in range(len(codes))]
+    sampler = Rows({tuple(p): [python_call(tok, c), chars(tok, "done") + [tok.eos_token_id]] for p, c in zip(prompts, codes)})
+    return agent.run_turns(sampler, prompts, tok, tool_set, AgentConfig(), 400, [tok.eos_token_id])
+
+
+def tool_text(tok, e) -> str:
+    return tok.decode([i for i, m in zip(e.ids, e.mask) if m == 0])
+
+
+def test_tool_calls_of_one_turn_run_at_once_across_rows_in_row_order_and_token_exact(tok):
+    tool_set = tools.Tools([tools.python], sandbox_workers=2)
+    try:
+        tool_set.call_many([tools.ToolCall("python", {"code": "pass"})] * 2)  # both sandbox workers up
+        sleepy = [f"import time\nstart = time.time()\ntime.sleep(1)\nprint('row', {i}, start, time.time())" for i in range(3)]
+        spans = []
+        for i, e in enumerate(run_rows(tok, tool_set, sleepy)):
+            row, start, end = tool_text(tok, e).split("row ")[1].split()[:3]
+            assert int(row) == i and e.tool_calls == 1 and e.tool_errors == 0  # each row got its own call's result
+            spans.append((float(start), float(end)))
+        # concurrency, structurally: some two calls ran at the same time (one after another, no intervals overlap)
+        assert any(max(a[0], b[0]) < min(a[1], b[1]) for j, a in enumerate(spans) for b in spans[j + 1 :]), spans
+        plain = [f"print({i} * 7)" for i in range(3)]
+        together = run_rows(tok, tool_set, plain)
+        alone = [run_rows(tok, tool_set, [c], first=i)[0] for i, c in enumerate(plain)]  # the same rows, one at a time
+        assert [(e.ids, e.mask) for e in together] == [(a.ids, a.mask) for a in alone]
+        assert [tool_text(tok, e).split("\n")[2] for e in together] == ["0", "7", "14"]
+    finally:
+        tool_set.close()
+
+
+def test_agent_sandbox_level_fails_closed_before_the_model_loads(monkeypatch):
+    from rlkit import sandbox
+    from rlkit.errors import ConfigError
+
+    monkeypatch.setattr(sandbox, "_probed", {"level": "process", "layers": ["process", "rlimits"]})
+    with pytest.raises(ConfigError, match=r"^--agent.sandbox-level strict: this machine gives only level 'process'") as info:
+        tools.tools_from_names("calculator,python", sandbox_level="strict")
+    assert "\n" not in str(info.value)
+    assert len(tools.tools_from_names("calculator", sandbox_level="strict")) == 1  # no sandboxed tool: nothing to demand
+    with pytest.raises(ConfigError, match=r"--agent.sandbox-level 'max': choose one of process, network, strict"):
+        tools.tools_from_names("python", sandbox_level="max")
+    assert tools.tools_from_names("python").sandbox_level == AgentConfig().sandbox_level == "process"
+    recipe = load_tools_recipe()
+    cfg = recipe.Config()
+    cfg.agent.tools, cfg.agent.sandbox_level = "python", "network"
+    with pytest.raises(ConfigError, match="--agent.sandbox-level network"):
+        recipe.main(cfg)  # stops before the model is built

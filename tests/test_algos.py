@@ -13,6 +13,12 @@ from torch.testing import assert_close
 
 from rlkit import algos
 
+pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (tests/numerics.py)
+
+# Hand-derived values on short fp32 inputs: the worst-case rounding of a mean of n terms is n * u * mean|x|
+# (u = 2^-24): <= 8 terms of |x| <= 4 in the hand-value tests (1.9e-6); the whitening test's 28 entries of mean |x| ~ 5
+# give 8e-6 in the mean, 3e-6 after dividing by std 3. So 1e-5 holds in any summation order (any CPU), and a wrong
+# formula (a missing Bessel factor, a wrong denominator) is off by >= 1e-2.
 ATOL = 1e-5
 
 
@@ -682,6 +688,25 @@ def test_gmpo_token_clip_in_log_space():
     assert_close(logp.grad, t([[0.0, -0.161203, -0.161203], [0.525636, 0.0, 0.0]]), atol=ATOL, rtol=0)
 
 
+def test_forked_losses_take_norm_with_dp_size():
+    """token-sum under data parallelism: x dp_size, as agg_loss does for every other term (verl: x dp_size)."""
+    norm = algos.Norm(num_tokens=5, num_seqs=2, dp_size=2)
+    logp, old, adv, m = _gspo_case()  # L = -2 s0 on 2 tokens, +s1 on 3: -4.420684 + 2.456193 = -1.964491
+    loss, _ = algos.gspo_loss(logp, old, adv, m, 0.2, 0.2, loss_agg_mode="token-sum", norm=norm)
+    assert_close(loss, t(2 * -1.964491), atol=ATOL, rtol=0)
+    logp, old, adv, m = _cispo_case()  # L = [1.2, -1.0, 1.1]: sum 1.3
+    loss, _ = algos.cispo_loss(logp, old, adv, m, loss_agg_mode="token-sum", norm=norm)
+    assert_close(loss, t(2 * 1.3), atol=ATOL, rtol=0)
+    logp = t([[0.5, -0.6, 0.1], [0.5, -0.6, 3.0]])  # test_gmpo_token_clip_in_log_space's case: L = [-0.967216, 2.102542]
+    m = t([[1, 1, 1], [1, 1, 0]])  # on 3 and 2 tokens: -2.901648 + 4.205084 = 1.303436
+    loss, _ = algos.gmpo_loss(logp, torch.zeros(2, 3), t([[1.0] * 3, [-2.0] * 3]), m, loss_agg_mode="token-sum", norm=norm)
+    assert_close(loss, t(2 * 1.303436), atol=ATOL, rtol=0)
+    # seq-mean-token-mean takes G from norm: GSPO's -0.695806 over 2 rows becomes -1.391612 / 4 rows
+    logp, old, adv, m = _gspo_case()
+    loss, _ = algos.gspo_loss(logp, old, adv, m, 0.2, 0.2, norm=algos.Norm(num_tokens=5, num_seqs=4, dp_size=2))
+    assert_close(loss, t(-1.391612 / 4), atol=ATOL, rtol=0)
+
+
 # ---------------------------------------------------------------------------
 # rollout-vs-trainer mismatch and its correction
 # ---------------------------------------------------------------------------
@@ -714,6 +739,23 @@ def test_rollout_mismatch_metrics():
     assert set(got) == {"rollout_corr/" + k for k in expected}
     for k, v in expected.items():
         assert math.isclose(got["rollout_corr/" + k], v, abs_tol=ATOL), k
+
+
+def test_rollout_mismatch_metrics_use_the_log_ratio_unclamped_as_verl():
+    """verl's compute_offpolicy_metrics clamps Delta to +-20 only for chi2 (and the weights): kl, k3_kl and the
+    perplexity ratios see a token 30 nats off as 30, not 20."""
+    mu = t([[-31.0, -1.0], [-2.0, -0.5]])
+    pi = mu + t([[30.0, 0.0], [0.0, 7.0]])  # row 1's last token is padding (its Delta 7 is ignored)
+    m = t([[1, 1], [1, 0]])
+    got = {k.removeprefix("rollout_corr/"): v for k, v in algos.rollout_mismatch_metrics(pi, mu, m).items()}
+    assert math.isclose(got["abs_diff_mean"], 10.0, rel_tol=1e-6) and got["abs_diff_max"] == 30.0  # 30/3
+    assert math.isclose(got["kl"], -10.0, rel_tol=1e-6)  # -(30 + 0 + 0)/3 (clamped: -20/3)
+    # (e^30 - 30 - 1 + 0 + 0)/3 = 3.5622e12 (clamped: (e^20 - 21)/3 = 1.6174e8); float32: 7 digits
+    assert math.isclose(got["k3_kl"], (math.exp(30) - 31) / 3, rel_tol=1e-5)
+    # rows: -mean Delta = -15 and 0 -> log_ppl_diff -7.5, abs 7.5, ppl_ratio (e^-15 + 1)/2 (clamped: -5, 5, (e^-10 + 1)/2)
+    assert math.isclose(got["log_ppl_diff"], -7.5, rel_tol=1e-6) and math.isclose(got["log_ppl_abs_diff"], 7.5, rel_tol=1e-6)
+    assert math.isclose(got["ppl_ratio"], (math.exp(-15) + 1) / 2, rel_tol=1e-6)
+    assert math.isclose(got["chi2_token"], (math.exp(40) + 1 + 1) / 3 - 1, rel_tol=1e-5)  # chi2 keeps verl's clamp: e^(2*20)
 
 
 def test_rollout_mismatch_metrics_zero_for_identical_log_probs():
@@ -775,6 +817,31 @@ def test_rollout_correction_modes():
     assert math.isclose(metrics["rollout_corr/masked_fraction"], 0.6, abs_tol=ATOL)  # 3 of 5 valid tokens
     with pytest.raises(ValueError, match="token-tis"):
         algos.rollout_correction(pi, mu, m, "tis")
+
+
+def test_rollout_correction_tis_modes_use_the_given_cap():
+    """--actor.rollout-is-cap C reaches the -tis weights (a cap other than the default 2.0 changes them)."""
+    pi, mu, m = _mismatch_case()  # token ratios e^0.1, e^-0.2, 1 | e^1, e^-1; sequence ratios e^-0.1, e^0
+    w, _, metrics = algos.rollout_correction(pi, mu, m, "token-tis", threshold=1.5)
+    assert_close(w, t([[math.exp(0.1), math.exp(-0.2), 1.0], [1.5, math.exp(-1), 0.0]]), atol=ATOL, rtol=0)
+    assert math.isclose(metrics["rollout_corr/is_max"], 1.5, abs_tol=ATOL)
+    w, _, _ = algos.rollout_correction(pi, mu, m, "seq-tis", threshold=0.95)
+    assert_close(w, t([[math.exp(-0.1)] * 3, [0.95, 0.95, 0.0]]), atol=ATOL, rtol=0)
+
+
+def test_cispo_loss_defaults_to_token_mean_over_rows_of_different_lengths():
+    """The paper's 1/sum_i |y_i|: a 1-token row and a 3-token row weigh their tokens alike (seq-mean would not)."""
+    logp = t([[-1.0, 0.0, 0.0], [-2.0, -0.5, -0.25]])
+    m, adv = t([[1, 0, 0], [1, 1, 1]]), t([[1.0] * 3, [1.0] * 3])
+    loss, _ = algos.cispo_loss(logp, logp, adv, m)  # on-policy: w = 1, L_t = -log pi_t
+    assert_close(loss, t((1.0 + 2.0 + 0.5 + 0.25) / 4), atol=ATOL, rtol=0)  # seq-mean-token-mean: (1 + 2.75/3)/2 = 0.958333
+
+
+def test_group_advantages_refuse_a_uid_list_of_another_length():
+    with pytest.raises(ValueError, match="got 3 uids for 4 scores"):
+        algos.grpo_advantage(t([1.0, 0.0, 1.0, 0.0]), ["a", "a", "b"])
+    with pytest.raises(ValueError, match="got 5 uids for 4 scores"):
+        algos.rloo_advantage(t([1.0, 0.0, 1.0, 0.0]), ["a", "a", "b", "b", "b"])
 
 
 # ---------------------------------------------------------------------------

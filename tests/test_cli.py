@@ -1,11 +1,13 @@
 """loop.cli: a user's mistake (a UserError) ends with one line; any other exception is a bug and keeps its traceback."""
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 import pytest
 from test_grpo_recipe import load_recipe
 
-from rlkit import loop
+from rlkit import config, loop
 from rlkit.errors import ConfigError
 
 
@@ -79,3 +81,62 @@ def test_mean_metrics_weights_means_by_rows_and_sums_counts():
     """DAPO's reward metrics over its generation batches: a mean per response, not per batch."""
     got = loop.mean_metrics([({"reward/acc": 1.0, "reward/errors": 2.0}, 24), ({"reward/acc": 0.0, "reward/errors": 1.0}, 8)])
     assert got == {"reward/acc": 0.75, "reward/errors": 3.0}
+
+
+def test_mean_metrics_sums_reward_timeouts_like_errors():
+    """reward/timeouts counts timed-out calls (a subset of reward/errors): 2 + 1 over two batches is 3, not their row-weighted
+    mean (2*24 + 1*8) / 32 = 1.75."""
+    got = loop.mean_metrics([({"reward/errors": 2.0, "reward/timeouts": 2.0}, 24), ({"reward/errors": 1.0, "reward/timeouts": 1.0}, 8)])
+    assert got == {"reward/errors": 3.0, "reward/timeouts": 3.0}
+
+
+def help_boxes(text: str) -> dict[str, str]:
+    """--help's boxes: title -> the text inside."""
+    boxes, title = {}, None
+    for line in text.splitlines():
+        if line.startswith("╭─ "):
+            title = line[3:].split(" ─")[0]
+            boxes[title] = ""
+        elif title and line.startswith("│"):
+            boxes[title] += line.strip("│ ") + "\n"
+    return boxes
+
+
+def test_help_shows_the_learning_options_first_and_the_system_options_apart():
+    from test_grpo_recipe import run_cli
+
+    for recipe in ("grpo", "ppo"):
+        out = run_cli("--help", recipe=recipe)
+        assert out.returncode == 0, out.stderr
+        boxes = help_boxes(out.stdout)
+        titles = list(boxes)
+        first_system = next(i for i, t in enumerate(titles) if t.startswith("system."))
+        assert titles[:first_system] == ["options", "model options", "data options", "rollout options", "actor options"] + (
+            ["critic options"] if recipe == "ppo" else []
+        ) + ["reward options", "trainer options"]
+        assert all(t.startswith("system.") for t in titles[first_system:])
+        for group, sections in config.SYSTEM_OPTIONS.items():  # each system flag in its own box only, under its old name
+            box = boxes[f"system.{group.replace('_', '-')} options"]
+            for section, names in sections.items():
+                if f"{section} options" not in boxes:  # critic: PPO's only; agent: grpo_tools' only
+                    continue
+                for name in names:
+                    flag = re.compile(rf"--{section}\.{name.replace('_', '-')}[ ,]")  # (a bool: --x, --no-x)
+                    assert flag.search(box) and not flag.search(boxes[f"{section} options"]), (recipe, flag)
+        assert "--trainer.total-epochs" in boxes["trainer options"] and "--rollout.n " in boxes["rollout options"]
+
+
+def test_system_flags_keep_their_names_and_land_in_their_sections():
+    import tyro
+    from test_grpo_recipe import load_recipe
+
+    grpo = load_recipe("grpo")
+    view, to_config = config.cli_view(grpo.Config)
+    args = ["--trainer.backend", "ray", "--rollout.name", "vllm", "--trainer.async-steps", "2", "--reward.sandbox", "all"]
+    cfg = to_config(tyro.cli(view, args=[*args, "--model.no-remove-padding", "--rollout.n", "4", "--trainer.n-workers", "2"]))
+    assert type(cfg) is grpo.Config and type(cfg.trainer) is config.TrainerConfig and type(cfg.model) is config.ModelConfig
+    expected = grpo.Config()
+    expected.trainer.backend, expected.trainer.async_steps, expected.trainer.n_workers = "ray", 2, 2
+    expected.rollout.name, expected.rollout.n, expected.reward.sandbox, expected.model.remove_padding = "vllm", 4, "all", False
+    assert dataclasses.asdict(cfg) == dataclasses.asdict(expected)  # the recipe's own defaults (actor.lr 1e-4) kept
+    assert to_config(tyro.cli(view, args=[])) == grpo.Config()

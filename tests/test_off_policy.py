@@ -11,6 +11,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from numerics import assert_within, log_prob_tol, max_abs_logit, tiny_log_prob_tol, tol
 from safetensors.torch import load_file
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
@@ -35,6 +36,7 @@ def comparable(rows):
 # -- 1. mismatch metrics -------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_hf_rollout_log_probs_equal_the_trainers_in_fp32():
     """The exact control arm: HF generation's own log-probs are the trainer's (same model code, fp32)."""
     worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=4, log_probs=True), DataConfig(), device="cpu")
@@ -45,14 +47,20 @@ def test_hf_rollout_log_probs_equal_the_trainers_in_fp32():
     trainer = worker.compute_log_prob(batch)["old_log_probs"]
     m = algos.rollout_mismatch_metrics(trainer, batch["rollout_log_probs"], batch["response_mask"])
     assert batch["response_mask"].sum() > 100
-    assert m["rollout_corr/abs_diff_max"] < 1e-5 and abs(m["rollout_corr/k3_kl"]) < 1e-9
-    assert abs(m["rollout_corr/ppl_ratio"] - 1) < 1e-6 and m["rollout_corr/ratio_fraction_high"] == 0
+    # incremental (KV-cache) vs teacher-forced forward: rounding only, |d| <= b (numerics.log_prob_tol); then
+    # k3 = E[e^d - 1 - d] <= b^2 (e^b <= 1 + b + b^2 for b < 1) and |ppl_ratio - 1| = |e^{mean d} - 1| <= 2b
+    b = log_prob_tol(worker.engine.model.config, max_abs_logit(worker.engine.model, batch))
+    assert_within(m["rollout_corr/abs_diff_max"], 0.0, b, "log-prob, HF generation vs trainer")
+    assert_within(m["rollout_corr/k3_kl"], 0.0, b**2 + tol(torch.float32, 3.0, 3), "k3 KL, HF generation vs trainer")  # + exp's rounding
+    assert_within(m["rollout_corr/ppl_ratio"], 1.0, 2 * b, "perplexity ratio, HF generation vs trainer")
+    assert m["rollout_corr/ratio_fraction_high"] == 0
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "cispo"])
 def test_actor_loss_weights_each_token_by_the_correction(name):
     """An induced mismatch mu = pi_old - delta: the recipe's loss logs it and scales each token's gradient by the
-    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N, so
+    correction's weight, by hand: on-policy (rho = 1) the token-mean loss is -sum_t w_t A_t / N (CISPO's gradient too:
+    -sg(1) A_t grad log pi_t), so
     d loss / d log pi_t = -w_t A_t / N with w_t = min(e^delta_t, 2) for token-tis, and e^delta_t * 1[0.5 <= e^delta_t <= 2]
     for token-mis."""
     recipe = load_recipe(name)
@@ -93,6 +101,22 @@ def test_actor_loss_without_rollout_log_probs_is_unchanged():
     assert not any(k.startswith("rollout_corr/") for k in metrics)
 
 
+def test_a_batch_with_reference_log_probs_gets_its_own_back_without_a_pass(monkeypatch):
+    """The async generation worker computes ref_log_prob; the recipe's reference pass (no async clause) returns them
+    as they are, without a forward pass; a batch without them gets the reference's."""
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=2), DataConfig(), device="cpu")
+    from rlkit.data import build_prompts
+
+    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig())
+    batch = worker.generate(prompts.batch(list(range(4)), worker.tokenizer.pad_token_id).repeat(2, interleave=True))
+    computed = worker.compute_ref_log_prob(batch)["ref_log_prob"]  # a pass of the frozen reference
+    assert (computed * batch["response_mask"]).abs().sum() > 0
+    batch["ref_log_prob"] = torch.full_like(computed, -1.5)  # as the generation worker would send them
+    monkeypatch.setattr(worker.engine, "compute_log_prob", lambda *a, **k: pytest.fail("a reference pass was run"))
+    assert torch.equal(worker.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
+    assert torch.equal(batch.union(worker.compute_ref_log_prob(batch))["ref_log_prob"], batch["ref_log_prob"])
+
+
 def test_flag_thresholds_resolve_per_mode():
     a = ActorConfig()
     assert a.rollout_correction == "token-tis" and a.rollout_is_threshold == 2.0
@@ -114,8 +138,9 @@ def test_grpo_with_hf_rollout_log_probs_logs_zero_mismatch_and_trains_the_same_w
     cfg.rollout.log_probs = True
     grpo.main(cfg)
     rows = read_jsonl(tmp_path / "lp/metrics.jsonl")
-    for r in rows[1:]:
-        assert r["rollout_corr/abs_diff_max"] < 1e-5 and r["rollout_corr/is_min"] == pytest.approx(1.0, abs=1e-5)
+    for r in rows[1:]:  # rounding only (numerics.py): |Delta| <= b, so the weight e^Delta is within 2b of 1
+        assert r["rollout_corr/abs_diff_max"] <= tiny_log_prob_tol()
+        assert r["rollout_corr/is_min"] == pytest.approx(1.0, abs=2 * tiny_log_prob_tol())
     a = load_file(tmp_path / "base/checkpoints/global_step_2/hf/model.safetensors")
     b = load_file(tmp_path / "lp/checkpoints/global_step_2/hf/model.safetensors")
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -146,7 +171,7 @@ def synchronous_grpo(grpo, cfg):
         batch = policy.generate(batch.repeat(cfg.rollout.n, interleave=True))
         scores, reward_metrics = loop.score(batch, tok, reward_fn)
         batch = batch.union(policy.compute_ref_log_prob(batch))
-        if not policy.is_on_policy():
+        if not policy.update_is_one_step():
             batch = batch.union(policy.compute_log_prob(batch))
         batch["advantages"] = algos.grpo_advantage(scores, batch["uid"])[:, None] * batch["response_mask"]
         actor_metrics = policy.update(batch, actor_loss)
@@ -169,7 +194,7 @@ def test_async_steps_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
 ASYNC_RECIPES = ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools", "gspo", "cispo", "gmpo", "remax"]
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools"])
+@pytest.mark.parametrize("name", ASYNC_RECIPES)
 def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     recipe = load_recipe(name)
     cfg = quick_config(recipe, tmp_path, steps=3, async_steps=1)
@@ -190,6 +215,160 @@ def test_one_step_off_runs_tags_versions_and_leaves_no_process(tmp_path, name):
     if name == "grpo_tools":
         assert "agent/turns/mean" in rows[-1]  # the worker ran the turn loop
     assert mp.active_children() == []
+
+
+def test_the_generation_worker_is_the_trainers_rollout_worker_loaded_with_its_weights():
+    """The async Generator is an ActorRolloutRefWorker (generation only: no optimizer, its micro-batch rules): after
+    load_weights of the trainer's (changed) weights it samples with mu = the trainer's log-probs, and its reference pass
+    is the trainer's (HF, fp32: the same model code, so equal up to float rounding across batch shapes)."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+
+    actor, rollout, data = ActorConfig(ppo_micro_batch_size=4), RolloutConfig(n=2, micro_batch_size=3), DataConfig()
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True)
+    with torch.no_grad():
+        for p in trainer.engine.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # weights the generation worker cannot start with
+    gen = Generator(ModelConfig(), actor, rollout, data, TrainerConfig(device="cpu"), need_ref=True)
+    assert isinstance(gen.worker, ActorRolloutRefWorker) and gen.worker.engine.optimizer is None
+    assert (gen.worker.log_prob_micro_batch, gen.worker.gen_micro_batch) == (4, 3)  # the trainer's rules, not copies
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    i, batch = gen.generate(5, prompts, (*trainer.trainable_weights(), 3))
+    assert i == 5 and batch.meta["policy_version"] == 3
+    mask = batch["response_mask"].bool()
+    mu, pi = batch["rollout_log_probs"][mask], trainer.compute_log_prob(batch)["old_log_probs"][mask]
+    assert mask.sum() > 20 and (mu - pi).abs().max() < 1e-5  # fp32 rounding; unloaded, the worker is > 1 nat off
+    assert torch.allclose(batch["ref_log_prob"], trainer.compute_ref_log_prob(batch)["ref_log_prob"], atol=1e-5)
+    gen.close()
+
+
+def module_bytes(obj) -> int:
+    """Bytes of the parameters of every torch module an object holds as an attribute (an engine: its model, its reference)."""
+    mods = [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)]
+    return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+
+def test_the_generation_worker_keeps_no_reference_it_does_not_use():
+    """need_ref False (no KL loss, no KL in the reward): the generation worker holds its model and no frozen reference
+    copy; need_ref True (full fine-tuning) holds exactly one more copy, in the compute dtype (float32 on CPU)."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+
+    args = (ModelConfig(), ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), TrainerConfig(device="cpu"))
+    alone = Generator(*args, need_ref=False)
+    model = sum(p.numel() * p.element_size() for p in alone.worker.engine.model.parameters())
+    assert alone.worker.engine.ref_model is None and module_bytes(alone.worker.engine) == model
+    with_ref = Generator(*args, need_ref=True)
+    assert module_bytes(with_ref.worker.engine) == 2 * model
+    alone.close()
+    with_ref.close()
+
+
+def test_an_async_trainer_keeps_no_reference_copy_the_worker_computes_it(tmp_path):
+    """--trainer.async-steps 1 with --actor.use-kl-loss (full fine-tuning): every batch comes with the worker's ref_log_prob,
+    so the trainer holds no frozen copy (one model's bytes, not two); synchronous, it keeps it."""
+    grpo = load_recipe("grpo")
+    sync, off = quick_config(grpo, tmp_path / "s"), quick_config(grpo, tmp_path / "a", async_steps=1)
+    assert sync.actor.use_kl_loss and off.actor.use_kl_loss and sync.model.lora_rank == 0
+    engines = [build_policy(cfg).worker.engine for cfg in (sync, off)]
+    model = sum(p.numel() * p.element_size() for p in engines[0].model.parameters())
+    assert [module_bytes(e) for e in engines] == [2 * model, model] and engines[1].ref_model is None
+
+
+def test_the_generation_worker_keeps_the_trainers_token_budget():
+    """--actor.max-token-len-per-micro-batch: the generation worker's log-prob passes (its reference pass) split a batch
+    into the trainer's token-budget micro-batches, not into --rollout.log-prob-micro-batch-size rows."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+
+    actor, rollout, data = ActorConfig(ppo_micro_batch_size=8, max_token_len_per_micro_batch=160), RolloutConfig(n=2), DataConfig()
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True)
+    gen = Generator(ModelConfig(), actor, rollout, data, TrainerConfig(device="cpu"), need_ref=True)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    passes, forward = [], gen.worker.engine.forward
+    gen.worker.engine.forward = lambda model, mb, *a: passes.append(len(mb)) or forward(model, mb, *a)
+    _, batch = gen.generate(1, prompts)
+    want = [len(mb) for mb in trainer.engine.micro_batches(batch, trainer.log_prob_micro_batch)]
+    assert passes == want and len(want) > 1 and want != [8]  # by tokens: not one pass of ppo_micro_batch_size 8 rows
+    gen.close()
+
+
+class ScriptedJobs:
+    """A job queue for _serve whose jobs come (arrive=True: already waiting when asked) or not yet (arrive=False)."""
+
+    def __init__(self, script):
+        self.script = list(script)  # [(job, arrived)]
+
+    def get(self, timeout=None):
+        job, _ = self.script.pop(0)
+        return job
+
+    def empty(self) -> bool:
+        return not self.script or not self.script[0][1]
+
+
+def test_the_generation_worker_sleeps_between_jobs_only_when_none_waits(monkeypatch):
+    """_serve: after a batch, with no job queued, the worker idles (Generator.idle: vLLM sleeps, CUDA cache freed) until
+    the next job wakes it; with the next job already queued it goes straight on (a sleep would only cost a wake)."""
+    import queue
+
+    from rlkit import async_rollout
+
+    events = []
+
+    class FakeGenerator:
+        def __init__(self, *args):
+            pass
+
+        def generate(self, i, prompts, weights=None):
+            events.append(f"gen {i}")
+            return i, None
+
+        def idle(self):
+            events.append("idle")
+
+        def close(self):
+            events.append("close")
+
+    monkeypatch.setattr(async_rollout, "Generator", FakeGenerator)
+    jobs = ScriptedJobs([((1, None, None), True), ((2, None, None), True), ((3, None, None), False), (None, True)])
+    results = queue.Queue()
+    async_rollout._serve((), jobs, results)
+    assert events == ["gen 1", "gen 2", "idle", "gen 3", "close"]  # job 2 was waiting after job 1; job 3 came later
+    assert [results.get()[0] for _ in range(4)] == ["ready", "batch", "batch", "batch"]
+
+
+def test_an_idle_generation_worker_puts_its_vllm_engine_to_sleep_and_a_job_wakes_it():
+    """Generator.idle calls the rollout's sleep (VLLMRollout: level 1 on CUDA, a no-op on CPU); the next job wakes what it
+    needs (load_weights' sync: the weights; generate: the KV cache). Recorded on a stand-in rollout with vLLM's interface."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+
+    data = DataConfig()
+    gen = Generator(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, TrainerConfig(device="cpu"), need_ref=False)
+    hf, calls = gen.worker.rollout, []
+
+    class Recording:  # the calls VLLMRollout gets from the worker, sampling with the HF rollout
+        tokenizer, eos = hf.tokenizer, hf.eos
+
+        def sleep(self):
+            calls.append("sleep")
+
+        def sync_weights(self):
+            calls.append("wake weights")
+
+        def generate(self, prompts, *a, **k):
+            calls.append("wake kv_cache")
+            return hf.generate(prompts, *a, **k)
+
+    gen.worker.rollout = Recording()
+    prompts = build_prompts(data.train_files, hf.tokenizer, data).batch(list(range(2)), hf.tokenizer.pad_token_id)
+    gen.idle()
+    gen.generate(1, prompts, (*gen.worker.trainable_weights(), 1))
+    assert calls == ["sleep", "wake weights", "wake kv_cache"]
 
 
 def test_split_groups_gives_each_worker_whole_groups_in_order():
@@ -216,7 +395,8 @@ def test_two_generation_workers_share_each_batch(tmp_path, monkeypatch):
     grpo.main(quick_config(grpo, tmp_path, steps=3, async_steps=1, async_workers=2))
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["async/staleness"] for r in rows] == [0, 1, 1]
-    assert rows[0]["rollout_corr/abs_diff_max"] < 1e-5 and rows[-1]["rollout_corr/abs_diff_mean"] > 1e-3
+    assert rows[0]["rollout_corr/abs_diff_max"] <= tiny_log_prob_tol()  # step 0 on-policy: rounding only (numerics.py)
+    assert rows[-1]["rollout_corr/abs_diff_mean"] > 1e-3
     assert [(n >= 2, b) for n, b, _ in seen] == [(True, 32)] * 3  # both workers alive; 8 prompts x 4 samples each step
     assert [uids for _, _, uids in seen] == [[f"{i}-{j}" for j in range(8)] for i in (1, 2, 3)]  # one group per 4 rows, in order
     assert mp.active_children() == []
@@ -242,7 +422,8 @@ def test_one_step_off_on_ray_samples_as_the_local_worker_does(tmp_path):
     for a, b in zip(local[:2], on_ray[:2], strict=True):
         assert a["critic/score/mean"] == b["critic/score/mean"] and a["response_length/mean"] == b["response_length/mean"]
         assert a["rollout_corr/abs_diff_mean"] == pytest.approx(b["rollout_corr/abs_diff_mean"], abs=1e-6)
-    assert on_ray[0]["rollout_corr/abs_diff_max"] < 1e-5 and on_ray[-1]["rollout_corr/abs_diff_mean"] > 1e-3
+    assert on_ray[0]["rollout_corr/abs_diff_max"] <= tiny_log_prob_tol()  # step 0 on-policy: rounding only (numerics.py)
+    assert on_ray[-1]["rollout_corr/abs_diff_mean"] > 1e-3
     assert on_ray[0]["actor/grad_norm"] == pytest.approx(local[0]["actor/grad_norm"], rel=1e-4)  # the same first update
 
 
@@ -306,17 +487,23 @@ def test_one_step_off_learns(tmp_path):
 
 
 def test_the_off_policy_lines_are_the_same_in_every_recipe():
-    """The correction block (every recipe) and the Rollouts block (the async loops) are copied verbatim."""
+    """The correction (every recipe's loss: one line, a no-op without rollout log-probs, its weights passed on and its
+    metrics logged) and the Rollouts line (every loop) are the same everywhere."""
     from test_grpo_recipe import ROOT
 
-    def block(name, first, last):
-        lines = (ROOT / "recipes" / f"{name}.py").read_text().splitlines()
-        start = next(i for i, line in enumerate(lines) if first in line)
-        end = next(i for i in range(start, len(lines)) if last in lines[i])
-        return [line.strip() for line in lines[start : end + 1]]
+    for name in ASYNC_RECIPES:
+        code = [line.split("#")[0].strip() for line in (ROOT / "recipes" / f"{name}.py").read_text().splitlines()]
+        assert "weights, mask, corr = algos.rollout_weights(mb, a)" in code, name
+        assert "weights=weights," in code and "metrics.update(corr)" in code, name
+        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train, run") for line in code), name
 
-    corr = {n: block(n, "weights, corr = None, {}", "metrics.update(corr)") for n in ("grpo", "dapo", "rloo", "ppo", "reinforce_pp")}
-    assert all(b == corr["grpo"] for b in corr.values()) and any("rollout_correction(" in line for line in corr["grpo"])
-    ro = {n: block(n, "# ASYNC: --trainer.async-steps k", "rollouts = loop.Rollouts(") for n in ASYNC_RECIPES}
-    assert all(b[:-1] == ro["grpo"][:-1] for b in ro.values())  # the last line: need_ref= where a KL in the reward needs it
-    assert all(b[-1].startswith("rollouts = loop.Rollouts(cfg, policy, prompts, run") for b in ro.values())
+
+def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction_with_them():
+    mask, old = torch.tensor([[1, 1, 0]]), torch.log(torch.tensor([[0.5, 0.25, 1.0]]))
+    a = ActorConfig()  # token-tis, cap 2
+    assert algos.rollout_weights(DataProto.from_dict({"response_mask": mask, "old_log_probs": old}), a) == (None, mask, {})
+    mu = old - torch.tensor([[1.0, -0.5, 0.0]])  # pi_old / mu = e, e^-0.5 on the two response tokens
+    mb = DataProto.from_dict({"response_mask": mask, "old_log_probs": old, "rollout_log_probs": mu})
+    weights, got_mask, metrics = algos.rollout_weights(mb, a)
+    assert torch.allclose(weights[0, :2], torch.tensor([2.0, math.exp(-0.5)])) and got_mask is mask  # min(e, 2) = 2
+    assert metrics["rollout_corr/abs_diff_max"] == pytest.approx(1.0)

@@ -7,7 +7,12 @@ A recipe is grpo.py with its own header, config fields and `# ALGO LOGIC` lines.
 2. every recipe: each plumbing statement of grpo.py's main() (setup, step preamble, metrics and
    end of step, compared as code, comments aside) appears in the recipe's main(), except the
    deliberate differences listed in DIFFERS, each with its reason;
-3. the recipes that use the PPO clip loss unchanged (PPO_CLIP): make_actor_loss is grpo.py's.
+3. the recipes that use the PPO clip loss unchanged (PPO_CLIP): make_actor_loss is grpo.py's;
+4. the recipes with a policy loss of their own (OWN_LOSS): make_actor_loss is grpo.py's outside the statement that
+   computes pg_loss (the rollout correction, the entropy and KL terms, the total are shared).
+
+Every line of every recipe, comments and strings included, fits in 100 columns (recipes/ruff.toml formats
+the code to that width; rlkit/ keeps 140).
 
 `python tests/test_recipe_drift.py` prints the table "recipe -> lines that differ from grpo.py" of
 docs/algorithms.md.
@@ -22,8 +27,9 @@ import pytest
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.py") if p.stem != "grpo")
-FORKS = ("cispo", "gmpo", "gspo", "remax", "rloo")
+FORKS = ("cispo", "gmpo", "gspo", "rloo")
 PPO_CLIP = ("dapo", "grpo_tools", "ppo", "reinforce_pp", "remax", "rloo")
+OWN_LOSS = ("cispo", "gmpo", "gspo")
 DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why the recipe changes it}
     "dapo": {
         "train": "prompts come in generation batches of --gen-batch-size, filtered down to train_batch_size",
@@ -32,6 +38,9 @@ DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why t
         "policy": "the worker group is wrapped so that generate() runs the multi-turn turn loop with the tools",
         "train": "the prompts offer the tools (their JSON schemas go to the chat template)",
         "val": "the validation prompts offer the tools too",
+    },
+    "remax": {
+        "rollouts": "each batch's prompts get their greedy response's score, the baseline, before they are repeated",
     },
     "reinforce_pp": {
         "policy": "the reference policy is also needed for the KL in the reward",
@@ -115,7 +124,8 @@ def diff(a: list[str], b: list[str], name: str) -> str:
 
 
 def test_the_lists_name_real_recipes():
-    assert set(FORKS) | set(PPO_CLIP) | set(DIFFERS) <= set(RECIPES)
+    assert set(FORKS) | set(PPO_CLIP) | set(DIFFERS) | set(OWN_LOSS) <= set(RECIPES)
+    assert not set(PPO_CLIP) & set(OWN_LOSS)
     assert not set(FORKS) & set(DIFFERS)
 
 
@@ -145,19 +155,63 @@ def test_recipes_on_the_ppo_clip_loss_share_make_actor_loss(name):
     assert mine == grpo, f"recipes/{name}.py: make_actor_loss differs from grpo.py's:\n{diff(grpo, mine, name)}"
 
 
+def loss_without_pg_loss(name: str) -> list[str]:
+    """make_actor_loss's lines without the statement that assigns pg_loss (the recipe's own policy loss)."""
+    src = source(name)
+    fn = function(src, "make_actor_loss")
+    pg = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and "pg_loss" in ast.unparse(n.targets[0])]
+    assert len(pg) == 1, f"recipes/{name}.py: make_actor_loss should assign pg_loss once"
+    cut = set(range(pg[0].lineno, pg[0].end_lineno + 1))
+    lines = src.splitlines()
+    above = pg[0].lineno - 1
+    while lines[above - 1].strip().startswith("#"):  # the comment lines that introduce the recipe's own pg_loss
+        cut.add(above)
+        above -= 1
+    return [lines[i - 1] for i in range(fn.lineno, fn.end_lineno + 1) if i not in cut]
+
+
+@pytest.mark.parametrize("name", OWN_LOSS)
+def test_recipes_with_their_own_loss_share_the_rest_of_make_actor_loss(name):
+    """The rollout correction, the entropy bonus, the KL term and their sum stay grpo.py's in GSPO, CISPO and GMPO."""
+    grpo, mine = loss_without_pg_loss("grpo"), loss_without_pg_loss(name)
+    assert mine == grpo, f"recipes/{name}.py: make_actor_loss differs from grpo.py's outside pg_loss:\n{diff(grpo, mine, name)}"
+
+
 def test_the_guard_sees_a_drifted_line(tmp_path, monkeypatch):
-    drifted = source("rloo").replace("cfg.data.shuffle, cfg.trainer.seed", "True, cfg.trainer.seed")
+    drifted = source("rloo").replace("        cfg.data.shuffle,\n", "        True,\n")
     assert drifted != source("rloo")
     (tmp_path / "rloo.py").write_text(drifted)
     (tmp_path / "grpo.py").write_text(source("grpo"))
     monkeypatch.setattr(sys.modules[__name__], "RECIPES_DIR", tmp_path)
-    with pytest.raises(AssertionError, match=r"(?s)rloo.py: main\(\) drifted.*\+.*True, cfg.trainer.seed"):
+    with pytest.raises(AssertionError, match=r"(?s)rloo.py: main\(\) drifted.*\+ +True,"):
         test_a_fork_of_grpo_changes_main_only_in_its_algo_logic_lines("rloo")
     with pytest.raises(AssertionError, match=r"rloo.py: grpo.py's plumbing changed.*\n.*train = PromptLoader"):
         test_every_recipe_keeps_grpos_plumbing_statements("rloo")
     (tmp_path / "rloo.py").write_text(source("grpo").replace("a.kl_loss_coef * parts", "0.1 * parts"))
     with pytest.raises(AssertionError, match=r"(?s)rloo.py: make_actor_loss differs.*\+.*0.1 \* parts"):
         test_recipes_on_the_ppo_clip_loss_share_make_actor_loss("rloo")
+    gspo = (Path(__file__).resolve().parents[1] / "recipes" / "gspo.py").read_text()
+    no_correction = gspo.replace("algos.rollout_weights(mb, a)", "None, mb['response_mask'], {}")  # a fork that skips it
+    (tmp_path / "gspo.py").write_text(no_correction)
+    assert source("gspo") != gspo
+    with pytest.raises(AssertionError, match=r"(?s)gspo.py: make_actor_loss differs from grpo.py's outside pg_loss.*\+.*None, mb"):
+        test_recipes_with_their_own_loss_share_the_rest_of_make_actor_loss("gspo")
+
+
+MAX_COLUMNS = 100
+
+
+@pytest.mark.parametrize("name", ["grpo", *RECIPES])
+def test_every_recipe_line_fits_in_100_columns(name):
+    long = [(i, len(line)) for i, line in enumerate(source(name).splitlines(), 1) if len(line) > MAX_COLUMNS]
+    assert not long, f"recipes/{name}.py: lines over {MAX_COLUMNS} characters (line, length): {long}"
+
+
+def test_the_column_check_sees_a_long_line(tmp_path, monkeypatch):
+    (tmp_path / "rloo.py").write_text(source("rloo") + "# " + "x" * 99 + "\n")
+    monkeypatch.setattr(sys.modules[__name__], "RECIPES_DIR", tmp_path)
+    with pytest.raises(AssertionError, match=r"rloo.py: lines over 100 characters .*101\)\]"):
+        test_every_recipe_line_fits_in_100_columns("rloo")
 
 
 def test_docs_algorithms_md_shows_the_current_drift_table():

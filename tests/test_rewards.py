@@ -426,3 +426,19 @@ def test_a_hanging_user_function_is_stopped_by_the_time_limit():
     off = RewardFn(f"{FIXTURE}:hanging_score", timeout_s=0.2, sandbox="off")  # in-process: SIGALRM on the main thread
     with pytest.raises(RuntimeError, match=r"TimeoutError: no result after 0.2 s"):
         off("rlkit/arith", ["12"], ["12"])
+
+
+def test_the_time_limit_is_for_the_users_function_not_the_built_in_scorers(monkeypatch):
+    """--reward.timeout-s bounds a --reward.custom-fn run in this process; a built-in scorer keeps its own limits
+    (math-verify sets its own SIGALRM, which ours would replace): one slower than the limit still scores."""
+    import time
+
+    from rlkit import rewards
+
+    def slow_builtin(data_source, solution_str, ground_truth, extra_info=None):
+        time.sleep(0.3)  # 6x the limit below: SIGALRM would interrupt this sleep with TimeoutError
+        return 1.0
+
+    monkeypatch.setitem(rewards.SCORERS, "test/slow", slow_builtin)
+    scores, _ = rewards.RewardFn(timeout_s=0.05, sandbox="off")("test/slow", ["x"], ["x"])
+    assert scores.tolist() == [1.0]

@@ -3,18 +3,24 @@
 A test that needs an isolation layer this machine lacks is skipped, and the reason names the layer.
 """
 
+import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from rlkit import rewards, sandbox
 from rlkit.errors import ConfigError, RunFailed
 from rlkit.rewards import RewardFn
-from rlkit.sandbox import Limits, Sandbox, SandboxFailure, SandboxPool
+from rlkit.sandbox import Limits, Sandbox, SandboxFailure, SandboxPool, level_of
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox runs on Linux only")
 FIXTURE = Path(__file__).parent / "fixtures" / "my_reward.py"
@@ -25,6 +31,16 @@ def box():
     with Sandbox(Limits(timeout_s=1.5, memory_mb=512, nproc=32)) as sb:
         sb.run_code("pass")  # start it: level and layers are known from here on
         yield sb
+
+
+@pytest.fixture
+def outside():
+    """A folder outside the temp roots (/tmp is emptied in the sandbox's view where it can be): writes there
+    test the write and metadata layers, not the hiding of /tmp."""
+    path = Path(__file__).parent / f".sandbox-outside-{os.getpid()}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def need(box, *layers):
@@ -56,12 +72,31 @@ def test_a_hang_is_killed_at_the_wall_clock_limit_and_the_worker_goes_on(box):
     assert box.call("math:factorial", 4) == 24
 
 
-def test_a_timeout_kills_the_jobs_children_too(box):
-    r = box.run_code("import subprocess, time\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)")
+def running(marker: str) -> list[int]:
+    """Pids (as this process sees them) of live processes whose command line holds `marker`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                if "State:\tZ" not in (d / "status").read_text():  # a zombie is dead (not yet reaped by init)
+                    pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("setsid", [False, True])
+def test_a_timeout_kills_the_jobs_children_too(box, setsid):
+    if setsid:  # a child in its own session leaves the job's process group: only a PID namespace takes it
+        need(box, "pidns")
+    marker = f"60.{os.getpid()}{int(setsid)}"
+    r = box.run_code(f"import subprocess, time\np = subprocess.Popen(['sleep', '{marker}'], start_new_session={setsid})\ntime.sleep(60)")
     assert r.timed_out
-    status = Path(f"/proc/{int(r.stdout)}/status")
-    time.sleep(0.2)
-    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or dead and not yet reaped by init
+    for _ in range(50):
+        if not running(marker):
+            break
+        time.sleep(0.1)
+    assert running(marker) == []
 
 
 @pytest.mark.parametrize("code, status", [("import sys; sys.exit(0)", "error"), ("import os; os._exit(3)", "exit")])
@@ -83,14 +118,14 @@ def test_a_fork_loop_is_bounded(box):
     assert box.call("math:factorial", 3) == 6
 
 
-def test_the_temp_dir_is_fresh_and_removed_and_writes_elsewhere_fail(box, tmp_path):
+def test_the_temp_dir_is_fresh_and_removed_and_writes_elsewhere_fail(box, outside):
     r = box.run_code("import os\nopen('mine.txt', 'w').write('x')\nprint(os.getcwd())")
     cwd = Path(r.stdout.strip())
     assert r.exit_code == 0 and cwd != Path.cwd() and not cwd.exists()
     need(box, "landlock-fs")
-    r = box.run_code(f"open({str(tmp_path / 'escaped.txt')!r}, 'w').write('x')")
-    assert r.exit_code == 1 and "PermissionError" in r.stderr
-    assert not (tmp_path / "escaped.txt").exists()
+    r = box.run_code(f"open({str(outside / 'escaped.txt')!r}, 'w').write('x')")
+    assert r.exit_code == 1 and ("PermissionError" in r.stderr or "Read-only file system" in r.stderr)  # Landlock / ro-root
+    assert not (outside / "escaped.txt").exists()
 
 
 def test_no_connection_to_a_local_port(box):
@@ -114,13 +149,215 @@ def test_the_environment_is_clean(monkeypatch):
     assert "WANDB_API_KEY" not in out and "HF_TOKEN" not in out and "PATH" in out
 
 
+# ----------------------------------------------------------------------------- issue #21: the promises kept
+
+OWNER = """
+import json, sys
+from rlkit.sandbox import Limits, SandboxPool
+pool = SandboxPool(Limits(timeout_s=float(sys.argv[2])), workers=1).start()
+print(json.dumps({"level": pool.level, "layers": pool.layers}), flush=True)
+r = pool.run_code(sys.argv[1])
+print(json.dumps({"status": r.status, "stdout": r.stdout, "stderr": r.stderr}), flush=True)
+"""
+
+SNOOP = """
+import os
+seen, pid = set(), os.getpid()
+while pid > 1:  # up the PPid chain to the trainer, as the audit did, and every pid in sight
+    pid = int([line for line in open(f"/proc/{pid}/status") if line.startswith("PPid")][0].split()[1])
+    seen.add(pid)
+for p in seen | {int(d) for d in os.listdir("/proc") if d.isdigit()} | {OWNER_PID}:
+    try:
+        print(p, open(f"/proc/{p}/environ").read())
+    except OSError as e:
+        print(p, type(e).__name__)
+"""
+
+
+def start_owner(code: str, timeout_s: float, **env) -> tuple[subprocess.Popen, dict]:
+    """A small trainer stand-in in its own process: it starts a pool, says its level, and runs `code` there."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OWNER, code, str(timeout_s)], stdout=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
+    return proc, json.loads(proc.stdout.readline())
+
+
+def test_the_trainers_secrets_and_other_processes_are_out_of_reach():
+    proc, hello = start_owner(SNOOP.replace("OWNER_PID", "os.getpid()"), 10, HF_TOKEN="secret-h3-token", WANDB_API_KEY="secret-h3-key")
+    out = json.loads(proc.stdout.readline())
+    proc.wait()
+    if "pidns" not in hello["layers"]:
+        assert hello["level"] != "strict"  # the level does not promise what the machine does not give
+        pytest.skip(f"this machine lacks the pidns layer (it has: {', '.join(hello['layers'])})")
+    assert out["status"] == "ok" and "PATH=" in out["stdout"]  # it did read environments: its own, clean ones
+    assert "secret-h3" not in out["stdout"] + out["stderr"]
+
+
+def test_the_trainers_credential_files_are_emptied(outside):
+    home = outside / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("secret-h3-ssh")
+    (home / ".netrc").write_text("machine api.wandb.ai password secret-h3-netrc")
+    code = "import os\nfor p in ('.ssh/id_ed25519', '.netrc'):\n    try:\n        print(open(os.path.join(HOME, p)).read())\n    except OSError as e:\n        print(type(e).__name__)"
+    proc, hello = start_owner(code.replace("HOME", repr(str(home))), 10, HOME=str(home))
+    out = json.loads(proc.stdout.readline())
+    proc.wait()
+    if "hidden-secrets" not in hello["layers"]:
+        assert hello["level"] != "strict"
+        pytest.skip(f"this machine lacks the hidden-secrets layer (it has: {', '.join(hello['layers'])})")
+    assert (out["status"], out["stdout"]) == ("ok", "PermissionError\n\n"), out  # a folder without access, an empty file
+
+
+def test_unix_sockets_in_the_temp_root_and_run_are_out_of_reach(box, tmp_path):
+    need(box, "hidden-sockets")  # (not where the Python installation or a scorer file lives in /tmp: then /tmp stays)
+    path = str(tmp_path / "raylet.sock")  # where Ray keeps its sockets: /tmp/ray/session_*/sockets
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(1)
+        r = box.run_code(f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')")
+    assert r.exit_code == 1 and "FileNotFoundError" in r.stderr and "connected" not in r.stdout
+
+
+def test_metadata_changes_outside_the_temp_dir_are_refused(box, outside):
+    target = outside / "checkpoint.bin"
+    target.write_bytes(b"weights")
+    os.chmod(target, 0o600)
+    os.utime(target, (1e9, 1e9))
+    code = f"""
+import os
+open('mine', 'w').close()
+for f in ({str(target)!r}, 'mine'):
+    for name, op in [
+        ('chmod', lambda: os.chmod(f, 0o777)),
+        ('chown', lambda: os.chown(f, os.getuid(), os.getgid())),
+        ('utime', lambda: os.utime(f, (0, 0))),
+        ('setxattr', lambda: os.setxattr(f, 'user.rlkit', b'1')),
+    ]:
+        try:
+            op()
+            print(f == 'mine', name, 'done')
+        except OSError as e:
+            print(f == 'mine', name, 'refused', e.errno)
+"""
+    r = box.run_code(code)
+    if "ro-root" not in box.layers:
+        assert box.level != "strict"
+        pytest.skip(f"this machine lacks the ro-root layer (it has: {', '.join(box.layers)})")
+    lines = r.stdout.splitlines()
+    assert [line.split()[2:] for line in lines] == [["refused", "30"]] * 4 + [["done"]] * 4, r.stdout + r.stderr  # EROFS; its own: as usual
+    st = target.stat()
+    assert (st.st_mode & 0o777, st.st_mtime) == (0o600, 1e9) and "user.rlkit" not in os.listxattr(target)
+
+
+def family(pid: int) -> set[int]:
+    """`pid`'s descendants (from /proc's PPid lines)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int([x for x in (d / "status").read_text().splitlines() if x.startswith("PPid")][0].split()[1])
+            children.setdefault(ppid, []).append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    out, todo = set(), [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out.update(kids)
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_workers_and_their_jobs_die_with_their_owner():
+    proc, hello = start_owner("while True: pass", 600)  # a busy job with a long limit, as in the audit
+    try:
+        time.sleep(2)  # the job is sent right after the hello
+        kin = family(proc.pid)
+        assert len(kin) >= 2, kin  # the worker and its busy job (and with a PID namespace, the worker's outer process)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for _ in range(100):
+            if not any(alive(p) for p in kin):
+                break
+            time.sleep(0.1)
+        assert [p for p in kin if alive(p)] == []
+    finally:
+        for p in family(proc.pid) | ({p for p in kin if alive(p)} if "kin" in locals() else set()):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_the_cpu_limit_follows_the_wall_clock_limit(box):
+    assert box.call("resource:getrlimit", 0) == [3, 4]  # RLIMIT_CPU: ceil(1.5) + 1 seconds, hard limit one more
+    assert Limits(timeout_s=600).cpu_seconds() == 601 and Limits(timeout_s=2, cpu_s=5).cpu_seconds() == 5
+
+
+def test_reward_fn_has_a_finite_time_limit_by_default(monkeypatch, tmp_path):
+    assert RewardFn().timeout_s == rewards.DEFAULT_TIMEOUT_S == 30.0  # as --reward.timeout-s; 0 = none only when asked
+    scorer = tmp_path / "evaluating.py"
+    scorer.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(eval(solution_str) == 1)\n")
+    monkeypatch.setattr(rewards, "DEFAULT_TIMEOUT_S", 1.0)
+    reward = RewardFn(f"{scorer}:score", on_error="zero")
+    try:
+        scores, metrics = reward(["ds"], ["9**9**9**9"], ["1"])
+        assert reward.pool.limits.timeout_s == 1.0 and reward.pool.limits.cpu_seconds() == 2
+    finally:
+        reward.close()
+    # (a timeout; or, on a fast moment, 9**(9**9) is reached and 9 to that power runs out of memory)
+    assert scores.tolist() == [0.0] and metrics["reward/errors"] == 1.0
+
+
+def test_leftovers_of_a_dead_owner_are_removed_at_start():
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    root = Path(tempfile.gettempdir())
+    stale, live = root / f"rlkit-sandbox-{dead.pid}-x1", root / f"rlkit-sandbox-{os.getppid()}-x1"  # (our parent lives)
+    cgroups = Path("/sys/fs/cgroup/pids")
+    stale_cg = cgroups / f"rlkit-sandbox-{dead.pid}-0"
+    try:
+        for d in (stale, live):
+            (d / "job").mkdir(parents=True)
+        if os.access(cgroups, os.W_OK):
+            stale_cg.mkdir()
+        with Sandbox(Limits(timeout_s=5)) as sb:
+            sb.run_code("pass")
+        assert not stale.exists() and live.exists() and not stale_cg.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
+        if stale_cg.exists():
+            stale_cg.rmdir()
+
+
+def test_the_level_is_checked_before_anything_loads_and_shown_in_the_start_line(monkeypatch):
+    monkeypatch.setattr(sandbox, "_probed", {"level": "network", "layers": ["process", "netns", "landlock-fs"]})
+    with pytest.raises(ConfigError, match=r"^--agent.sandbox-level strict: this machine gives only level 'network'.*PID namespace"):
+        sandbox.check_level("strict", "--agent.sandbox-level")
+    assert sandbox.check_level("network", "--agent.sandbox-level") == "network"
+    with pytest.raises(ConfigError, match="choose one of process, network, strict"):
+        sandbox.check_level("max", "--agent.sandbox-level")
+    cfg = SimpleNamespace(reward=SimpleNamespace(sandbox="auto"), agent=SimpleNamespace(tools="calculator"))
+    assert sandbox.start_clause(cfg) == "sandbox level network"
+    cfg.reward.sandbox = "off"
+    assert sandbox.start_clause(cfg) == "sandbox off (scorers run in this process)"
+    cfg.agent.tools = "calculator,python"
+    assert sandbox.start_clause(cfg) == "sandbox level network (scorers in this process: --reward.sandbox off)"
+
+
 def test_pool_runs_in_order_across_workers_and_recycles():
     with SandboxPool(Limits(timeout_s=5), workers=2, max_jobs=2) as pool:
-        results = pool.map([{"fn": "os:getppid"} for _ in range(6)] + [{"fn": "math:sqrt", "args": [16]}])
+        results = pool.map([{"fn": "os:getpid"} for _ in range(6)] + [{"fn": "math:sqrt", "args": [16]}])
         assert [r.status for r in results] == ["ok"] * 7 and results[-1].value == 4.0
-        assert len({r.value for r in results[:6]}) >= 3  # 2 workers, each replaced after 2 jobs
+        assert len({r.worker for r in results[:6]}) >= 3  # 2 workers, each replaced after 2 jobs
     with SandboxPool(Limits(timeout_s=5), workers=1, fresh=True) as pool:
-        pids = [r.value for r in pool.map([{"fn": "os:getppid"}] * 3)]
+        pids = [r.worker for r in pool.map([{"fn": "os:getpid"}] * 3)]
         assert len(set(pids)) == 3  # a new process for every call
 
 
@@ -128,16 +365,21 @@ def test_a_minimum_level_the_machine_lacks_fails_fast():
     pool = SandboxPool(min_level="strict")
     with pytest.raises(ConfigError, match=r"--reward.sandbox-level strict: this machine gives only level 'process'.*Landlock"):
         pool._on_hello({"layers": ["process", "rlimits"], "level": "process"})
+    layers = ["process", "netns", "landlock-fs", "landlock-tcp"]  # Landlock but no namespaces (Docker, Ubuntu >= 23.10)
+    assert level_of(layers) == "network" and level_of(layers + ["pidns", "ro-root", "hidden-secrets"]) == "strict"
+    with pytest.raises(ConfigError, match=r"only level 'network'.*needs a mount namespace .* and a PID namespace") as info:
+        SandboxPool(min_level="strict")._on_hello({"layers": layers, "level": "network"})
+    assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="choose one of process, network, strict"):
         SandboxPool(min_level="max")
 
 
 def test_a_worker_killed_from_outside_is_replaced(box):
-    pid = box.call("os:getppid")
+    pid = box.map([{"fn": "os:getpid"}])[0].worker
     os.killpg(pid, signal.SIGKILL)
     time.sleep(0.3)  # (a job sent at the very moment it dies comes back as status "crash")
     assert box.call("math:factorial", 5) == 120
-    assert box.call("os:getppid") != pid
+    assert box.map([{"fn": "os:getpid"}])[0].worker != pid
 
 
 # ----------------------------------------------------------------------------- through the reward function
