@@ -188,6 +188,39 @@ def _serve(args, jobs, results) -> None:
             return
 
 
+STOPPED_LIMIT_S = 60.0  # a worker seen stopped (SIGSTOP) this long fails the run, whatever --trainer.async-timeout-s says
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T, by SIGSTOP/SIGTSTP; t, by a tracer), from /proc/PID/stat (Linux; else False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _died(w: int, pid: int, code: int | None, kind: str, k: int) -> str:
+    """One line on how generation worker w ended, from its exit code (negative: the signal that killed it)."""
+    import signal
+
+    who = f"generation worker {w} (pid {pid}, --trainer.async-steps {k})"
+    doing = "while starting" if kind == "ready" else "while generating"
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory? see dmesg; or a kill -9)" if -code == signal.SIGKILL else ""
+        return f"{who} was killed by {name}{hint} {doing}: the run stops; resume from its last checkpoint with --trainer.resume auto"
+    if kind == "ready" and code == 1:  # a spawned process re-imports the script: without the guard it runs main() again and fails
+        return (
+            f"{who} exited with status 1 while starting; if a script calls a recipe's main(), it needs an "
+            "`if __name__ == '__main__':` guard (the worker is a spawned process that imports the script)"
+        )
+    return f"{who} exited with status {code} {doing} without sending its batch: the run stops"
+
+
 def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
     """Row indices of `parts` shares of a batch of `rows` rows in groups of `group_size` adjacent rows: whole groups,
     as even as can be, in order (the first shares one group larger); empty shares when there are fewer groups."""
@@ -210,6 +243,7 @@ class Rollouts:
         prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
         here, when the batch is queued (remax.py: its greedy baseline b(x))."""
         self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
+        self.timeout_s = cfg.trainer.async_timeout_s  # seconds without a message from a worker (0 = no limit)
         self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
@@ -280,14 +314,24 @@ class Rollouts:
         import ray
 
         try:
-            return ray.get(refs)
+            return ray.get(refs, timeout=self.timeout_s or None)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise RunFailed(
+                f"a generation worker (--trainer.async-steps {self.k}, a Ray actor) sent nothing for {self.timeout_s:g} s "
+                f"(--trainer.async-timeout-s {self.timeout_s:g}): it is hung or stopped. Raise the flag if a batch really takes "
+                "that long (0 = wait forever)"
+            ) from None
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
             self.close()
             raise RunFailed(f"a generation worker (--trainer.async-steps {self.k}, a Ray actor) failed:\n{e}") from None
 
     def _receive(self, w: int, kind: str):
-        """Worker process w's next message, which must be `kind`; a crash or an error there raises RunFailed."""
+        """Worker process w's next message, which must be `kind`; a crash, an error, a stop (SIGSTOP) or silence for
+        --trainer.async-timeout-s there raises RunFailed naming the worker."""
         proc, _, results = self.procs[w]
+        start = time.monotonic()
+        stopped_since = None  # when the worker was first seen stopped (state T), in this wait
         while True:
             try:
                 got, i, payload = results.get(timeout=2.0)
@@ -296,15 +340,37 @@ class Rollouts:
                 if not proc.is_alive():
                     code = proc.exitcode
                     self.close()
+                    raise RunFailed(_died(w, proc.pid, code, kind, self.k)) from None
+                now = time.monotonic()
+                stopped_since = (stopped_since or now) if _is_stopped(proc.pid) else None
+                waited = now - start
+                stop_limit = min(self.timeout_s or STOPPED_LIMIT_S, STOPPED_LIMIT_S)
+                timed_out = bool(self.timeout_s) and waited >= self.timeout_s
+                if stopped_since is not None and (now - stopped_since >= stop_limit or timed_out):
+                    self._kill(proc)
                     raise RunFailed(
-                        f"a generation worker (--trainer.async-steps {self.k}) died (exit code {code}); a script that calls a "
-                        "recipe's main() needs an `if __name__ == '__main__':` guard (the worker is a spawned process)"
+                        f"generation worker {w} (pid {proc.pid}, --trainer.async-steps {self.k}) has been stopped (SIGSTOP/SIGTSTP, "
+                        f"state T) and sent nothing for {waited:.0f} s, so its batch never comes: the run stops (kill -CONT {proc.pid} "
+                        "within the wait lets it go on; --trainer.async-timeout-s bounds every wait)"
+                    ) from None
+                if timed_out:
+                    self._kill(proc)
+                    raise RunFailed(
+                        f"generation worker {w} (pid {proc.pid}, --trainer.async-steps {self.k}) sent nothing for {waited:.0f} s "
+                        f"(--trainer.async-timeout-s {self.timeout_s:g}): it is hung. Raise the flag if a batch really takes that long "
+                        "(0 = wait forever)"
                     ) from None
         if got == "error":
             self.close()
             raise RunFailed(f"a generation worker (--trainer.async-steps {self.k}) failed:\n{payload}")
         assert got == kind, (got, kind)
         return i, payload
+
+    def _kill(self, proc) -> None:
+        """SIGKILL a hung or stopped worker process (SIGTERM stays pending in a stopped one), then close the rest."""
+        proc.kill()
+        proc.join(timeout=10)
+        self.close()
 
     def _submit(self) -> None:
         """Queue the next generation batch, a share of its groups per worker, each with the trainer's weights when they
@@ -395,6 +461,9 @@ class Rollouts:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
+                proc.join(timeout=10)
+            if proc.is_alive():  # stopped (SIGSTOP): SIGTERM stays pending, and multiprocessing's exit handler would join it forever
+                proc.kill()
                 proc.join(timeout=10)
             for q in (jobs, results):
                 q.cancel_join_thread()

@@ -306,6 +306,8 @@ class TrainerConfig:
     """k >= 1: a generation worker samples the batches of steps t+1..t+k while step t updates (docs/off-policy.md)"""
     async_workers: int = 1
     """with --trainer.async-steps >= 1: generation workers, each sampling a share of every batch"""
+    async_timeout_s: float = 3600.0
+    """with --trainer.async-steps >= 1: stop with one line when a generation worker sends nothing for this many seconds (a stopped one: after at most 60 s); 0 = wait forever"""
 
 
 # --help by audience. These options say how and where a run executes, not what it learns: --help lists them
@@ -335,7 +337,7 @@ SYSTEM_OPTIONS = {
         )
     },
     "vllm": {"rollout": ("name", "gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "max_num_seqs", "lora_adapter_sync")},
-    "async_rollout": {"trainer": ("async_steps", "async_workers")},
+    "async_rollout": {"trainer": ("async_steps", "async_workers", "async_timeout_s")},
     "sandbox": {
         "reward": ("sandbox", "sandbox_level", "sandbox_workers", "sandbox_fresh", "sandbox_memory_mb"),
         "agent": ("sandbox_level",),

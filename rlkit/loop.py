@@ -338,7 +338,9 @@ def setup(cfg) -> None:
 
 
 def preflight(cfg) -> None:
-    """Flags, data files and the reward function, checked in seconds before any model loads (rlkit/errors.py messages)."""
+    """Flags, data files and the reward function, checked in seconds before any model loads (rlkit/errors.py messages);
+    then rlkit/preflight.py's checks (the prompts tokenized, agent, async and Megatron flags: before Ray starts too)."""
+    from rlkit import preflight as checks
     from rlkit.config import check_flags
     from rlkit.data import check_files
     from rlkit.rewards import load_function
@@ -347,6 +349,7 @@ def preflight(cfg) -> None:
     check_files(cfg.data)
     if cfg.reward.custom_fn:
         load_function(cfg.reward.custom_fn)
+    checks.run(cfg)
 
 
 def expand_aliases(argv: list[str]) -> list[str]:

@@ -209,10 +209,8 @@ def _parse_output(out) -> tuple[float, dict[str, float]]:
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"returned a dict without a 'score' key (keys: {sorted(out)})")
-        extras = {
-            k: float(v)
-            for k, v in out.items()
-            if k != "score" and isinstance(v, numbers.Real)  # non-numeric extras (e.g. "pred") are not logged
+        extras = {  # non-numeric extras (e.g. "pred") are not logged; a NaN/inf one (an "acc" of nan) is an unusable output
+            k: _as_number(v, f"dict[{k!r}]") for k, v in out.items() if k != "score" and isinstance(v, numbers.Real)
         }
         return _as_number(out["score"], "dict['score']"), extras
     return _as_number(out, "return value"), {}
@@ -259,6 +257,7 @@ class RewardFn:
         sandbox_workers: int = 0,
         sandbox_fresh: bool = False,
         sandbox_memory_mb: int = 2048,
+        stop_if_all_fail: bool = False,
     ):
         """custom_fn: "path.py:fn" (or a callable) used for every data_source; None looks up `SCORERS`.
 
@@ -267,7 +266,9 @@ class RewardFn:
         metrics["reward/timeouts"] ran out of time). timeout_s: wall-clock limit per scorer call (None: DEFAULT_TIMEOUT_S; 0: none).
         sandbox: auto | all | off (off: every scorer in this process, only for code and data you trust).
         sandbox_level: the least isolation to accept (rlkit.sandbox.LEVELS); sandbox_workers: 0 = one per core (at most 8);
-        sandbox_fresh: a new process for every call.
+        sandbox_fresh: a new process for every call. stop_if_all_fail (on for a run: from_config): with on_error="zero", a
+        batch on which every call failed raises RunFailed naming the function and the first error (a scorer broken for
+        every sample would otherwise score all 0 and train nothing, silently).
         """
         if on_error not in ("raise", "zero"):
             raise ConfigError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
@@ -279,6 +280,7 @@ class RewardFn:
         else:
             self.custom_fn = load_function(custom_fn)
         self.on_error = on_error
+        self.stop_if_all_fail = stop_if_all_fail
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s  # finite unless 0 is asked for
         self.sandbox, self.sandbox_level, self.sandbox_fresh, self.sandbox_memory_mb = (
             sandbox,
@@ -303,6 +305,7 @@ class RewardFn:
             cfg.sandbox_workers,
             cfg.sandbox_fresh,
             cfg.sandbox_memory_mb,
+            stop_if_all_fail=True,
         )
         if cfg.model_path:
             from rlkit.reward_model import RewardModel
@@ -446,6 +449,12 @@ class RewardFn:
         if self.on_error == "zero":
             metrics["reward/errors"] = float(len(errors))
             metrics["reward/timeouts"] = float(timeouts)
+            if errors and len(errors) == n and self.stop_if_all_fail:
+                first = " ".join(errors[0].split())  # one line
+                raise RunFailed(
+                    f"every one of the {n} reward calls of this batch failed (--reward.on-error zero would score them all 0 and train "
+                    f"nothing); the first: {first} - fix the function"
+                )
             if errors:
                 logger.warning("%d/%d reward calls failed and scored 0.0; first: %s", len(errors), n, errors[0])
         import torch  # here, not at the top: sandbox workers import this module and never need torch

@@ -28,7 +28,6 @@ import importlib.util
 import json
 import operator
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -47,27 +46,76 @@ class ToolCall:
     error: str | None = None
 
 
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALL_CHARS = 32_768  # a call's JSON text longer than this is malformed (a python tool's program fits many times over)
+MAX_JSON_DEPTH = 32  # [ and { nested deeper than this are malformed (json's C parser recurses: ~1000 levels raise RecursionError)
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text, brackets inside strings (and escaped quotes) ignored: one linear scan."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def bounded_json(text: str, what: str = "the call"):
+    """json.loads(text) after the size and depth checks; ValueError (with the limit's name) when over one."""
+    if len(text) > MAX_CALL_CHARS:
+        raise ValueError(f"{what} is {len(text)} characters, over rlkit.tools.MAX_CALL_CHARS = {MAX_CALL_CHARS}")
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{what} nests [ and {{ {depth} deep, over rlkit.tools.MAX_JSON_DEPTH = {MAX_JSON_DEPTH}")
+    return json.loads(text)
+
+
+def tool_call_bodies(text: str) -> list[str]:
+    """The text between each <tool_call> and the first </tool_call> after it, left to right (what the regex
+    <tool_call>(.*?)</tool_call> finds, in one linear pass: a text of many unclosed tags costs no more than its length)."""
+    bodies, pos = [], 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if end < 0:  # no closing tag after this one: none after any later opening tag either
+            break
+        bodies.append(text[start + len(TOOL_CALL_OPEN) : end])
+        pos = end + len(TOOL_CALL_CLOSE)
+    return bodies
 
 
 def parse_hermes(text: str) -> list[ToolCall]:
     """Every ``<tool_call>{json}</tool_call>`` in one assistant turn, in order.
 
     The JSON must be an object with "name" (str) and "arguments" (an object, or a JSON string of
-    one). A malformed call becomes ToolCall(error=...), so that the model reads what went wrong.
+    one), at most MAX_CALL_CHARS characters and MAX_JSON_DEPTH levels of [ / { deep. A malformed call
+    becomes ToolCall(error=...), so that the model reads what went wrong (and it counts in
+    agent/tool_errors); no model text makes this raise. A tag left open is not a call (the turn is the answer).
     """
     calls = []
-    for body in TOOL_CALL_RE.findall(text):
+    for body in tool_call_bodies(text):
         try:
-            obj = json.loads(body)
+            obj = bounded_json(body)
             name, args = obj["name"], obj.get("arguments", {})
             if isinstance(args, str):
-                args = json.loads(args)
+                args = bounded_json(args, "its 'arguments' string")
             if not isinstance(name, str) or not isinstance(args, dict):
                 raise TypeError("'name' must be a string and 'arguments' an object")
             calls.append(ToolCall(name, args))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            calls.append(ToolCall("", {}, error=f"malformed tool call ({type(e).__name__}: {e})"))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # (RecursionError: never, given the depth limit)
+            calls.append(ToolCall("", {}, error=f"malformed tool call ({type(e).__name__}: {str(e)[:200]})"))
     return calls
 
 

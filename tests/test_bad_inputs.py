@@ -1,19 +1,30 @@
-"""The failures a new user still hits (issue #10, part 4): each ends with one line naming the flag or file and the fix.
+"""The failures a new user still hits (issues #10 and #21): each ends with one line naming the flag or file and the fix.
 
-Most cases stop in `loop.preflight`, before the model loads. docs/errors.md lists every case with its message.
+Most cases stop in `loop.preflight` / rlkit/preflight.py, before the model loads (the tests make a model load fail
+them). docs/errors.md lists every case with its message. Also: parse_hermes under fuzzing (no exception escapes, no
+unbounded work), the async generation worker's hang/stop/kill messages, and the bench/reliability.py driver.
 """
 
 import dataclasses
+import multiprocessing
+import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_grpo_recipe import ROOT, _row, _write_parquet, load_recipe
 
-from rlkit import checkpoint
-from rlkit.errors import UserError
+from rlkit import agent, checkpoint, tools
+from rlkit.async_rollout import Rollouts
+from rlkit.config import RewardConfig
+from rlkit.errors import RunFailed, UserError
+from rlkit.rewards import RewardFn, time_limit
 
 FIXTURE = ROOT / "tests" / "fixtures" / "my_reward.py"
 
@@ -107,13 +118,70 @@ CASES = {
         ["+ --data.max-response-length 64", "over the model's context of 128", "max_position_embeddings"],
     ),
     "corrupt_policy_state": (corrupt_checkpoint, ["cannot read", "corrupt or cut short"]),
+    # issue #21: before the model loads (and before Ray starts)
+    "grad_clip_0": (lambda c, t: setattr(c.actor, "grad_clip", 0.0), ["--actor.grad-clip 0.0", "must be > 0", "zero every update"]),
+    "grad_clip_negative": (lambda c, t: setattr(c.actor, "grad_clip", -1.0), ["--actor.grad-clip -1.0", "reverse it"]),
+    "async_steps_negative": (lambda c, t: setattr(c.trainer, "async_steps", -1), ["--trainer.async-steps -1", ">= 0"]),
+    "async_workers_0": (
+        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "async_workers", 0)),
+        ["--trainer.async-workers 0", ">= 1"],
+    ),
+    "async_timeout_negative": (
+        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "async_timeout_s", -5.0)),
+        ["--trainer.async-timeout-s -5.0", "0 to wait"],
+    ),
+    "megatron_tp_mismatch": (
+        lambda c, t: (
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "engine", "megatron"),
+            setattr(c.trainer, "n_workers", 3),
+            setattr(c.trainer, "tp_size", 2),
+        ),
+        ["--trainer.tp-size 2 must divide --trainer.n-workers 3"],
+    ),
+    "megatron_async": (
+        lambda c, t: (
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "engine", "megatron"),
+            setattr(c.trainer, "n_workers", 2),
+            setattr(c.trainer, "async_steps", 1),
+        ),
+        ["--trainer.async-steps 1 does not run with --trainer.engine megatron"],
+    ),
+    "megatron_heads": (  # the embedded model's config.json says how many heads it has: read without loading it
+        lambda c, t: (
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "engine", "megatron"),
+            setattr(c.trainer, "n_workers", 7),
+            setattr(c.trainer, "tp_size", 7),
+        ),
+        ["--trainer.tp-size 7 must divide the attention heads"],
+    ),
+    "megatron_local": (lambda c, t: setattr(c.trainer, "engine", "megatron"), ["--trainer.engine megatron runs on Ray workers"]),
+    "filter_drops_every_prompt": (
+        lambda c, t: (setattr(c.data, "max_prompt_length", 2), setattr(c.data, "filter_overlong_prompts", True)),
+        ["every prompt is over --data.max-prompt-length 2"],
+    ),
 }
+AFTER_MODEL_LOAD = {"corrupt_policy_state"}  # the checkpoint is read when the run starts, after the model is built
+
+
+def no_model(monkeypatch, recipe):
+    """Make loading the model (or starting Ray) fail the test: a check that should come first must have stopped the run."""
+
+    def load(*args, **kwargs):
+        pytest.fail("the model loaded (or Ray started) before the bad input was refused")
+
+    monkeypatch.setattr(recipe, "build_policy", load)
+    monkeypatch.setattr("rlkit.placement.resource_pools", load)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_input_stops_with_one_line_naming_flag_or_file(tmp_path, case):
+def test_bad_input_stops_with_one_line_naming_flag_or_file(tmp_path, case, monkeypatch):
     grpo = load_recipe("grpo")
     cfg = tiny(grpo, tmp_path)
+    if case not in AFTER_MODEL_LOAD:
+        no_model(monkeypatch, grpo)
     change, phrases = CASES[case]
     extra = change(cfg, tmp_path)
     phrases = phrases + ([extra] if isinstance(extra, str) else [])
@@ -147,3 +215,235 @@ def test_a_scorer_calling_sys_exit_ends_the_cli_with_status_1_and_one_line(tmp_p
     assert out.returncode == 1, out.stderr[-2000:]
     err = out.stderr.split("rlkit: error:")[-1]
     assert "exit_score failed on sample 0" in err and "called sys.exit(0)" in err and "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- grpo_tools: agent flags and prompts
+
+
+def tools_cfg(grpo_tools, tmp_path):
+    cfg = grpo_tools.Config()
+    cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 4
+    cfg.rollout.n = 2
+    cfg.trainer.default_local_dir = str(tmp_path / "out")
+    return cfg
+
+
+TOOL_CASES = {
+    "max_turns_0": (lambda c, t: setattr(c.agent, "max_turns", 0), ["--agent.max-turns 0", "at least 1"]),
+    "max_tool_calls_negative": (lambda c, t: setattr(c.agent, "max_tool_calls", -1), ["--agent.max-tool-calls -1"]),
+    "tool_response_chars_0": (lambda c, t: setattr(c.agent, "max_tool_response_chars", 0), ["--agent.max-tool-response-chars 0"]),
+    "unknown_tool": (lambda c, t: setattr(c.agent, "tools", "calculator,shell"), ["--agent.tools", "unknown tool(s) shell"]),
+    "prompt_with_tools_too_long": (  # the embedded prompts: 19 tokens, 31 with the tools offered; checked with them
+        lambda c, t: setattr(c.data, "max_prompt_length", 25),
+        ["has 31 tokens, over --data.max-prompt-length 25", "train.parquet"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOOL_CASES))
+def test_agent_flags_and_tool_prompts_are_checked_before_the_model_loads(tmp_path, case, monkeypatch):
+    from test_agent import load_tools_recipe
+
+    grpo_tools = load_tools_recipe()
+    cfg = tools_cfg(grpo_tools, tmp_path)
+    no_model(monkeypatch, grpo_tools)
+    change, phrases = TOOL_CASES[case]
+    change(cfg, tmp_path)
+    with pytest.raises(UserError) as info:
+        grpo_tools.main(cfg)
+    assert "\n" not in str(info.value)
+    for phrase in phrases:
+        assert phrase in str(info.value), (phrase, str(info.value))
+
+
+# ----------------------------------------------------------------------------- scorers: NaN extras, every call failing
+
+
+def scorer_file(tmp_path, body: str) -> str:
+    (tmp_path / "scorer.py").write_text(f"def score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
+    return f"{tmp_path / 'scorer.py'}:score"
+
+
+def test_a_nan_extra_from_a_scorer_is_refused_not_printed_as_accuracy(tmp_path):
+    spec = scorer_file(tmp_path, "return {'score': 1.0, 'acc': float('nan')}")  # once: 'held-out accuracy: nan'
+    with pytest.raises(RunFailed) as info:
+        RewardFn.from_config(RewardConfig(custom_fn=spec))(["ds"] * 2, ["a", "b"], ["1", "1"])
+    message = str(info.value)
+    assert "scorer.py" in message or "score failed" in message
+    assert "dict['acc'] is nan; expected a finite number" in message and "\n" not in message
+    reward = RewardFn(spec, on_error="zero")  # counted as an error, like a NaN score
+    try:
+        scores, metrics = reward(["ds"] * 2, ["a", "b"], ["1", "1"])
+    finally:
+        reward.close()
+    assert scores.tolist() == [0.0, 0.0] and metrics["reward/errors"] == 2.0 and "reward/acc" not in metrics
+
+
+def test_on_error_zero_stops_a_run_whose_scorer_fails_on_every_call(tmp_path):
+    spec = scorer_file(tmp_path, "return 1 / 0")
+    reward = RewardFn.from_config(RewardConfig(custom_fn=spec, on_error="zero"))
+    try:
+        with pytest.raises(RunFailed) as info:
+            reward(["ds"] * 3, ["a", "b", "c"], ["1", "1", "1"])
+    finally:
+        reward.close()
+    message = str(info.value)
+    assert "every one of the 3 reward calls of this batch failed" in message and "ZeroDivisionError" in message
+    assert "score failed on sample 0" in message and "\n" not in message
+
+
+def test_on_error_zero_keeps_going_when_some_calls_succeed(tmp_path):
+    spec = scorer_file(tmp_path, "return 1.0 / int(solution_str)")
+    reward = RewardFn.from_config(RewardConfig(custom_fn=spec, on_error="zero"))
+    try:
+        scores, metrics = reward(["ds"] * 3, ["1", "0", "2"], ["1", "1", "1"])
+    finally:
+        reward.close()
+    assert scores.tolist() == [1.0, 0.0, 0.5] and metrics["reward/errors"] == 1.0
+
+
+def test_a_run_with_on_error_zero_and_a_scorer_failing_every_call_ends_with_one_line(tmp_path):
+    grpo = load_recipe("grpo")
+    cfg = tiny(grpo, tmp_path)
+    cfg.reward.custom_fn, cfg.reward.on_error = scorer_file(tmp_path, "raise KeyError('answer')"), "zero"
+    with pytest.raises(RunFailed, match=r"every one of the 8 reward calls of this batch failed .*KeyError: 'answer'"):
+        grpo.main(cfg)
+    assert (Path(cfg.trainer.default_local_dir) / "metrics.jsonl").read_text() == ""  # stopped in step 1: no step logged
+
+
+# ----------------------------------------------------------------------------- parse_hermes: bounded, never raises
+
+
+def test_a_deeply_nested_tool_call_is_an_error_for_the_model_not_a_crash():
+    (call,) = tools.parse_hermes("<tool_call>" + "[" * 1000 + "</tool_call>")  # once: RecursionError, the run ended
+    assert call.error.startswith("malformed tool call") and "MAX_JSON_DEPTH" in call.error
+    (call,) = tools.parse_hermes('<tool_call>{"name": "f", "arguments": "' + "[" * 1000 + '"}</tool_call>')
+    assert "MAX_JSON_DEPTH" in call.error  # the arguments given as a JSON string are bounded too
+    (call,) = tools.parse_hermes('<tool_call>{"name": "f", "arguments": {"x": "' + "a" * tools.MAX_CALL_CHARS + '"}}</tool_call>')
+    assert "MAX_CALL_CHARS" in call.error
+    for lists, ok in ((tools.MAX_JSON_DEPTH - 2, True), (tools.MAX_JSON_DEPTH - 1, False)):  # the call and its arguments: 2 levels
+        (call,) = tools.parse_hermes('<tool_call>{"name": "f", "arguments": {"x": ' + "[" * lists + "]" * lists + "}}</tool_call>")
+        assert (call.error is None) == ok and call.name == ("f" if ok else "")
+    assert tools.json_depth('{"a": "[[[{{", "b": [1, {"c": "\\"]"}]}') == 3  # brackets in strings (and escaped quotes) ignored
+
+
+def test_a_malformed_call_goes_back_to_the_model_and_counts_as_a_tool_error():
+    from test_agent import Scripted, chars
+    from transformers import AutoTokenizer
+
+    from rlkit import embedded
+
+    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    turn = chars(tok, "<tool_call>" + "[" * 300 + "</tool_call>") + [tok.eos_token_id]
+    sampler = Scripted([turn, [tok.eos_token_id]])
+    (ep,) = agent.run_turns(sampler, [[5, 6]], tok, tools.Tools([tools.calculator]), agent.AgentConfig(), 1000, [tok.eos_token_id])
+    assert (ep.tool_calls, ep.tool_errors, ep.turns) == (1, 1, 2)  # counted in agent/tool_errors; the episode goes on
+    assert "MAX_JSON_DEPTH" in tok.decode(sampler.contexts[1][2 + len(turn) :])
+
+
+def fuzz_texts(rng: random.Random, n: int):
+    """Random and adversarial model outputs around the Hermes tags."""
+    pieces = ["<tool_call>", "</tool_call>", "{", "}", "[", "]", '"', "\\", ":", ",", '"name"', '"arguments"', "null", "1e999", "-0",
+              "9" * 5000, "NaN", "Infinity", "\x00", "\ud800", "é", "\u202e", "💥", "\n", " ", '"calculator"', "true"]  # fmt: skip
+    for i in range(n):
+        kind = i % 8
+        if kind == 0:  # random pieces
+            yield "".join(rng.choice(pieces) for _ in range(rng.randint(0, 60)))
+        elif kind == 1:  # deep nesting, in the call or in its arguments string
+            d = rng.randint(30, 5000)
+            inner = rng.choice(["[" * d, "{" * d, '{"a":' * d, "[" * d + "]" * d])
+            yield "<tool_call>" + (inner if rng.random() < 0.5 else '{"name": "f", "arguments": ' + '"' + inner + '"}') + "</tool_call>"
+        elif kind == 2:  # huge numbers
+            yield (
+                '<tool_call>{"name": "calculator", "arguments": {"expression": '
+                + rng.choice(["1" * 10000, "1e99999", "-" + "9" * 4301])
+                + "}}</tool_call>"
+            )
+        elif kind == 3:  # unterminated and nested tags
+            yield "<tool_call>" * rng.randint(1, 200) + '{"name": "f"}' + "</tool_call>" * rng.randint(0, 3)
+        elif kind == 4:  # random unicode, NUL bytes included
+            yield "<tool_call>" + "".join(chr(rng.randint(0, 0x10FFFF)) for _ in range(rng.randint(0, 200))) + "</tool_call>"
+        elif kind == 5:  # very long strings
+            yield "<tool_call>" + '{"name": "f", "arguments": {"x": "' + "a" * rng.randint(1, 100_000) + '"}}</tool_call>'
+        elif kind == 6:  # valid calls with random names and arguments
+            yield (
+                "<tool_call>"
+                + '{"name": '
+                + rng.choice(['"f"', "1", "null", "[]", '{"a": 1}'])
+                + ', "arguments": '
+                + rng.choice(['{"x": 1}', '"{\\"x\\": 1}"', "[]", '"[["', "3"])
+                + "}</tool_call>"
+            )
+        else:  # many tags in one long turn
+            yield ("text <tool_call>{}</tool_call> " * rng.randint(1, 300)) + "<tool_call>" * rng.randint(0, 300)
+
+
+def test_parse_hermes_fuzz_no_exception_escapes_and_every_result_is_well_formed():
+    rng = random.Random(21)
+    count = 0
+    for text in fuzz_texts(rng, 3000):
+        calls = tools.parse_hermes(text)  # raises nothing: any exception fails the test
+        assert len(calls) <= text.count("</tool_call>")  # each call is one closed tag
+        for call in calls:
+            if call.error is None:
+                assert isinstance(call.name, str) and isinstance(call.arguments, dict)
+            else:
+                assert call.error.startswith("malformed tool call") and len(call.error) < 300  # what the model reads: short
+        count += 1
+    assert count == 3000
+
+
+# ----------------------------------------------------------------------------- the async generation worker
+
+
+def _sleeper():
+    time.sleep(120)
+
+
+def waiting_rollouts(timeout_s: float):
+    """A Rollouts waiting on one stand-in 'generation worker' (a process that sleeps and never answers)."""
+    trainer = SimpleNamespace(async_steps=0, async_workers=1, async_timeout_s=timeout_s, device="cpu")
+    cfg = SimpleNamespace(trainer=trainer, rollout=SimpleNamespace(n=2), model=SimpleNamespace(lora_rank=0, dtype="auto"))
+    r = Rollouts(cfg, None, None)
+    r.k = 1
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=_sleeper, daemon=True)
+    proc.start()
+    r.procs = [(proc, ctx.Queue(), ctx.Queue())]
+    return r, proc
+
+
+@pytest.mark.parametrize("how", ["sigstop", "sigkill", "silent"])
+def test_a_stopped_killed_or_silent_async_worker_ends_the_wait_with_one_line(how):
+    r, proc = waiting_rollouts(timeout_s=3.0)
+    if how == "sigstop":
+        os.kill(proc.pid, signal.SIGSTOP)
+    elif how == "sigkill":
+        os.kill(proc.pid, signal.SIGKILL)
+    try:
+        with time_limit(60), pytest.raises(RunFailed) as info:  # (before: waited forever; the limit turns that into a failure)
+            r._receive(0, "batch")
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    message = str(info.value)
+    assert "\n" not in message and f"generation worker 0 (pid {proc.pid}" in message
+    expected = {"sigstop": "has been stopped (SIGSTOP", "sigkill": "was killed by SIGKILL", "silent": "--trainer.async-timeout-s 3"}
+    assert expected[how] in message, message
+    assert "__main__" not in message
+    proc.join(timeout=10)
+    assert not proc.is_alive()  # a stopped or hung worker is killed, not left behind
+
+
+# ----------------------------------------------------------------------------- bench/reliability.py
+
+
+def test_reliability_driver_lists_its_cases_and_runs_one():
+    bench = [sys.executable, str(ROOT / "bench" / "reliability.py")]
+    listed = subprocess.run([*bench, "--list"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-1000:]
+    names = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
+    assert {"parse_nested", "parse_fuzz", "checkpoint_pickle", "sandbox_environ", "owner_sigkill", "async_worker_stopped"} <= names
+    out = subprocess.run([*bench, "--only", "parse_nested"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-1000:] + out.stderr[-1000:]
+    assert "| parse_nested | PASS |" in out.stdout and "1/1 pass" in out.stdout

@@ -1,0 +1,484 @@
+"""Reliability suite (issue #21): attacks and faults a run must survive, each in a subprocess with a timeout, as a PASS/FAIL table.
+
+    python bench/reliability.py              # every case
+    python bench/reliability.py --list       # the cases and what each expects
+    python bench/reliability.py --only parse_nested --only grad_clip_0
+
+A case passes when rlkit behaves as documented (docs/errors.md, docs/sandbox.md): bad input ends with one line
+(`rlkit: error: ...`, status 1, no traceback), an attack leaves no marker file and prints no secret, a killed owner
+leaves no process behind, a hung worker is named. A case that runs past its time limit FAILs (a hang is a failure).
+It is re-runnable: every case works in a fresh temporary folder. Not a test: nothing here runs in CI (tests/ holds the
+cheap versions); run it before an audit, the next one starts from its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SECRET = "rlkit-reliability-secret-7d1f"
+
+
+# ----------------------------------------------------------------------------- helpers (run inside a case's process)
+
+
+def write_data(tmp: Path, prompt=None, n: int = 8) -> str:
+    """A tiny verl-format parquet file of the embedded arithmetic task (prompt: chat messages, or a plain string)."""
+    import datasets
+
+    msg = prompt if prompt is not None else [{"role": "user", "content": "What is 1+1?"}]
+    row = {"data_source": "rlkit/arith", "prompt": msg, "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": "2"}}
+    path = tmp / "train.parquet"
+    datasets.Dataset.from_list([dict(row, extra_info={"index": i}) for i in range(n)]).to_parquet(str(path))
+    return str(path)
+
+
+def recipe(tmp: Path, *args: str, train: str | None = None, timeout: float = 240, recipe_name: str = "grpo") -> subprocess.CompletedProcess:
+    """recipes/<name>.py on the tiny defaults (1 step of 4 prompts x 2), plus `args`."""
+    base = ["--data.train-files", train or write_data(tmp), "--data.val-files", "--data.train-batch-size", "4"]
+    base += ["--actor.ppo-mini-batch-size", "4", "--rollout.n", "2", "--trainer.total-training-steps", "1"]
+    base += ["--trainer.default-local-dir", str(tmp / "out"), "--trainer.no-val-before-train"]
+    return subprocess.run([PY, str(ROOT / "recipes" / f"{recipe_name}.py"), *base, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(out: subprocess.CompletedProcess, *phrases: str) -> str | None:
+    """None when the run ended with status 1 and one `rlkit: error:` line holding every phrase; else what was wrong."""
+    err = out.stderr
+    if out.returncode != 1:
+        return f"exit status {out.returncode} (expected 1); stderr tail: {err[-300:]!r}"
+    if "Traceback" in err:
+        return f"a traceback: {err[-300:]!r}"
+    lines = [line for line in err.splitlines() if line.startswith("rlkit: error:")]
+    if len(lines) != 1:
+        return f"{len(lines)} 'rlkit: error:' lines; stderr tail: {err[-300:]!r}"
+    missing = [p for p in phrases if p not in lines[0]]
+    return f"the line lacks {missing}: {lines[0]!r}" if missing else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie, not gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def cmdline(pid: int) -> str:
+    """The command line, or for a process without one (a fork that never exec'd, exiting) its name and state from stat."""
+    try:
+        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return text or f"pid {pid} {stat[stat.index('(') : stat.rindex(')') + 1]} state {stat.rsplit(')', 1)[1].split()[0]}"
+    except (OSError, ValueError, IndexError):
+        return f"pid {pid} (gone)"
+
+
+# ----------------------------------------------------------------------------- the cases: each returns None (PASS) or why it FAILs
+
+
+def bad_flag(*args: str, phrases: tuple[str, ...]):
+    def case(tmp: Path):
+        return one_line_error(recipe(tmp, *args), *phrases)
+
+    return case
+
+
+def string_prompts(tmp: Path):
+    return one_line_error(recipe(tmp, train=write_data(tmp, prompt="What is 1+1?")), "holds strings", '"role": "user"')
+
+
+def scorer(tmp: Path, body: str) -> str:
+    (tmp / "scorer.py").write_text(f"def score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
+    return f"{tmp / 'scorer.py'}:score"
+
+
+def nan_acc(tmp: Path):
+    spec = scorer(tmp, "return {'score': 1.0, 'acc': float('nan')}")
+    return one_line_error(recipe(tmp, "--reward.custom-fn", spec), "dict['acc'] is nan")
+
+
+def on_error_zero_all_fail(tmp: Path):
+    spec = scorer(tmp, "return 1 / 0")
+    return one_line_error(
+        recipe(tmp, "--reward.custom-fn", spec, "--reward.on-error", "zero"), "every one of the 8 reward calls", "ZeroDivision"
+    )
+
+
+def parse_nested(tmp: Path):
+    from rlkit.tools import parse_hermes
+
+    (call,) = parse_hermes("<tool_call>" + "[" * 1000 + "</tool_call>")
+    return None if call.error else f"parsed as {call}"
+
+
+def parse_fuzz(tmp: Path):
+    """4000 random and adversarial strings (seed 21): nothing raises, every call is well formed or an error text."""
+    import random
+
+    from rlkit.tools import parse_hermes
+
+    rng = random.Random(21)
+    pieces = ["<tool_call>", "</tool_call>", "{", "}", "[", "]", '"', "\\", ":", ",", '"name"', '"arguments"', "1e999", "9" * 5000,
+              "\x00", "\ud800", "\u202e", "💥", "\n", '"calculator"', "null"]  # fmt: skip
+    for i in range(4000):
+        if i % 4 == 0:
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 80)))
+        elif i % 4 == 1:
+            text = "<tool_call>" + rng.choice("[{") * rng.randint(1, 20000) + "</tool_call>"
+        elif i % 4 == 2:
+            text = "<tool_call>" * rng.randint(1, 2000) + "".join(chr(rng.randint(0, 0x10FFFF)) for _ in range(100)) + "</tool_call>"
+        else:
+            text = '<tool_call>{"name": "f", "arguments": "' + "[" * rng.randint(1, 3000) + '"}</tool_call>' * rng.randint(1, 3)
+        try:
+            calls = parse_hermes(text)
+        except BaseException as e:  # noqa: BLE001 - the point: nothing may escape
+            return f"string {i} raised {type(e).__name__}: {str(e)[:100]}"
+        if any(c.error is None and not (isinstance(c.name, str) and isinstance(c.arguments, dict)) for c in calls):
+            return f"string {i}: a call without an error but with a bad name/arguments"
+    return None
+
+
+def _checkpoint(tmp: Path) -> Path:
+    """A real 1-step checkpoint of the tiny run (its folder)."""
+    out = recipe(tmp, "--trainer.save-freq", "1")
+    if out.returncode:
+        raise RuntimeError(f"the 1-step run failed: {out.stderr[-300:]}")
+    return max((tmp / "out" / "checkpoints").glob("global_step_*"))
+
+
+def _resume(tmp: Path, path: Path) -> subprocess.CompletedProcess:
+    return recipe(tmp, "--trainer.resume", str(path), "--trainer.total-training-steps", "2")
+
+
+def checkpoint_bitflip(tmp: Path):
+    """One bit flipped in the middle of the policy's state file: an explicit --trainer.resume PATH must refuse it."""
+    path = _checkpoint(tmp)
+    state = max((path / "policy").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else -1)
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    state.write_bytes(bytes(data))
+    return one_line_error(_resume(tmp, path), state.name)
+
+
+PAYLOAD = """
+import os
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+"""
+
+
+def _pickle_payload(marker: Path):
+    ns: dict = {}
+    exec(PAYLOAD.format(marker=marker), ns)  # noqa: S102 - the attack itself
+    return ns["Payload"]()
+
+
+def checkpoint_pickle(tmp: Path):
+    """Every file of a real checkpoint that torch.load or pickle reads replaced by a pickle whose load runs `touch MARKER`:
+    resuming (and `python -m rlkit.checkpoint convert`) must run none of it."""
+    import torch
+
+    path = _checkpoint(tmp)
+    marker = tmp / "pwned"
+    for f in path.rglob("*"):
+        if f.is_file() and (f.suffix in (".pt", ".pth", ".bin") or f.name == ".metadata"):
+            torch.save({"x": _pickle_payload(marker)}, f)
+    out = _resume(tmp, path)
+    if marker.exists():
+        return "resuming ran the payload"
+    convert = subprocess.run([PY, "-m", "rlkit.checkpoint", "convert", str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if marker.exists():
+        return "`python -m rlkit.checkpoint convert` ran the payload"
+    if out.returncode == 0:
+        return "resuming from a checkpoint of payloads ended with status 0"
+    return None if convert.returncode else "convert accepted the payload file with status 0"
+
+
+def sandbox_environ(tmp: Path):
+    """Code in the python tool's sandbox walks up its parents and prints their /proc/PID/environ: no secret may show."""
+    from rlkit.tools import python
+
+    if os.environ.get("RLKIT_RELIABILITY_SECRET") != SECRET:  # (run_case starts the case with it: /proc shows the exec-time environment)
+        return "the case's process was started without the secret in its environment"
+    code = textwrap.dedent("""
+        import os
+        pid = os.getpid()
+        for _ in range(8):
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("PPid:"):
+                    pid = int(line.split()[1])
+            if pid <= 1:
+                break
+            try:
+                print(open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace"))
+            except OSError as e:
+                print("denied", pid, e)
+        print("walked")
+    """)
+    out = python(code)
+    if SECRET in out:
+        return f"the sandboxed code read the secret: {out[:200]!r}"
+    return None if "walked" in out else f"the sandboxed code did not run to its end: {out[:200]!r}"
+
+
+def sandbox_chmod(tmp: Path):
+    """Code in the sandbox chmods (and utimes) a file outside its temp dir: the file must stay as it was."""
+    from rlkit.tools import python
+
+    target = tmp / "outside.txt"
+    target.write_text("x")
+    target.chmod(0o600)
+    os.utime(target, (1_000_000, 1_000_000))
+    out = python(f"import os\nos.chmod({str(target)!r}, 0o777)\nos.utime({str(target)!r}, None)\nprint('done')")
+    st = target.stat()
+    if st.st_mode & 0o777 != 0o600:
+        return f"chmod outside the temp dir worked (mode {oct(st.st_mode & 0o777)}); tool said {out[:120]!r}"
+    if int(st.st_mtime) != 1_000_000:
+        return "utime outside the temp dir worked"
+    return None
+
+
+def owner_sigkill(tmp: Path):
+    """A process running a busy sandbox job (600 s limit) is SIGKILLed: within 10 s no process of its tree may be left."""
+    owner = subprocess.Popen([PY, "-c", "from rlkit.tools import run_code; run_code('while True: pass', timeout_s=600)"], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    tree: list[int] = []
+    while time.monotonic() < deadline:  # until the job runs: the owner has a descendant burning CPU
+        tree = descendants(owner.pid)
+        if len(tree) >= 1 and time.monotonic() > deadline - 50:
+            break
+        time.sleep(1)
+    if not tree:
+        owner.kill()
+        return "the sandbox job never started"
+    owner.kill()
+    owner.wait()
+    time.sleep(10)
+    left = [p for p in tree if alive(p)]
+    names = [cmdline(p)[:60] for p in left]
+    for p in left:  # clean up what the run left, so the next case has the CPU
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    return f"{len(left)} process(es) outlived their SIGKILLed owner: {names}" if left else None
+
+
+def async_worker(fault: int, phrase: str, forbidden: str | None = None):
+    """--trainer.async-steps 1: once the generation worker runs, send it `fault`; the run must end with one line holding `phrase`."""
+
+    def case(tmp: Path):
+        args = [PY, str(ROOT / "recipes" / "grpo.py"), "--data.train-files", write_data(tmp, n=16), "--data.val-files"]
+        args += ["--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4", "--rollout.n", "2"]
+        args += ["--trainer.total-training-steps", "4", "--trainer.default-local-dir", str(tmp / "out")]
+        args += ["--trainer.async-steps", "1", "--trainer.async-timeout-s", "30"]
+        run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        worker = None
+        deadline = time.monotonic() + 180
+        while worker is None and time.monotonic() < deadline and run.poll() is None:
+            worker = next((p for p in descendants(run.pid) if "multiprocessing.spawn" in cmdline(p)), None)
+            time.sleep(0.5)
+        if worker is None:
+            run.kill()
+            return "no generation worker process appeared"
+        time.sleep(3)
+        os.kill(worker, fault)
+        try:
+            stdout, stderr = run.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            os.kill(worker, signal.SIGKILL)
+            return "the trainer still waits 150 s after the fault"
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)
+        why = one_line_error(subprocess.CompletedProcess(args, run.returncode, stdout, stderr), phrase)
+        if why is None and forbidden and forbidden in stderr:
+            why = f"the line mentions {forbidden!r}"
+        return why
+
+    return case
+
+
+def disk_full(tmp: Path):
+    """A 1 MiB tmpfs as the output folder (needs mount rights; else SKIP): one line naming the disk, nothing half-written."""
+    mnt = tmp / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        return "SKIP: cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)"
+    try:
+        out = recipe(tmp, "--trainer.default-local-dir", str(mnt / "out"))
+        why = one_line_error(out, "no space left")
+        left = list(mnt.rglob(".tmp-*"))
+        return why or (f"left behind: {left}" if left else None)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+CASES = {  # name: (what it does / expects, the case, time limit in s)
+    "grad_clip_0": ("--actor.grad-clip 0 -> one line", bad_flag("--actor.grad-clip", "0", phrases=("--actor.grad-clip 0.0",)), 120),
+    "grad_clip_negative": (
+        "--actor.grad-clip -1 -> one line",
+        bad_flag("--actor.grad-clip", "-1", phrases=("--actor.grad-clip -1.0",)),
+        120,
+    ),
+    "async_steps_negative": (
+        "--trainer.async-steps -1 -> one line",
+        bad_flag("--trainer.async-steps", "-1", phrases=("--trainer.async-steps -1",)),
+        120,
+    ),  # fmt: skip
+    "megatron_tp_mismatch": (
+        "--trainer.engine megatron --trainer.tp-size 2 --trainer.n-workers 3 -> one line, before Ray starts",
+        bad_flag(
+            "--trainer.backend",
+            "ray",
+            "--trainer.engine",
+            "megatron",
+            "--trainer.n-workers",
+            "3",
+            "--trainer.tp-size",
+            "2",
+            phrases=("--trainer.tp-size 2 must divide --trainer.n-workers 3",),
+        ),  # fmt: skip
+        120,
+    ),
+    "megatron_async": (
+        "--trainer.engine megatron with --trainer.async-steps 1 -> one line, before Ray starts",
+        bad_flag(
+            "--trainer.backend",
+            "ray",
+            "--trainer.engine",
+            "megatron",
+            "--trainer.n-workers",
+            "2",
+            "--trainer.async-steps",
+            "1",
+            phrases=("does not run with --trainer.engine megatron",),
+        ),  # fmt: skip
+        120,
+    ),
+    "long_prompt": (
+        "a prompt over --data.max-prompt-length 3 -> one line naming the row",
+        bad_flag("--data.max-prompt-length", "3", phrases=("row 0", "--data.max-prompt-length 3")),
+        120,
+    ),
+    "string_prompts": ("a 'prompt' column of plain strings for a chat model -> one line", string_prompts, 120),
+    "nan_acc": ("a scorer returning {'acc': nan} -> one line naming it (not 'held-out accuracy: nan')", nan_acc, 240),
+    "on_error_zero_all_fail": ("--reward.on-error zero and every call failing -> one line, status 1", on_error_zero_all_fail, 240),
+    "parse_nested": ("parse_hermes of 1000 nested [ -> a malformed-call error, no RecursionError", parse_nested, 60),
+    "parse_fuzz": ("parse_hermes on 4000 random/adversarial strings -> nothing raises", parse_fuzz, 120),
+    "checkpoint_bitflip": (
+        "a bit flipped in policy state, explicit --trainer.resume PATH -> one line naming the file",
+        checkpoint_bitflip,
+        300,
+    ),  # fmt: skip
+    "checkpoint_pickle": ("checkpoint files holding a pickle payload: resume and convert run nothing", checkpoint_pickle, 300),
+    "sandbox_environ": ("sandboxed code reads its parents' /proc/PID/environ -> no secret printed", sandbox_environ, 120),
+    "sandbox_chmod": ("sandboxed code chmods/utimes a file outside its temp dir -> unchanged", sandbox_chmod, 120),
+    "owner_sigkill": ("the owner of a running sandbox job is SIGKILLed -> its processes are gone within 10 s", owner_sigkill, 180),
+    "async_worker_stopped": (
+        "the async generation worker gets SIGSTOP -> one line naming it (--trainer.async-timeout-s 30)",
+        async_worker(signal.SIGSTOP, "has been stopped"),
+        420,
+    ),
+    "async_worker_killed": (
+        "the async generation worker gets SIGKILL -> one line saying so (not a missing __main__ guard)",
+        async_worker(signal.SIGKILL, "was killed by SIGKILL", forbidden="__main__"),
+        420,
+    ),
+    "disk_full": ("the output folder on a full disk -> one line, no .tmp-* left (SKIP without mount rights)", disk_full, 300),
+}
+
+
+def run_case(name: str, timeout: float) -> tuple[str, str, float]:
+    """(PASS | FAIL | SKIP, detail, seconds): the case in its own process and temp folder, killed at `timeout`."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"rlkit-rel-{name}-") as tmp:
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+        env["RLKIT_RELIABILITY_SECRET"] = SECRET  # what sandbox_environ looks for (in every case's environment, as a token would be)
+        cmd = [PY, __file__, "--run-case", name, "--tmp", tmp]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the case and everything it started
+            proc.communicate()
+            return "FAIL", f"timed out after {timeout:g} s", time.monotonic() - start
+    lines = out.strip().splitlines()
+    last = lines[-1] if lines else ""
+    seconds = time.monotonic() - start
+    if last == "RESULT PASS":
+        return "PASS", "", seconds
+    if last.startswith("RESULT SKIP"):
+        return "SKIP", last[len("RESULT SKIP: ") :], seconds
+    if last.startswith("RESULT FAIL"):
+        return "FAIL", last[len("RESULT FAIL: ") :], seconds
+    return "FAIL", f"the case crashed (status {proc.returncode}): {err.strip().splitlines()[-1] if err.strip() else ''}", seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this case (repeatable)")
+    p.add_argument("--run-case", help=argparse.SUPPRESS)
+    p.add_argument("--tmp", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.run_case:  # inside the case's process
+        try:
+            why = CASES[a.run_case][1](Path(a.tmp))
+        except Exception as e:  # the case itself could not run: a FAIL with its reason
+            why = f"{type(e).__name__}: {str(e)[:300]}"
+        why = None if why is None else " ".join(str(why).split())
+        print("RESULT PASS" if why is None else ("RESULT " + why if why.startswith("SKIP") else f"RESULT FAIL: {why}"), flush=True)
+        return 0
+    if a.list:
+        for name, (what, _, limit) in CASES.items():
+            print(f"{name:24s} {what} (limit {limit} s)")
+        return 0
+    unknown = [n for n in a.only if n not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; see --list")
+    names = a.only or list(CASES)
+    rows = []
+    for name in names:
+        status, detail, seconds = run_case(name, CASES[name][2])
+        rows.append((name, status, seconds, detail))
+        print(f"{name:24s} {status:4s} {seconds:6.1f} s  {detail[:200]}", flush=True)
+    print("\n| case | result | s | detail |\n|---|---|---|---|")
+    for name, status, seconds, detail in rows:
+        print(f"| {name} | {status} | {seconds:.0f} | {detail[:160].replace('|', '/')} |")
+    failed = sum(status == "FAIL" for _, status, _, _ in rows)
+    print(f"\n{len(rows) - failed}/{len(rows)} pass or skip, {failed} fail")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

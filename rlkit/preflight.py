@@ -1,0 +1,176 @@
+"""Checks that run before any model loads (and before Ray starts): a flag or a data file that cannot work ends the
+run in seconds with one line naming it and the fix (rlkit/errors.py), instead of after the model loads.
+
+`run(cfg)` is called by `loop.preflight` (from `loop.setup`, the first line of every recipe), after the flag and
+file checks there. One short function per check; each takes any recipe's Config and reads only the sections it
+needs (`getattr` for the sections some recipes lack: critic, agent). The prompts check loads the tokenizer (never
+the model) to tokenize the prompts as the recipe will. docs/errors.md lists every message.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlkit.errors import ConfigError
+
+
+def run(cfg) -> None:
+    """Every check below, cheapest first."""
+    check_grad_clip(cfg)
+    check_agent(cfg)
+    check_async(cfg)
+    check_megatron(cfg)
+    check_prompts(cfg)
+
+
+def check_grad_clip(cfg) -> None:
+    """--actor.grad-clip (and --critic.grad-clip) must be > 0: the update's gradient is scaled to a norm of at most this,
+    so 0 zeroes every update and a negative value reverses it (as torch's clip_grad_norm_ and verl do; no special value)."""
+    sections = {"actor": cfg.actor, "critic": getattr(cfg, "critic", None)}
+    for name, section in sections.items():
+        value = getattr(section, "grad_clip", None)
+        if value is not None and not value > 0:  # (also NaN)
+            raise ConfigError(
+                f"--{name}.grad-clip {value}: must be > 0 (the gradient is scaled to at most this norm: 0 would zero every update, "
+                "a negative value reverse it). 1.0 is usual; to clip only rare spikes pass a large value such as 1e6"
+            )
+    if not math.isfinite(cfg.actor.lr):
+        raise ConfigError(f"--actor.lr {cfg.actor.lr}: must be a finite number")
+
+
+def check_agent(cfg) -> None:
+    """--agent.* (grpo_tools.py): known tools, at least one turn, no negative limits."""
+    a = getattr(cfg, "agent", None)
+    if a is None:
+        return
+    from rlkit.tools import tools_from_names
+
+    tools_from_names(a.tools, max(a.max_tool_response_chars, 1))  # unknown names: one line listing the shipped tools
+    if a.max_turns < 1:
+        raise ConfigError(f"--agent.max-turns {a.max_turns}: must be at least 1 (the first turn is the model's answer or its first call)")
+    if a.max_tool_calls < 0:
+        raise ConfigError(f"--agent.max-tool-calls {a.max_tool_calls}: must be 0 (no tool calls) or more")
+    if a.max_tool_response_chars < 1:
+        raise ConfigError(f"--agent.max-tool-response-chars {a.max_tool_response_chars}: must be at least 1 (256 is usual)")
+
+
+def check_async(cfg) -> None:
+    """--trainer.async-steps >= 0, --trainer.async-workers >= 1, not with the Megatron engine, a positive wait limit."""
+    t = cfg.trainer
+    k = getattr(t, "async_steps", 0)
+    if k < 0:
+        raise ConfigError(f"--trainer.async-steps {k}: must be >= 0 (0 = synchronous)")
+    if k == 0:
+        return
+    workers = getattr(t, "async_workers", 1)
+    if workers < 1:
+        raise ConfigError(f"--trainer.async-workers {workers}: must be >= 1")
+    if t.backend == "ray" and t.engine == "megatron":
+        raise ConfigError(f"--trainer.async-steps {k} does not run with --trainer.engine megatron yet; use --trainer.engine fsdp")
+    timeout = getattr(t, "async_timeout_s", 0)
+    if timeout < 0:
+        raise ConfigError(f"--trainer.async-timeout-s {timeout}: must be > 0 seconds, or 0 to wait for the workers forever")
+
+
+def check_megatron(cfg) -> None:
+    """--trainer.engine megatron: on Ray, megatron-core installed, T = --trainer.tp-size dividing --trainer.n-workers and the
+    model's attention and key/value heads, a Llama/Qwen2-shaped model, full fine-tuning, hf rollout: all before Ray starts."""
+    t = cfg.trainer
+    if t.engine != "megatron":
+        return
+    if t.backend != "ray":
+        raise ConfigError(f"--trainer.engine {t.engine} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N")
+    from rlkit.megatron_workers import require_megatron
+
+    require_megatron()
+    if t.tp_size < 1 or t.n_workers % t.tp_size:
+        raise ConfigError(
+            f"--trainer.tp-size {t.tp_size} must divide --trainer.n-workers {t.n_workers} (n-workers = tp-size x data-parallel size)"
+        )
+    if cfg.rollout.name != "hf":
+        raise ConfigError("--trainer.engine megatron generates with --rollout.name hf only (vLLM weight sync is not wired yet)")
+    if cfg.model.lora_rank > 0:
+        raise ConfigError("--trainer.engine megatron trains the full policy only (no LoRA, no critic yet): use the fsdp engine")
+    if t.tp_size > 1 and cfg.actor.loss_agg_mode == "token-sum":
+        raise ConfigError("--actor.loss-agg-mode token-sum is not supported with --trainer.engine megatron --trainer.tp-size > 1 yet")
+    c = _model_config(cfg)
+    if c is None:  # unreadable here: the workers report it
+        return
+    if getattr(c, "model_type", None) not in ("llama", "qwen2") or getattr(c, "mlp_bias", False):
+        raise ConfigError(
+            f"--trainer.engine megatron: model type {getattr(c, 'model_type', None)!r} is not mapped (Llama and Qwen2 are); "
+            "use the fsdp engine"
+        )
+    heads, groups = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    if heads % t.tp_size or groups % t.tp_size:
+        raise ConfigError(f"--trainer.tp-size {t.tp_size} must divide the attention heads ({heads}) and key/value heads ({groups})")
+
+
+def _model_config(cfg):
+    """The model's transformers config (config.json only, no weights), or None when it cannot be read here."""
+    try:
+        import transformers
+
+        from rlkit.workers import resolved
+
+        return transformers.AutoConfig.from_pretrained(resolved(cfg.model).path, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception:
+        return None
+
+
+def _tokenizer(cfg):
+    """The model's tokenizer as the recipe loads it, or None when it cannot be loaded here (the model load then says why)."""
+    try:
+        from rlkit.engine import load_tokenizer
+        from rlkit.workers import resolved
+
+        return load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
+    except Exception:
+        return None
+
+
+def check_prompts(cfg) -> None:
+    """The train and val prompts rendered and tokenized with the model's tokenizer, as the recipe will: string prompts for
+    a chat model, a prompt over --data.max-prompt-length (by --data.truncation), prompt + response over the model's
+    context; with --agent.tools, the prompts offer the tools and the chat template must append tool messages."""
+    from rlkit.data import build_prompts
+
+    tok = _tokenizer(cfg)
+    if tok is None:
+        return
+    schemas = None
+    a = getattr(cfg, "agent", None)
+    if a is not None:
+        from rlkit.tools import tools_from_names
+
+        schemas = tools_from_names(a.tools, a.max_tool_response_chars).schemas
+        check_tool_template(tok, cfg.model.path)
+    d = cfg.data
+    if d.train_files or d.task:
+        build_prompts(d.train_files, tok, d, tools=schemas, split="train")
+    if d.val_files:
+        build_prompts(d.val_files, tok, d, d.val_max_samples, tools=schemas, split="val")
+
+
+def check_tool_template(tok, model_path: str) -> None:
+    """The multi-turn loop appends tool messages after an assistant turn's end token (agent.tool_suffix_ids): the chat
+    template must render them by appending, for at least one of the model's end-of-turn tokens."""
+    from rlkit.agent import tool_suffix_ids
+
+    ends = [tok.eos_token] if tok.eos_token else []
+    try:
+        import transformers
+
+        ids = transformers.GenerationConfig.from_pretrained(model_path).eos_token_id
+        ends += [tok.convert_ids_to_tokens(i) for i in ([ids] if isinstance(ids, int) else ids or [])]
+    except Exception:
+        pass
+    error = None
+    for end in dict.fromkeys(ends):
+        try:
+            tool_suffix_ids(tok, [{"role": "tool", "name": "calculator", "content": "4"}], end)
+            return
+        except ConfigError as e:
+            error = e
+    if error is not None:
+        raise error
