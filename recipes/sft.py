@@ -1,0 +1,240 @@
+"""SFT: supervised fine-tuning on chat conversations, one file, on the engine of the RL recipes.
+
+Minimise the mean negative log-likelihood of the assistant's tokens (user/tool turns: context):
+
+    L = -(1 / N) * sum_{rows} sum_t m_t * log pi(y_t | x, y_<t),     N = sum m_t over the mini-batch
+
+m_t = 1 on tokens the assistant wrote (every assistant turn of a conversation), 0 elsewhere.
+The mask: the conversation rendered prefix by prefix with the chat template (assistant_mask).
+
+Run it:
+
+    python recipes/sft.py                  # embedded model, SFT on the arithmetic traces
+    python recipes/sft.py --help           # every option, documented
+    python recipes/sft.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
+        --data.train-files sft/train.parquet --data.val-files sft/test.parquet \\
+        --data.prompt-key prompt --response-key response --actor.lr 1e-5
+
+Data (verl's SFT parquet): a prompt column (--data.prompt-key: a string or a list of chat
+messages) and a response column (--response-key: a string; a dotted key reads inside a dict
+column, e.g. reward_model.ground_truth), or one messages column (--messages-key, verl's
+data.multiturn.messages_key).
+
+Batch-size arithmetic, per training step:
+
+    data.train_batch_size conversations      B  = 64      one optimizer step (mini-batch = B)
+    each accumulated over micro-batches of   actor.ppo_micro_batch_size rows
+                                             (or actor.max_token_len_per_micro_batch tokens)
+
+Validation: val/loss (the same NLL on the validation conversations) and, when the data has
+reward_model.ground_truth, held-out accuracy by greedy generation (val/acc, loop.Run's validation).
+"""
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from rlkit import algos, loop
+from rlkit.config import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from rlkit.data import PromptLoader, build_prompts
+from rlkit.errors import ConfigError
+from rlkit.placement import build_policy, build_reward
+from rlkit.protocol import DataProto
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(train_batch_size=64))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=1))
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(
+            lr=1e-3, warmup_steps=100, ppo_mini_batch_size=64, use_kl_loss=False
+        )
+    )
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(total_training_steps=300, test_freq=100)
+    )
+    response_key: str = "reward_model.ground_truth"
+    """the response column (verl data.response_key); a dotted key reads a field of a dict column"""
+    messages_key: str = ""
+    """a column of whole conversations (verl data.multiturn.messages_key); overrides the others"""
+    init_from_scratch: bool = False
+    """re-initialise the model's weights (seeded) before training: SFT from a fresh model"""
+
+
+def column(table, key: str) -> list:
+    """A parquet column by name, or a dict column's field by dotted name ('reward_model.x')."""
+    head, *rest = key.split(".")
+    if head not in table.column_names:
+        raise ConfigError(
+            f"the SFT data has no column {head!r} (columns: {table.column_names}); set its key flag"
+        )
+    values = table.column(head).to_pylist()
+    for k in rest:
+        values = [v[k] for v in values]
+    return values
+
+
+def conversations(files: list[str], cfg: Config) -> list[list[dict]]:
+    """Each row as a list of chat messages ending with the assistant's answer(s)."""
+    table = pa.concat_tables([pq.read_table(f) for f in files])
+    if cfg.messages_key:
+        return [list(m) for m in column(table, cfg.messages_key)]
+    out = []
+    for p, r in zip(column(table, cfg.data.prompt_key), column(table, cfg.response_key)):
+        p = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+        out.append(p + [{"role": "assistant", "content": str(r)}])
+    return out
+
+
+def assistant_mask(tok, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask of the assistant's tokens.
+
+    Assistant turn i spans the characters
+        [len(render(messages[:i], generation prompt)), len(render(messages[:i+1])))
+    -- exact for any template that renders a conversation's prefixes as prefixes of it (checked).
+    A token is the assistant's when it starts inside such a span (the tokenizer's offsets: the
+    text is tokenized once, whole)."""
+
+    def render(msgs, gen=False):
+        return tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+
+    text, spans = render(messages), []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, end = render(messages[:i], gen=True), render(messages[: i + 1])
+        if not (text.startswith(end) and end.startswith(start)):
+            raise ConfigError(
+                "the chat template renders a conversation's prefixes differently: no assistant mask"
+            )
+        spans.append((len(start), len(end)))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+class Examples:
+    """Tokenized conversations cut at the first assistant token: prompt | response (+ its mask)."""
+
+    def __init__(self, convs: list[list[dict]], tok, cfg: DataConfig):
+        self.rows = []
+        for i, conv in enumerate(convs):
+            ids, mask = assistant_mask(tok, conv)
+            if 1 not in mask:
+                raise ConfigError(f"SFT row {i} has no assistant tokens to train on")
+            cut = mask.index(1)
+            if cut > cfg.max_prompt_length or len(ids) - cut > cfg.max_response_length:
+                raise ConfigError(
+                    f"SFT row {i}: {cut} prompt / {len(ids) - cut} response tokens exceed "
+                    f"--data.max-prompt-length {cfg.max_prompt_length} / "
+                    f"--data.max-response-length {cfg.max_response_length}; raise them"
+                )
+            self.rows.append((ids[:cut], ids[cut:], mask[cut:]))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, rows, pad_id: int) -> DataProto:
+        """Prompts left-padded, responses right-padded: the layout the engine's forward reads."""
+        rows = [self.rows[i] for i in rows]
+        P, R = max(len(p) for p, _, _ in rows), max(len(r) for _, r, _ in rows)
+        prompts = torch.full((len(rows), P), pad_id)
+        responses = torch.full((len(rows), R), pad_id)
+        attn = torch.zeros((len(rows), P + R), dtype=torch.long)
+        resp_mask = torch.zeros((len(rows), R), dtype=torch.long)
+        for j, (p, r, m) in enumerate(rows):
+            prompts[j, P - len(p) :], responses[j, : len(r)] = torch.tensor(p), torch.tensor(r)
+            attn[j, P - len(p) : P + len(r)] = 1
+            resp_mask[j, : len(r)] = torch.tensor(m)
+        return DataProto.from_dict(
+            tensors={
+                "prompts": prompts,
+                "responses": responses,
+                "input_ids": torch.cat([prompts, responses], 1),  # (b, P+R)
+                "attention_mask": attn,
+                "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+                "response_mask": resp_mask,  # (b, R): 1 on the assistant's tokens
+            }
+        )
+
+
+# ALGO LOGIC: the loss on a micro-batch: token-mean NLL over the mini-batch's assistant tokens
+def sft_loss(mb, log_prob, entropy, norm):  # log_prob: (b, R); norm: the mini-batch's token count
+    nll = algos.agg_loss(-log_prob, mb["response_mask"], "token-mean", norm=norm)
+    return nll, {"nll": nll}, {}
+
+
+def val_loss(policy, examples: Examples, batch_size: int) -> float:
+    """The mean NLL per assistant token over the validation conversations (no gradients)."""
+    total, count = 0.0, 0
+    for s in range(0, len(examples), batch_size):
+        b = examples.batch(
+            range(s, min(s + batch_size, len(examples))), policy.tokenizer.pad_token_id
+        )
+        lp = policy.compute_log_prob(b)["old_log_probs"]
+        total += float(-(lp * b["response_mask"]).sum())
+        count += int(b["response_mask"].sum())
+    return total / count
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, validation, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size checks
+    if cfg.rollout.temperature != 1.0 or cfg.rollout.n != 1:
+        raise ConfigError(
+            "SFT trains log pi at temperature 1: use --rollout.temperature 1 --rollout.n 1"
+        )
+    if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
+        raise ConfigError(
+            "SFT takes one optimizer step per batch: --actor.ppo-mini-batch-size = train size"
+        )
+    policy = build_policy(cfg, need_ref=False)
+    tok = policy.tokenizer
+    if cfg.init_from_scratch:  # a fresh model: the embedded warm start reproduced from nothing
+        model = getattr(policy, "worker", policy).engine.model
+        torch.manual_seed(cfg.trainer.seed)
+        fresh = type(model)(model.config).to(
+            next(model.parameters()).dtype
+        )  # the config's own init
+        model.load_state_dict(fresh.state_dict())
+    train_set = Examples(conversations(cfg.data.train_files, cfg), tok, cfg.data)
+    train = PromptLoader(
+        train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+    )
+    val_files = cfg.data.val_files
+    val_set = Examples(conversations(val_files, cfg), tok, cfg.data) if val_files else None
+    graded = val_files and "reward_model" in pq.read_schema(val_files[0]).names
+    val = build_prompts(val_files, tok, cfg.data, cfg.data.val_max_samples) if graded else None
+    reward_fn = build_reward(cfg, policy) if graded else None
+    run = loop.Run(cfg, policy, train, val, reward_fn)
+    t = cfg.trainer
+
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()  # B conversations: prompts | responses, response_mask (B, R)
+            with loop.timer("update", timings):  # ALGO LOGIC: the loss of sft_loss, one step
+                metrics = policy.update(batch, sft_loss)
+        if val_set is not None and (step % t.test_freq == 0 or step == run.total_steps):
+            metrics["val/loss"] = val_loss(policy, val_set, cfg.data.val_batch_size)
+
+        # TRY NOT TO MODIFY: metrics, validation, checkpoints
+        metrics["response/assistant_tokens"] = float(batch["response_mask"].sum())
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)
