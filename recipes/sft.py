@@ -192,10 +192,8 @@ def val_loss(policy, examples: Examples, batch_size: int) -> float:
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, validation, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
-    if cfg.rollout.temperature != 1.0 or cfg.rollout.n != 1:
-        raise ConfigError(
-            "SFT trains log pi at temperature 1: use --rollout.temperature 1 --rollout.n 1"
-        )
+    if cfg.rollout.temperature != 1.0:  # the engine divides the logits by it
+        raise ConfigError("SFT trains log pi at temperature 1: use --rollout.temperature 1")
     if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
         raise ConfigError(
             "SFT takes one optimizer step per batch: --actor.ppo-mini-batch-size = train size"
@@ -227,11 +225,12 @@ def main(cfg: Config) -> dict:
             batch = train.next_batch()  # B conversations: prompts | responses, response_mask (B, R)
             with loop.timer("update", timings):  # ALGO LOGIC: the loss of sft_loss, one step
                 metrics = policy.update(batch, sft_loss)
-        if val_set is not None and (step % t.test_freq == 0 or step == run.total_steps):
+        if val_set is not None and (
+            t.test_freq > 0 and step % t.test_freq == 0 or step == run.total_steps
+        ):
             metrics["val/loss"] = val_loss(policy, val_set, cfg.data.val_batch_size)
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
-        metrics["response/assistant_tokens"] = float(batch["response_mask"].sum())
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 
