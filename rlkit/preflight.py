@@ -144,7 +144,9 @@ def check_prompts(cfg) -> None:
         from rlkit.tools import tools_from_names
 
         schemas = tools_from_names(a.tools, a.max_tool_response_chars).schemas
-        check_tool_template(tok, cfg.model.path)
+        from rlkit.workers import resolved
+
+        check_tool_template(tok, resolved(cfg.model).path)  # the local folder: a built-in name is not a hub id
     d = cfg.data
     if d.train_files or d.task:
         build_prompts(d.train_files, tok, d, tools=schemas, split="train")

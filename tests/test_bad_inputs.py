@@ -256,6 +256,25 @@ def test_agent_flags_and_tool_prompts_are_checked_before_the_model_loads(tmp_pat
         assert phrase in str(info.value), (phrase, str(info.value))
 
 
+def test_the_tool_template_check_reads_a_built_in_models_local_folder_not_the_hub(monkeypatch):
+    """A built-in name (smollm2-135m-instruct) is not a hub id: reading its generation config by name went to the hub
+    and slept through 23 s of retries with no network. The check must read the materialised folder."""
+    import transformers
+    from test_agent import load_tools_recipe
+
+    from rlkit import preflight, workers
+    from rlkit.embedded_tools import MODEL_DIR
+
+    cfg = load_tools_recipe().Config()
+    cfg.model.path = "my-built-in"
+    monkeypatch.setattr(workers, "resolve_model_path", lambda p: str(MODEL_DIR) if p == "my-built-in" else p)
+    seen = []
+    real = transformers.GenerationConfig.from_pretrained
+    monkeypatch.setattr(transformers.GenerationConfig, "from_pretrained", lambda p, **k: seen.append(str(p)) or real(p, **k))
+    preflight.check_prompts(cfg)
+    assert seen == [str(MODEL_DIR)]
+
+
 # ----------------------------------------------------------------------------- scorers: NaN extras, every call failing
 
 
