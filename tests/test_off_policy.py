@@ -191,7 +191,11 @@ def test_async_steps_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-ASYNC_RECIPES = ["grpo", "dapo", "rloo", "ppo", "reinforce_pp", "grpo_tools", "gspo", "cispo", "gmpo", "remax"]
+# One run per distinct path through the loop: rloo, gspo, cispo and gmpo differ from grpo.py only in their algorithm
+# lines (tests/test_recipe_drift.py holds the rest identical), so their async run would repeat grpo's (~10 s each).
+# dapo: several generation batches per step; ppo: a critic + KL in the reward; reinforce_pp: the KL in the
+# reward; grpo_tools: the turn loop in the worker; remax: a greedy baseline generation beside the samples.
+ASYNC_RECIPES = ["grpo", "dapo", "ppo", "reinforce_pp", "grpo_tools", "remax"]
 
 
 @pytest.mark.parametrize("name", ASYNC_RECIPES)
