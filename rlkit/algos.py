@@ -349,6 +349,31 @@ def reinforce_pp_advantage(token_rewards: Tensor, mask: Tensor, gamma: float = 1
     return advantages, returns
 
 
+def distill_advantage(log_prob: Tensor, teacher_log_prob: Tensor, mask: Tensor, kl_coef: float = 1.0, discount: float = 0.0):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025): the student samples y, the
+    teacher scores the sampled tokens, and the per-token reverse KL, estimated from the one sample,
+
+        d_t = log pi_theta(y_t | x, y_<t) - log pi_T(y_t | x, y_<t)
+
+    is a per-token penalty: A_t = -kl_coef * sum_{s >= t, m_s = 1} discount^(#action tokens from t to s) * d_s,
+    i.e. with discount 0 (the default, as tinker-cookbook) A_t = -kl_coef * d_t: push up the tokens the teacher
+    likes more than the student does. The carry skips m = 0 tokens (tool output) as reinforce_pp_advantage's does.
+
+    log_prob, teacher_log_prob, mask (B, R) -> (advantages (B, R), d (B, R)), both zero where mask is 0.
+    """
+    mask = mask.to(log_prob.dtype)
+    d = (log_prob - teacher_log_prob) * mask
+    if not discount:
+        return -kl_coef * d, d
+    out, carry = torch.zeros_like(d), torch.zeros_like(d[:, 0])  # carry: (B,)
+    for t in reversed(range(d.shape[1])):
+        m = mask[:, t]
+        ret = d[:, t] + discount * carry
+        out[:, t] = ret * m
+        carry = ret * m + carry * (1 - m)
+    return -kl_coef * out, d
+
+
 def reinforce_pp_baseline_advantage(scores: Tensor, uid, mask: Tensor) -> Tensor:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the batch.
 

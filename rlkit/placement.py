@@ -181,3 +181,26 @@ def build_reward(cfg, policy=None):
         share=_share(pools, "reward_model"),
     )
     return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))
+
+
+def build_teacher(cfg, policy):
+    """On-policy distillation's teacher (recipes/opd.py): --teacher as a frozen model that scores the student's
+    tokens, in this process. It must share the student's vocabulary and chat template: the teacher scores the
+    student's token ids, so another tokenizer would score other text (checked here, before its weights load)."""
+    from rlkit.engine import load_tokenizer
+    from rlkit.workers import TeacherWorker
+
+    if cfg.trainer.backend != "local":
+        raise ConfigError("recipes/opd.py runs its teacher in the trainer's process: --trainer.backend ray is not supported yet")
+    teacher_cfg = dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0)
+    student, teacher = policy.tokenizer, load_tokenizer(resolved(teacher_cfg).path, cfg.model.trust_remote_code)
+    for what, a, b in (
+        ("vocabulary", student.get_vocab(), teacher.get_vocab()),
+        ("chat template", student.chat_template, teacher.chat_template),
+    ):
+        if a != b:
+            raise ConfigError(
+                f"--teacher {cfg.teacher} has another {what} than --model.path {cfg.model.path}: the teacher scores the "
+                "student's token ids, so both must use the same tokenizer and chat template (pick a teacher of the same family)"
+            )
+    return LocalWorkerGroup(TeacherWorker(teacher_cfg, cfg.actor, cfg.rollout, device=cfg.trainer.device))

@@ -288,6 +288,29 @@ class CriticWorker(CheckpointFiles):
         self.engine.load_state_dict(state)
 
 
+class TeacherWorker:
+    """A frozen model that only scores tokens: on-policy distillation's teacher (recipes/opd.py). No optimizer,
+    no rollout, no reference; log-probs at the rollout's temperature, in the policy's micro-batches."""
+
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, device: str = "auto"):
+        self.engine = TorchEngine(resolved(model_cfg), None, device, need_ref=False)
+        self.engine.model.requires_grad_(False)
+        self.engine.max_tokens = actor_cfg.max_token_len_per_micro_batch  # the trainer's token budget per pass
+        self.tokenizer = self.engine.tokenizer
+        self.temperature = rollout_cfg.temperature
+        self.micro_batch = rollout_cfg.log_prob_micro_batch_size or auto_micro_batch(
+            actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8
+        )
+
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        """log pi_T(y_t | x, y_<t) of the batch's responses: teacher_log_prob (B, R)."""
+        lp, _ = self.engine.compute_log_prob(batch, self.temperature, self.micro_batch)
+        return DataProto.from_dict(tensors={"teacher_log_prob": lp})
+
+    def num_params(self) -> tuple[int, int]:
+        return num_params(self.engine.model)
+
+
 class LocalWorkerGroup:
     """One worker in this process. Method calls go straight to it; same interface as a Ray group."""
 

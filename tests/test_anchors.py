@@ -16,7 +16,8 @@ pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (t
 
 KEYS = ("critic/score/mean", "response_length/mean", "actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss")
 KEYS += ("agent/turns/mean", "agent/tool_calls/mean", "agent/tool_tokens/mean")  # grpo_tools: the turn loop (its tool spans) pinned too
-RECIPES = ["grpo", "rloo", "dapo", "reinforce_pp", "ppo", "grpo_tools", "gspo", "cispo", "gmpo", "remax"]
+KEYS += ("distill/reverse_kl",)  # opd: the per-token reverse KL to its teacher
+RECIPES = ["grpo", "rloo", "dapo", "reinforce_pp", "ppo", "grpo_tools", "gspo", "cispo", "gmpo", "remax", "opd"]
 # The newest forks pin their clip fractions too: small_config's mini-batches of 4 of the 8 prompts make the second optimizer
 # step of each update off-policy, so each fork's own clip acts (test_the_forks_anchors_show_their_clip_acting).
 CLIP_KEYS = {"gspo": ("actor/pg_clipfrac",), "cispo": ("actor/pg_clipfrac",), "remax": ("actor/pg_clipfrac",)}
@@ -213,6 +214,24 @@ ANCHORS = {  # one dict per step; measured on x86-64, torch 2.13 CPU (the same b
             "actor/pg_clipfrac": 0.0,
         },
     ],
+    "opd": [  # teacher: the embedded model with seeded noise on its embeddings (tests/test_opd.py perturbed_teacher)
+        {
+            "critic/score/mean": 0.1875,
+            "response_length/mean": 3.59375,
+            "actor/loss": 1.1431586742401123,
+            "actor/pg_loss": 1.1431586742401123,
+            "actor/grad_norm": 18.801780223846436,
+            "distill/reverse_kl": 1.1051578521728516,
+        },
+        {
+            "critic/score/mean": 0.03125,
+            "response_length/mean": 3.46875,
+            "actor/loss": 0.5256084054708481,
+            "actor/pg_loss": 0.5256084054708481,
+            "actor/grad_norm": 16.555908203125,
+            "distill/reverse_kl": 0.5580846667289734,
+        },
+    ],
 }
 
 
@@ -225,6 +244,10 @@ def run_two_steps(name: str, out_dir) -> list[dict]:
         cfg.gen_batch_size = 8
     if name == "ppo":
         cfg.rollout.n = 2
+    if name == "opd":  # a teacher that differs from the student, with its tokenizer (tests/test_opd.py)
+        from test_opd import perturbed_teacher
+
+        cfg.teacher = str(perturbed_teacher(out_dir / "teacher"))
     if name == "gmpo":  # the paper's log-space clip 0.4 never bites in 2 steps at lr 1e-4 (|log ratio| < 0.1): e^+-0.05 does
         cfg.actor.clip_ratio_low = cfg.actor.clip_ratio_high = 0.05
     recipe.main(cfg)

@@ -29,7 +29,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 NOT_FORKS = {"sft": "supervised fine-tuning: no rollout, reward or advantage, so none of grpo.py's loop"}
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.py") if p.stem != "grpo" and p.stem not in NOT_FORKS)
 FORKS = ("cispo", "gmpo", "gspo", "rloo")
-PPO_CLIP = ("dapo", "grpo_tools", "ppo", "reinforce_pp", "remax", "rloo")
+PPO_CLIP = ("dapo", "grpo_tools", "opd", "ppo", "reinforce_pp", "remax", "rloo")
 OWN_LOSS = ("cispo", "gmpo", "gspo")
 DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why the recipe changes it}
     "dapo": {
@@ -39,6 +39,10 @@ DIFFERS = {  # recipe -> {grpo.py statement (by what it assigns or calls): why t
         "policy": "the worker group is wrapped so that generate() runs the multi-turn turn loop with the tools",
         "train": "the prompts offer the tools (their JSON schemas go to the chat template)",
         "val": "the validation prompts offer the tools too",
+    },
+    "opd": {
+        "batch": "the student's log-probs are computed every step: the advantage -kl_coef * d_t needs them before the update",
+        "metrics": "the distillation metrics (distill/*) as well",
     },
     "remax": {
         "rollouts": "each batch's prompts get their greedy response's score, the baseline, before they are repeated",
