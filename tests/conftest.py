@@ -1,0 +1,25 @@
+"""Test-session settings shared by every test file.
+
+The README's test command runs the suite on two processes (pytest-xdist `-n 2 --dist loadfile`: each test file
+runs whole on one process, so a file's module fixtures are built once). Files are handed out in collection order,
+so the long ones go first: a long file started last leaves the other process idle at the end (measured: the
+default-run learning test alone for the last ~80 s).
+"""
+
+from pathlib import Path
+
+LONG_FIRST = (  # the files with the longest tests (`pytest --durations=40`), longest first
+    "test_off_policy.py",
+    "test_vllm_rollout.py",
+    "test_agent.py",
+    "test_learning.py",
+    "test_fsdp.py",
+    "test_megatron.py",
+    "test_ray_cluster.py",
+    "test_reward_model.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(LONG_FIRST)))  # stable: order kept within a file
