@@ -103,7 +103,9 @@ def assistant_mask(tok, messages: list[dict], tools=None) -> tuple[list[int], li
 
     Assistant turn i spans the characters
         [len(render(messages[:i], generation prompt)), len(render(messages[:i+1])))
-    -- exact for any template that renders a conversation's prefixes as prefixes of it (checked).
+    -- exact for any template that renders a conversation's prefixes as prefixes of it (checked)
+    -- cut after its last end-of-turn token (eos): text a template adds after it (ChatML's "\n")
+    is not sampled by the model (generation stops at eos), so it is not trained either.
     A token is the assistant's when it starts inside such a span (the tokenizer's offsets: the
     text is tokenized once, whole)."""
 
@@ -119,7 +121,8 @@ def assistant_mask(tok, messages: list[dict], tools=None) -> tuple[list[int], li
             raise ConfigError(
                 "the chat template renders a conversation's prefixes differently: no assistant mask"
             )
-        spans.append((len(start), len(end)))
+        stop = end.rfind(tok.eos_token, len(start)) if tok.eos_token else -1
+        spans.append((len(start), stop + len(tok.eos_token) if stop >= 0 else len(end)))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
     return enc["input_ids"], mask

@@ -346,7 +346,8 @@ def preflight(cfg) -> None:
     from rlkit.rewards import load_function
 
     check_flags(cfg)
-    check_files(cfg.data)
+    if not getattr(cfg, "messages_key", ""):  # recipes/sft.py on a messages column: not prompt rows (sft.column checks it)
+        check_files(cfg.data)
     if cfg.reward.custom_fn:
         load_function(cfg.reward.custom_fn)
     checks.run(cfg)

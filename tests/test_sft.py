@@ -25,7 +25,8 @@ def test_assistant_mask_covers_assistant_turns_only_tool_results_masked():
     ids, mask = sft.assistant_mask(tok, conv)
     assert len(ids) == len(mask)
     # hand-checked: the template renders "<|im_start|>ROLE\nCONTENT<|im_end|>\n" per message, so the trained
-    # text is each assistant CONTENT + "<|im_end|>\n" -- two runs of 1s, the tool's "42" outside them
+    # text is each assistant CONTENT + "<|im_end|>" (the "\n" after it is the template's: generation stops at
+    # <|im_end|>, so it is never sampled) -- two runs of 1s, the tool's "42" outside them
     runs, cur = [], []
     for i, m in zip(ids, mask):
         if m:
@@ -34,7 +35,7 @@ def test_assistant_mask_covers_assistant_turns_only_tool_results_masked():
             runs.append(cur)
             cur = []
     runs += [cur] if cur else []
-    assert [tok.decode(r) for r in runs] == ["call 12+30<|im_end|>\n", "42<|im_end|>\n"]
+    assert [tok.decode(r) for r in runs] == ["call 12+30<|im_end|>", "42<|im_end|>"]
     untrained = tok.decode([i for i, m in zip(ids, mask) if not m])
     assert "<|im_start|>tool\n42<|im_end|>" in untrained and "<|im_start|>assistant\n" in untrained
 
