@@ -331,6 +331,10 @@ class TorchEngine:
         wrap: applied to the model (then to the reference copy) before the optimizer is built, e.g. FSDP2
         sharding (rlkit/fsdp_workers.py): how a distributed engine plugs in.
         """
+        if actor_cfg is not None:  # before the model loads, as the recipes' preflight does (an engine built directly)
+            from rlkit.preflight import check_grad_clip_value
+
+            check_grad_clip_value("critic" if value_head else "actor", actor_cfg.grad_clip)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device)  # the compute dtype
         self.value_head = value_head

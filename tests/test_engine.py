@@ -742,3 +742,16 @@ def test_on_policy_update_without_old_log_probs_equals_the_update_with_them():
         torch.testing.assert_close(p, q, atol=1e-7, rtol=0, msg=name)
     with pytest.raises(ValueError, match="compute them with policy.compute_log_prob"):
         b.update(batch, loss_fn, mini_batch_size=8, micro_batch_size=8)
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0, float("nan")])
+def test_an_engine_built_directly_refuses_a_grad_clip_that_is_not_positive(clip, monkeypatch):
+    """The recipes' preflight refuses --actor.grad-clip <= 0; an engine built in a notebook or a new recipe gets the same
+    one line, before its model loads (0 would zero every update: clip_grad_norm_ scales the gradient to norm 0)."""
+    import rlkit.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    from rlkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--actor.grad-clip .*must be > 0"):
+        make_engine(grad_clip=clip)
