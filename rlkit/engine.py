@@ -292,6 +292,15 @@ def global_counts(num_tokens: int, num_seqs: int) -> Norm:
     return Norm(num_tokens=max(num_tokens, 1), num_seqs=num_seqs)
 
 
+def check_grad_clip_value(name: str, value) -> None:
+    """One section's grad_clip (None: the section has none); checked by the preflight and by TorchEngine when built directly."""
+    if value is not None and not value > 0:  # (also NaN)
+        raise ConfigError(
+            f"--{name}.grad-clip {value}: must be > 0 (the gradient is scaled to at most this norm: 0 would zero every update, "
+            "a negative value reverse it). 1.0 is usual; to clip only rare spikes pass a large value such as 1e6"
+        )
+
+
 class UpdateMetrics:
     """An update's metrics: each name's mean over the times it is added (micro-batches, optimizer steps), a name ending
     in _max / _min its max / min, skipped_steps a count; a name without a "/" gets the role's prefix (actor/...)."""
@@ -332,8 +341,6 @@ class TorchEngine:
         sharding (rlkit/fsdp_workers.py): how a distributed engine plugs in.
         """
         if actor_cfg is not None:  # before the model loads, as the recipes' preflight does (an engine built directly)
-            from rlkit.preflight import check_grad_clip_value
-
             check_grad_clip_value("critic" if value_head else "actor", actor_cfg.grad_clip)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device)  # the compute dtype

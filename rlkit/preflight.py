@@ -23,18 +23,11 @@ def run(cfg) -> None:
     check_prompts(cfg)
 
 
-def check_grad_clip_value(name: str, value) -> None:
-    """One section's grad_clip (None: the section has none); also what TorchEngine checks when built directly."""
-    if value is not None and not value > 0:  # (also NaN)
-        raise ConfigError(
-            f"--{name}.grad-clip {value}: must be > 0 (the gradient is scaled to at most this norm: 0 would zero every update, "
-            "a negative value reverse it). 1.0 is usual; to clip only rare spikes pass a large value such as 1e6"
-        )
-
-
 def check_grad_clip(cfg) -> None:
     """--actor.grad-clip (and --critic.grad-clip) must be > 0: the update's gradient is scaled to a norm of at most this,
     so 0 zeroes every update and a negative value reverses it (as torch's clip_grad_norm_ and verl do; no special value)."""
+    from rlkit.engine import check_grad_clip_value  # lazy: the engine imports torch
+
     sections = {"actor": cfg.actor, "critic": getattr(cfg, "critic", None)}
     for name, section in sections.items():
         check_grad_clip_value(name, getattr(section, "grad_clip", None))
