@@ -49,6 +49,7 @@ from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
 from rlkit.protocol import DataProto
+from rlkit.tools import tools_from_names
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Config:
     """a column of whole conversations (verl data.multiturn.messages_key); overrides the others"""
     init_from_scratch: bool = False
     """re-initialise the model's weights (seeded) before training: SFT from a fresh model"""
+    tools: str = ""
+    """built-in tools offered to the chat template (as grpo_tools.py's --agent.tools), e.g. calculator"""
 
 
 def column(table, key: str) -> list:
@@ -131,13 +134,15 @@ def assistant_mask(tok, messages: list[dict], tools=None) -> tuple[list[int], li
 class Examples:
     """Tokenized conversations cut at the first assistant token: prompt | response (+ its mask)."""
 
-    def __init__(self, convs: list[list[dict]], tok, cfg: DataConfig):
+    def __init__(self, convs: list[list[dict]], tok, cfg: DataConfig, tools=None):
         self.rows = []
         for i, conv in enumerate(convs):
-            ids, mask = assistant_mask(tok, conv)
+            ids, mask = assistant_mask(tok, conv, tools)
             if 1 not in mask:
                 raise ConfigError(f"SFT row {i} has no assistant tokens to train on")
-            cut = mask.index(1)
+            # the response ends at the last trained token: text after the last eos is never sampled
+            cut, end = mask.index(1), len(mask) - mask[::-1].index(1)
+            ids, mask = ids[:end], mask[:end]
             if cut > cfg.max_prompt_length or len(ids) - cut > cfg.max_response_length:
                 raise ConfigError(
                     f"SFT row {i}: {cut} prompt / {len(ids) - cut} response tokens exceed "
@@ -210,12 +215,15 @@ def main(cfg: Config) -> dict:
             next(model.parameters()).dtype
         )  # the config's own init
         model.load_state_dict(fresh.state_dict())
-    train_set = Examples(conversations(cfg.data.train_files, cfg), tok, cfg.data)
+    schemas = (
+        tools_from_names(cfg.tools, flag="--tools").schemas if cfg.tools else None
+    )  # rendered by the template
+    train_set = Examples(conversations(cfg.data.train_files, cfg), tok, cfg.data, schemas)
     train = PromptLoader(
         train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
     )
     val_files = cfg.data.val_files
-    val_set = Examples(conversations(val_files, cfg), tok, cfg.data) if val_files else None
+    val_set = Examples(conversations(val_files, cfg), tok, cfg.data, schemas) if val_files else None
     graded = val_files and "reward_model" in pq.read_schema(val_files[0]).names
     val = build_prompts(val_files, tok, cfg.data, cfg.data.val_max_samples) if graded else None
     reward_fn = build_reward(cfg, policy) if graded else None

@@ -7,13 +7,16 @@ learn. So rlkit ships (in `rlkit/assets/`):
   verl parquet format, train and held-out splits with disjoint problems;
 - `tiny-arith/`: a ~0.5M-parameter Llama-shaped causal LM in the ordinary Hugging Face format
   (config.json, model.safetensors, tokenizer.json with a chat template), loaded by the same
-  `from_pretrained` call that loads Qwen. It was trained here by a short supervised pass on the
+  `from_pretrained` call that loads Qwen. It was trained by a short supervised pass on the
   train split, stopped early on purpose, so it answers about 30% of held-out problems (0.295,
   greedy) correctly: the headroom that RL then closes.
 
-Everything is rebuilt, deterministically, by::
+Everything is rebuilt (the supervised pass is recipes/sft.py, see `run_sft`) by::
 
     python -m rlkit.embedded            # ~1 minute on 2 CPU cores
+
+The step the pass stops at lies on the steep part of the learning curve, so float round-off (another CPU,
+another torch) moves a rebuild's accuracy by tens of points: docs/sft.md has the measurements.
 """
 
 from __future__ import annotations
@@ -125,38 +128,55 @@ def build_model(vocab_size: int, pad_id: int, eos_id: int, hidden: int = 128, la
     return LlamaForCausalLM(config)
 
 
-def sft(model, tokenizer, pairs, steps: int, batch_size: int = 64, lr: float = 1e-3, warmup: int = 100, seed: int = 0):
-    """Teacher-forced training on prompt+answer, loss on the answer tokens only (AdamW, linear warm-up, clip 1)."""
-    import torch
-    from tqdm import tqdm
-
+def sft_traces(pairs, steps: int, batch_size: int, seed: int) -> list:
+    """The supervised batches, in order: `steps` draws of `batch_size` problems (seeded, with replacement across
+    draws): written as one file, read in order by recipes/sft.py (data.shuffle off), batch k = rows [kB, (k+1)B)."""
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    for step in tqdm(range(steps), desc="SFT of the embedded model", leave=False):
-        batch = rng.sample(pairs, batch_size)
-        ids, labels = [], []
-        for a, b in batch:
-            p = tokenizer.apply_chat_template(arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False)
-            p_ids = tokenizer(p, add_special_tokens=False)["input_ids"]
-            r_ids = tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            ids.append(p_ids + r_ids)
-            labels.append([-100] * len(p_ids) + r_ids)
-        width = max(map(len, ids))
-        pad = tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-        label_t = torch.tensor([[-100] * (width - len(x)) + x for x in labels])
-        attn = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / warmup)
-        loss = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, labels=label_t).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    model.eval()
-    return model
+    return [x for _ in range(steps) for x in rng.sample(pairs, batch_size)]
+
+
+def run_sft(
+    init_dir: Path,
+    convs: list,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup: int,
+    work_dir: Path,
+    seed: int = 0,
+    tools: str = "",
+    max_response_length: int = 8,
+) -> Path:
+    """Warm-start the model saved in `init_dir` with recipes/sft.py on the conversations `convs` (in order, see
+    sft_traces): AdamW, linear warm-up then constant lr, clip 1, no weight decay, loss on the assistant's tokens.
+    Returns the final checkpoint's Hugging Face folder."""
+    import importlib.util
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlkit.errors import MissingFile
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "sft.py"
+    if not recipe.exists():
+        raise MissingFile(f"{recipe} not found: the asset builders run recipes/sft.py from a source checkout of rlkit")
+    spec = importlib.util.spec_from_file_location("rlkit_recipe_sft", recipe)
+    sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sft)
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([{"messages": c} for c in convs]), work_dir / "sft.parquet")
+    cfg = sft.Config(messages_key="messages", tools=tools)
+    cfg.model.path = str(init_dir)
+    cfg.data.train_files, cfg.data.val_files, cfg.data.shuffle = [str(work_dir / "sft.parquet")], [], False
+    cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = batch_size
+    cfg.data.max_response_length, cfg.trainer.seed = max_response_length, seed
+    cfg.actor.lr, cfg.actor.warmup_steps, cfg.actor.weight_decay, cfg.actor.grad_clip = lr, warmup, 0.0, 1.0
+    t = cfg.trainer
+    t.total_training_steps, t.test_freq, t.val_before_train, t.save_freq, t.max_ckpt_to_keep = steps, 0, False, 0, 1
+    t.default_local_dir, t.experiment_name = str(work_dir / "run"), "sft"
+    sft.main(cfg)
+    return work_dir / "run" / "checkpoints" / f"global_step_{steps}" / "hf"
 
 
 def greedy_accuracy(model, tokenizer, pairs) -> float:
@@ -176,8 +196,11 @@ def greedy_accuracy(model, tokenizer, pairs) -> float:
 
 
 def build(steps: int = 300, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
-    """Write the task parquet files and train + save the embedded starting checkpoint."""
+    """Write the task parquet files, then warm-start a fresh model with recipes/sft.py and save it."""
+    import tempfile
+
     import torch
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     write_arith_parquet(data_dir, seed)
@@ -185,7 +208,16 @@ def build(steps: int = 300, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: 
     corpus = [f"What is {a}+{b}? {a + b}" for a, b in train[:2000]] + ["user assistant"]
     tokenizer = build_tokenizer(corpus)
     model = build_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=seed)
-    sft(model, tokenizer, train, steps=steps, seed=seed)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(Path(tmp) / "init")
+        tokenizer.save_pretrained(Path(tmp) / "init")
+        convs = [
+            arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}] for a, b in sft_traces(train, steps, 64, seed)
+        ]
+        hf = run_sft(Path(tmp) / "init", convs, steps, 64, lr=1e-3, warmup=100, work_dir=Path(tmp), seed=seed)
+        model = AutoModelForCausalLM.from_pretrained(hf)
     acc = greedy_accuracy(model, tokenizer, val)
     print(f"held-out greedy accuracy after {steps} SFT steps: {acc:.3f}")
     out_dir = Path(out_dir)
@@ -196,7 +228,8 @@ def build(steps: int = 300, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: 
     tokenizer.save_pretrained(out_dir)
     (out_dir / "README.md").write_text(
         f"rlkit's embedded starting checkpoint: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{steps} SFT steps on two-digit addition (seed {seed}), held-out greedy accuracy {acc:.3f}. Rebuild with `python -m rlkit.embedded`.\n"
+        f"{steps} SFT steps (recipes/sft.py) on two-digit addition (seed {seed}), held-out greedy accuracy {acc:.3f}. "
+        "Rebuild with `python -m rlkit.embedded`.\n"
     )
     return out_dir
 

@@ -12,8 +12,9 @@
   ``<tool_call>{"name": "calculator", "arguments": {"expression": "23*58"}}</tool_call>``, then the
   tool's result copied, "=1334". So it calls the tool some of the time, and RL can learn to call it always.
 
-The supervised examples are built token in / token out, like the rollouts: the tool segment comes
-from `rlkit.agent.tool_suffix_ids`. Rebuild everything, deterministically, with::
+The supervised conversations are trained by `recipes/sft.py` (`rlkit.embedded.run_sft`), which renders them
+with the chat template and the offered tools, token for token as the turn loop renders a rollout's turns.
+Rebuild everything with::
 
     python -m rlkit.embedded_tools        # ~2 minutes on 2 CPU cores
 """
@@ -27,7 +28,7 @@ import random
 import re
 from pathlib import Path
 
-from rlkit.embedded import ASSETS, build_model, build_tokenizer, write_task_parquet
+from rlkit.embedded import ASSETS, build_model, build_tokenizer, run_sft, sft_traces, write_task_parquet
 from rlkit.rewards import register_scorer
 
 MODEL_DIR = ASSETS / "tiny-calc"
@@ -77,49 +78,23 @@ def call_text(a: int, b: int) -> str:
     return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}) + "</tool_call>"
 
 
-def sft_example(tok, a: int, b: int, use_tool: bool) -> tuple[list[int], list[int]]:
-    """(ids, labels) of one trajectory: labels -100 on the prompt and on the tool segment."""
-    from rlkit import agent, tools
-
-    schemas = tools.Tools([tools.calculator]).schemas
-    prompt = tok(tools.render_prompt(tok, mult_row(a, b, "", 0)["prompt"], schemas), add_special_tokens=False)["input_ids"]
-    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
-    answer = enc(f"={a * b}")
+def trace(a: int, b: int, use_tool: bool) -> list[dict]:
+    """One supervised conversation: the question, then "=<product>", or a calculator call, its result and the answer
+    (recipes/sft.py trains the assistant's turns and masks the tool result, as the turn loop's rollouts are masked)."""
+    answer = {"role": "assistant", "content": f"={a * b}"}
     if not use_tool:
-        return prompt + answer, [-100] * len(prompt) + answer
-    call = enc(call_text(a, b))
-    suffix = agent.tool_suffix_ids(tok, [{"role": "tool", "name": "calculator", "content": str(a * b)}], tok.eos_token)
-    return prompt + call + suffix + answer, [-100] * len(prompt) + call + [-100] * len(suffix) + answer
-
-
-def sft(model, examples, steps: int, batch_size: int = 64, lr: float = 2e-3, warmup: int = 50, seed: int = 0, pad_id: int = 0):
-    """Teacher-forced training on (ids, labels) examples (AdamW, linear warm-up, clip 1), right-padded."""
-    import torch
-    from tqdm import tqdm
-
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    for step in tqdm(range(steps), desc="SFT of the tool model", leave=False):
-        batch = rng.sample(examples, batch_size)
-        width = max(len(x) for x, _ in batch)
-        ids = torch.tensor([x + [pad_id] * (width - len(x)) for x, _ in batch])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
-        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / warmup)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    model.eval()
-    return model
+        return mult_row(a, b, "", 0)["prompt"] + [answer]
+    call = {"role": "assistant", "content": call_text(a, b)}
+    result = {"role": "tool", "name": "calculator", "content": str(a * b)}
+    return mult_row(a, b, "", 0)["prompt"] + [call, result, answer]
 
 
 def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
-    """Write the task parquet files and train + save the tool model."""
+    """Write the task parquet files, then warm-start a fresh tool model with recipes/sft.py and save it."""
+    import tempfile
+
     import torch
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     train, val = mult_problems(seed)
@@ -129,18 +104,33 @@ def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Pa
     tok.chat_template = CHAT_TEMPLATE
     tok.add_tokens(["<tool_call>", "</tool_call>"])  # one token each, as in Qwen2.5 (not special: decode keeps them)
     model = build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
-    rng = random.Random(seed)
-    examples = [sft_example(tok, a, b, rng.random() < tool_share) for a, b in train]
-    sft(model, examples, steps, seed=seed, pad_id=tok.pad_token_id)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
+    rng = random.Random(seed)
+    convs = [trace(a, b, rng.random() < tool_share) for a, b in train]
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(Path(tmp) / "init")
+        tok.save_pretrained(Path(tmp) / "init")
+        hf = run_sft(
+            Path(tmp) / "init",
+            sft_traces(convs, steps, 64, seed),
+            steps,
+            64,
+            lr=2e-3,
+            warmup=50,
+            work_dir=Path(tmp),
+            seed=seed,
+            tools="calculator",
+            max_response_length=64,
+        )
+        model = AutoModelForCausalLM.from_pretrained(hf)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     (out_dir / "README.md").write_text(
-        f"rlkit's embedded tool-use model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps on "
-        f"two-digit multiplication, {tool_share:.0%} of the examples calling the calculator (seed {seed}). "
+        f"rlkit's embedded tool-use model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps "
+        f"(recipes/sft.py) on two-digit multiplication, {tool_share:.0%} of the examples calling the calculator (seed {seed}). "
         "Rebuild with `python -m rlkit.embedded_tools`.\n"
     )
     return out_dir

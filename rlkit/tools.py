@@ -394,7 +394,7 @@ python.sandbox_limits = lambda: {"timeout_s": PYTHON_TIMEOUT_S, "memory_mb": 512
 BUILTIN = {"calculator": calculator, "python": python}
 
 
-def tools_from_names(names: str, max_chars: int = 256, sandbox_level: str = "process") -> Tools:
+def tools_from_names(names: str, max_chars: int = 256, sandbox_level: str = "process", flag: str = "--agent.tools") -> Tools:
     """Tools("calculator,python") from the shipped ones, by name (--agent.tools). With the python tool, a
     --agent.sandbox-level this machine cannot give stops here, before anything loads (one line)."""
     from rlkit.errors import ConfigError
@@ -402,7 +402,7 @@ def tools_from_names(names: str, max_chars: int = 256, sandbox_level: str = "pro
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in BUILTIN]
     if unknown:
-        raise ConfigError(f"--agent.tools: unknown tool(s) {', '.join(unknown)}; available: {', '.join(BUILTIN)}")
+        raise ConfigError(f"{flag}: unknown tool(s) {', '.join(unknown)}; available: {', '.join(BUILTIN)}")
     if "python" in wanted:
         from rlkit.sandbox import check_level
 

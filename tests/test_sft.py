@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlkit.engine import global_counts, load_tokenizer
@@ -89,3 +90,77 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     rows = {n: [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("whole", "split")}
     last = {n: [r["actor/nll"] for r in rows[n] if r.get("step") == 4][-1] for n in rows}
     assert abs(last["whole"] - last["split"]) < 1e-5, last  # float32, same ops in the same order: equal to rounding
+
+
+def test_the_tool_builders_traces_render_as_the_turn_loop_renders_a_rollout():
+    """rlkit/embedded_tools.py trains its conversations with this recipe: rendered by the chat template with the
+    offered tools, each must be token for token what the turn loop produces (tools.render_prompt for the prompt,
+    the sampled call + eos, agent.tool_suffix_ids for the tool result and the next generation prompt, the answer
+    + eos), trained where the model samples (call, answer) and masked where the loop inserts text."""
+    from rlkit import agent, embedded_tools, tools
+    from rlkit.config import DataConfig
+
+    tok = load_tokenizer(str(embedded_tools.MODEL_DIR))
+    schemas = tools.Tools([tools.calculator]).schemas
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for a, b in [(12, 34), (57, 68)]:
+        prompt = enc(tools.render_prompt(tok, embedded_tools.mult_row(a, b, "", 0)["prompt"], schemas))
+        answer = enc(f"={a * b}") + [tok.eos_token_id]
+        call = enc(embedded_tools.call_text(a, b)) + [tok.eos_token_id]
+        result = [{"role": "tool", "name": "calculator", "content": str(a * b)}]
+        suffix = agent.tool_suffix_ids(tok, result, tok.eos_token)
+        for use_tool, response, mask in [
+            (False, answer, [1] * len(answer)),
+            (True, call + suffix + answer, [1] * len(call) + [0] * len(suffix) + [1] * len(answer)),
+        ]:
+            conv = embedded_tools.trace(a, b, use_tool)
+            ((p, r, m),) = sft.Examples([conv], tok, DataConfig(max_response_length=64), schemas).rows
+            assert (p, r, m) == (prompt, response, mask)
+
+
+def test_the_embedded_builder_trains_with_this_recipe(tmp_path):
+    """rlkit.embedded.build warm-starts a fresh model with recipes/sft.py (run_sft): its first two steps' losses
+    equal a plain teacher-forced loop's on the same batches (Hugging Face's labels loss, AdamW, warm-up, clip 1).
+    Tolerance: both are fp32 means of ~200 token NLLs of ~5 nats, summed in different orders, and step 2 follows
+    one AdamW step whose update m/(sqrt(v)+eps) is normalised per element, so round-off in a near-zero gradient can
+    move an element by up to lr; 1e-4 relative bounds both (measured: 5e-8 on the weights after two steps)."""
+
+    from rlkit import embedded
+
+    torch.manual_seed(0)
+    train, _ = embedded.arith_problems(0)
+    tok = embedded.build_tokenizer([f"What is {a}+{b}? {a + b}" for a, b in train[:2000]] + ["user assistant"])
+    model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=0)
+    model.save_pretrained(tmp_path / "init")
+    tok.save_pretrained(tmp_path / "init")
+    pairs = embedded.sft_traces(train, 2, 8, seed=0)
+    convs = [embedded.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}] for a, b in pairs]
+    hf = embedded.run_sft(tmp_path / "init", convs, 2, 8, lr=1e-3, warmup=2, work_dir=tmp_path, seed=0)
+    assert (hf / "config.json").exists()
+    got = [json.loads(x)["actor/nll"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "actor/nll" in x]
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    want = []
+    for step in range(2):
+        ids, labels = [], []
+        for a, b in pairs[8 * step : 8 * step + 8]:
+            p = tok(
+                tok.apply_chat_template(embedded.arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )["input_ids"]
+            r = tok(str(a + b), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids.append(p + r)
+            labels.append([-100] * len(p) + r)
+        w = max(map(len, ids))
+        x = torch.tensor([[tok.pad_token_id] * (w - len(i)) + i for i in ids])
+        y = torch.tensor([[-100] * (w - len(i)) + i for i in labels])
+        attn = (x != tok.pad_token_id).long()  # left padding only: the pad id appears nowhere else
+        for g in opt.param_groups:
+            g["lr"] = 1e-3 * min(1.0, (step + 1) / 2)
+        loss = model(input_ids=x, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), labels=y).loss
+        want.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    assert got == pytest.approx(want, rel=1e-4)
