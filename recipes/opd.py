@@ -180,6 +180,7 @@ def main(cfg: Config) -> dict:
             **distill_metrics,
         }
         run.end_of_step(step, metrics, timings, batch)
+    teacher.close()  # on Ray: its replicas, before the policy's pools they sit on are freed
     return run.finish()
 
 

@@ -20,13 +20,14 @@ from rlkit.errors import ConfigError
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker, LocalWorkerGroup, resolved
 
 
-def resource_pools(t, critic: bool = False, reward_model: bool = False) -> dict:
+def resource_pools(t, critic: bool = False, reward_model: bool = False, teacher: bool = False) -> dict:
     """Roles -> Ray resource pools, for the trainer section `t` and the roles the recipe has besides the policy.
 
     actor/rollout/reference always share the "global" pool (--trainer.n-workers bundles). PPO's critic
     is colocated on it (--trainer.critic-workers 0: each bundle holds an actor and a critic process,
     each with half of its CPUs/GPU) or gets a pool of its own (--trainer.critic-workers N); the same
-    for a reward model (--reward.model-path) with --trainer.reward-workers.
+    for a reward model (--reward.model-path) with --trainer.reward-workers. On-policy distillation's teacher
+    (recipes/opd.py --teacher) is always colocated: one replica per bundle, beside the policy's worker.
     """
     from rlkit.ray_group import ResourcePool, cluster_gpus, gpus_per_worker, init_ray
 
@@ -40,6 +41,8 @@ def resource_pools(t, critic: bool = False, reward_model: bool = False) -> dict:
         if n:
             pools[role] = ResourcePool(n, t.cpus_per_worker, gpus, name=role)
         roles[role] = role if n else "global"
+    if teacher:
+        roles["teacher"] = "global"
     return {role: pools[name] for role, name in roles.items()}
 
 
@@ -89,7 +92,8 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
             t.critic_workers or t.n_workers,
             "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers",
         )
-    pools = resource_pools(t, critic=critic is not None, reward_model=bool(cfg.reward.model_path))
+    teacher = bool(getattr(cfg, "teacher", ""))  # recipes/opd.py: its teacher's replicas share the bundles
+    pools = resource_pools(t, critic=critic is not None, reward_model=bool(cfg.reward.model_path), teacher=teacher)
     if t.engine == "megatron":  # Megatron-core tensor parallelism (rlkit/megatron_workers.py)
         from rlkit.megatron_workers import MegatronActorRolloutRefWorker, require_megatron
 
@@ -123,7 +127,7 @@ def _pools_of(policy, role: str, t) -> tuple[dict, bool]:
         return pools, False
     if pools:
         raise ConfigError(f"the policy group was built without a {role} pool: pass the recipe's config section to build_policy")
-    return resource_pools(t, critic=role == "critic", reward_model=role == "reward_model"), True
+    return resource_pools(t, critic=role == "critic", reward_model=role == "reward_model", teacher=role == "teacher"), True
 
 
 def _owning(group, pools: dict, made: bool):
@@ -183,17 +187,18 @@ def build_reward(cfg, policy=None):
     return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))
 
 
-def build_teacher(cfg, policy):
+def build_teacher(cfg, policy=None):
     """On-policy distillation's teacher (recipes/opd.py): --teacher as a frozen model that scores the student's
-    tokens, in this process. It must share the student's vocabulary and chat template: the teacher scores the
+    tokens, in this process or, with --trainer.backend ray, as one replica per bundle of the policy's pool (pass
+    the policy group). It must share the student's vocabulary and chat template: the teacher scores the
     student's token ids, so another tokenizer would score other text (checked here, before its weights load)."""
     from rlkit.engine import load_tokenizer
     from rlkit.workers import TeacherWorker
 
-    if cfg.trainer.backend != "local":
-        raise ConfigError("recipes/opd.py runs its teacher in the trainer's process: --trainer.backend ray is not supported yet")
+    t = cfg.trainer
     teacher_cfg = dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0)
-    student, teacher = policy.tokenizer, load_tokenizer(resolved(teacher_cfg).path, cfg.model.trust_remote_code)
+    student = policy.tokenizer if policy is not None else load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
+    teacher = load_tokenizer(resolved(teacher_cfg).path, cfg.model.trust_remote_code)
     for what, a, b in (
         ("vocabulary", student.get_vocab(), teacher.get_vocab()),
         ("chat template", student.chat_template, teacher.chat_template),
@@ -203,4 +208,11 @@ def build_teacher(cfg, policy):
                 f"--teacher {cfg.teacher} has another {what} than --model.path {cfg.model.path}: the teacher scores the "
                 "student's token ids, so both must use the same tokenizer and chat template (pick a teacher of the same family)"
             )
-    return LocalWorkerGroup(TeacherWorker(teacher_cfg, cfg.actor, cfg.rollout, device=cfg.trainer.device))
+    args = (teacher_cfg, cfg.actor, cfg.rollout)
+    if t.backend == "local":
+        return LocalWorkerGroup(TeacherWorker(*args, device=t.device))
+    from rlkit.ray_group import RayWorkerGroup
+
+    pools, made = _pools_of(policy, "teacher", t)
+    group = RayWorkerGroup(TeacherWorker, pools["teacher"], *args, share=_share(pools, "teacher"), device=t.device)
+    return _owning(group, pools, made)

@@ -29,6 +29,7 @@ from rlkit.engine import TorchEngine, auto_micro_batch, num_params, unpack_weigh
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
 from rlkit.protocol import DataProto
+from rlkit.ray_group import dispatch
 from rlkit.rollout import HFRollout, free_device_memory, generation_rows
 
 
@@ -290,9 +291,20 @@ class CriticWorker(CheckpointFiles):
 
 class TeacherWorker:
     """A frozen model that only scores tokens: on-policy distillation's teacher (recipes/opd.py). No optimizer,
-    no rollout, no reference; log-probs at the rollout's temperature, in the policy's micro-batches."""
+    no rollout, no reference; log-probs at the rollout's temperature, in the policy's micro-batches.
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, device: str = "auto"):
+    On Ray (`--trainer.backend ray`) each bundle holds one replica beside the policy's worker; it does not train,
+    so the replicas need no process group (rank/world_size are accepted and unused) and the group splits every
+    batch across them (data parallel)."""
+
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, device: str = "auto", **ray_rank):
+        if ray_rank:  # a Ray worker: its bundle's threads, and the one GPU Ray made visible to it
+            import os
+
+            from rlkit.engine import resolve_device, set_threads
+
+            set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+            device = "cuda:0" if resolve_device(device).type == "cuda" else "cpu"
         self.engine = TorchEngine(resolved(model_cfg), None, device, need_ref=False)
         self.engine.model.requires_grad_(False)
         self.engine.max_tokens = actor_cfg.max_token_len_per_micro_batch  # the trainer's token budget per pass
@@ -302,6 +314,7 @@ class TeacherWorker:
             actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8
         )
 
+    @dispatch("split")
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         """log pi_T(y_t | x, y_<t) of the batch's responses: teacher_log_prob (B, R)."""
         lp, _ = self.engine.compute_log_prob(batch, self.temperature, self.micro_batch)

@@ -93,3 +93,57 @@ def test_bad_teacher_settings_stop_with_one_line(tmp_path, change, words):
     with pytest.raises(ConfigError) as info:
         opd.main(cfg)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_teacher_on_ray_scores_as_the_local_teacher_and_a_ray_run_distills(tmp_path):
+    """--trainer.backend ray: one teacher replica per bundle, beside the policy's worker, each scoring its share of the
+    batch. (1) A group of 2 replicas returns the local teacher's log-probs row for row (3 rows: padded to 4, split,
+    unpadded; rows of different lengths, so a row out of place would show). (2) A Ray OPD step with the teacher
+    equal to the student gives d_t ~ 0: the FSDP student's and the replicas' passes are the same fp32 arithmetic on
+    the same weights, in other micro-batch shapes, so they differ by round-off only (~1e-6 per log-prob of size ~3);
+    1e-4 bounds the mean while a misaligned row would give ~1 (the per-token log-probs are -0.1 to -10)."""
+    ray = pytest.importorskip("ray")
+    from rlkit.config import ActorConfig, ModelConfig, RolloutConfig
+    from rlkit.protocol import DataProto
+    from rlkit.ray_group import RayWorkerGroup, init_ray
+    from rlkit.workers import TeacherWorker
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [(5, 3), (2, 4), (4, 1)]  # (prompt, response) tokens per row
+    P, R = 5, 4
+    ids = torch.randint(3, 200, (3, P + R), generator=g)
+    attn, resp_mask = torch.zeros(3, P + R, dtype=torch.long), torch.zeros(3, R, dtype=torch.long)
+    for i, (p, r) in enumerate(lengths):
+        attn[i, P - p : P + r], resp_mask[i, :r] = 1, 1
+    batch = DataProto.from_dict(
+        tensors={
+            "prompts": ids[:, :P],
+            "responses": ids[:, P:],
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": resp_mask,
+        }
+    )
+    args = (ModelConfig(path=str(STUDENT)), ActorConfig(), RolloutConfig())
+    want = TeacherWorker(*args).compute_log_prob(batch)["teacher_log_prob"]
+    init_ray(num_cpus=2)
+    try:
+        group = RayWorkerGroup(TeacherWorker, 2, *args, cpus_per_worker=0.5)
+        try:
+            got = group.compute_log_prob(batch)["teacher_log_prob"]
+        finally:
+            group.close()
+        assert got.shape == want.shape == (3, R)
+        torch.testing.assert_close(got * resp_mask, want * resp_mask, atol=1e-5, rtol=0)
+
+        opd = load_recipe("opd")
+        cfg = opd_config(opd, tmp_path, STUDENT)
+        cfg.trainer.backend, cfg.trainer.n_workers, cfg.trainer.cpus_per_worker = "ray", 2, 1
+        opd.main(cfg)
+        row = read_jsonl(tmp_path / "out" / "metrics.jsonl")[-1]
+        assert abs(row["distill/reverse_kl"]) < 1e-4 and row["distill/teacher_log_prob"] < -0.05, row
+        assert row["distill/teacher_log_prob"] == pytest.approx(row["distill/student_log_prob"], abs=1e-4)
+        assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # all pools freed
+    finally:
+        ray.shutdown()
