@@ -62,9 +62,11 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
-    """One scalar per trajectory from the reward function, plus its metrics."""
+    """One scalar per trajectory from the reward function, plus its metrics (a @batched one sees the groups: uid)."""
+    groups = batch["uid"] if "uid" in batch else None  # (validation rows have none: each its own group)
+    responses = decode_responses(batch, tokenizer)
     return reward_fn(
-        batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"], prompts=batch["raw_prompt"]
+        batch["data_source"], responses, batch["ground_truth"], batch["extra_info"], prompts=batch["raw_prompt"], groups=groups
     )
 
 
