@@ -24,6 +24,7 @@ Then maximise the PPO clipped surrogate with a KL penalty to the reference (star
 Run it:
 
     python recipes/grpo_tools.py           # embedded tool model + multiplication, CPU, ~7 min
+    python recipes/grpo_tools.py --agent.env guess   # guess-the-number (docs/environments.md)
     python recipes/grpo_tools.py --help    # every option, documented
     python recipes/grpo_tools.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
         --agent.tools calculator,python \\
@@ -44,7 +45,7 @@ step: pi_old = pi, so rho = 1.
 
 from dataclasses import dataclass, field
 
-from rlkit import agent, algos, embedded_tools, loop
+from rlkit import agent, algos, embedded_guess, embedded_tools, loop
 from rlkit.agent import AgentConfig
 from rlkit.config import (
     ActorConfig,
@@ -120,6 +121,8 @@ def make_actor_loss(cfg: Config):
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
+    if cfg.agent.env == "guess":  # rlkit/embedded_guess.py: its model and data unless given
+        embedded_guess.use_defaults(cfg)
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ConfigError(

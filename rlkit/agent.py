@@ -34,15 +34,19 @@ from typing import Literal
 
 import torch
 
+from rlkit.envs import EnvFactory
 from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
-from rlkit.tools import Tools, parse_hermes
+from rlkit.tools import Tools, parse_hermes, render_prompt
 
 
 @dataclass
 class AgentConfig:
     tools: str = "calculator"
     """comma-separated tools from rlkit.tools offered to the model (calculator, python)"""
+    env: str = "tools"
+    """the environment of each episode (rlkit/envs.py): tools (the --agent.tools), guess (guess-the-number, its
+    embedded model and data), or your factory as path/file.py:make_env"""
     max_turns: int = 3
     """assistant turns per episode; a turn that still calls a tool at the limit ends the episode (stopped by limit)"""
     max_tool_calls: int = 2
@@ -68,6 +72,8 @@ class Episode:
     tool_time: float = 0.0
     stopped_by_limit: bool = False
     done: bool = False
+    reward: float = 0.0  # the sum of the env's step rewards
+    env_reward: bool = False  # whether the env gives rewards (then `reward` is added to the scorer's)
 
     def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
@@ -111,39 +117,72 @@ def run_turns(
     max_response_tokens: int,
     eos: list[int],
     parse=parse_hermes,
+    make_env=None,
+    rows: list[dict] | None = None,
 ) -> list[Episode]:
-    """The turn loop (module docstring) for a batch of prompts; every active episode samples its turn together."""
+    """The turn loop (module docstring) for a batch of prompts; every active episode samples its turn together.
+
+    Each episode drives its own Env (rlkit/envs.py), made by `make_env()` (default: a ToolEnv on `tools`) and reset on
+    its row of `rows` (data_source, ground_truth, extra_info, prompt). An env whose first observation differs from the
+    row's prompt gets that observation rendered by the chat template as its prompt (Episode.prompt)."""
+    if make_env is None:
+        make_env = EnvFactory("tools", tools, cfg.max_turns, cfg.max_tool_calls, parse)
+    rows = rows if rows is not None else [{}] * len(prompts)
     episodes = [Episode(list(p)) for p in prompts]
-    while active := [e for e in episodes if not e.done]:
-        outs = sample([e.prompt + e.ids for e in active], [max_response_tokens - len(e.ids) for e in active])
-        calling = []  # (episode, its turn's ids, its calls): the rows whose turn calls tools
-        for e, (ids, log_probs) in zip(active, outs):
+    envs = [make_env() for _ in prompts]
+    for e, env, row in zip(episodes, envs, rows):
+        first = env.reset(row)
+        base = row.get("prompt")
+        if base is not None and not isinstance(base, str) and first != list(base):  # the env shows its own first observation
+            e.prompt = tokenizer(render_prompt(tokenizer, first, []), add_special_tokens=False)["input_ids"]
+    while active := [i for i, e in enumerate(episodes) if not e.done]:
+        outs = sample([episodes[i].prompt + episodes[i].ids for i in active], [max_response_tokens - len(episodes[i].ids) for i in active])
+        stepping = []  # (row, its turn's ids): the turns that ended in an end-of-turn token; their env takes the action
+        for i, (ids, log_probs) in zip(active, outs):
+            e = episodes[i]
             e.append(ids, True, log_probs)
             e.turns += 1
             if not ids or ids[-1] not in eos:  # the token budget ran out inside the turn
                 e.finish(by_limit=True)
-                continue
-            calls = parse(tokenizer.decode(ids[:-1]))
-            if not calls:  # the answer
-                e.finish(by_limit=False)
-            elif e.turns >= cfg.max_turns or e.tool_calls + len(calls) > cfg.max_tool_calls:
+            else:
+                stepping.append((i, ids))
+        actions = [tokenizer.decode(ids[:-1]) for _, ids in stepping]  # the turn's text without its end-of-turn token
+        for (i, ids), (obs, reward, done) in zip(stepping, step_all([envs[i] for i, _ in stepping], actions)):
+            e = episodes[i]
+            e.reward += float(reward)
+            if done:
+                e.finish(by_limit=getattr(envs[i], "stopped_by_limit", False))
+            elif e.turns >= cfg.max_turns:
                 e.finish(by_limit=True)
             else:
-                calling.append((e, ids, calls))
-        flat = tools.call_many([c for _, _, calls in calling for c in calls])  # every row's calls at once, in row order
-        for e, ids, calls in calling:
-            results, flat = flat[: len(calls)], flat[len(calls) :]
-            e.tool_calls += len(calls)
-            e.tool_errors += sum(r.error for r in results)
-            e.tool_timeouts += sum(r.timed_out for r in results)
-            e.tool_time += sum(r.seconds for r in results)
-            messages = [{"role": "tool", "name": c.name, "content": r.text} for c, r in zip(calls, results)]
-            suffix = tool_suffix_ids(tokenizer, messages, tokenizer.convert_ids_to_tokens(ids[-1]))
-            if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the results
-                e.finish(by_limit=True)
-            else:
-                e.append(suffix, False)
+                suffix = tool_suffix_ids(tokenizer, obs, tokenizer.convert_ids_to_tokens(ids[-1]))  # after the sampled end of turn
+                if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the observation
+                    e.finish(by_limit=True)
+                else:
+                    e.append(suffix, False)
+    for e, env in zip(episodes, envs):
+        for key in ENV_STATS:
+            setattr(e, key, getattr(env, key, getattr(e, key)))
+        e.env_reward = getattr(env, "gives_reward", False)
     return episodes
+
+
+ENV_STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_time")  # an env's own counters, copied to its Episode
+
+
+def step_all(envs: list, actions: list[str]) -> list[tuple[list[dict], float, bool]]:
+    """Each env's step(action), in order; an env class with `step_many(envs, actions)` steps all of its episodes at
+    once (ToolEnv: every row's tool calls together)."""
+    out: list = [None] * len(envs)
+    by_class: dict = {}
+    for k, env in enumerate(envs):
+        by_class.setdefault(type(env), []).append(k)
+    for cls, ks in by_class.items():
+        step_many = getattr(cls, "step_many", None)
+        res = step_many([envs[k] for k in ks], [actions[k] for k in ks]) if step_many else [envs[k].step(actions[k]) for k in ks]
+        for k, r in zip(ks, res):
+            out[k] = r
+    return out
 
 
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "stopped_by_limit")
@@ -162,6 +201,10 @@ def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, p
         mask[i, :n] = torch.tensor(e.mask)
         real[i, :n] = 1
         log_probs[i, :n] = torch.tensor(e.log_probs)
+    if any(e.prompt != ids[m.bool()].tolist() for e, ids, m in zip(episodes, prompts["input_ids"], prompts["attention_mask"])):
+        padded, prompts = left_pad([e.prompt for e in episodes], pad_id), prompts.select(tensor_keys=[])  # an env's own first observation
+        for key in ("input_ids", "attention_mask"):
+            prompts[key] = padded[key]
     attn = torch.cat([prompts["attention_mask"], real], dim=1)
     out = prompts.select(tensor_keys=[])
     out["prompts"] = prompts["input_ids"]
@@ -174,6 +217,8 @@ def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, p
     out["agent_tool_tokens"] = (real - mask).sum(-1).float()  # (B,)
     for key in EPISODE_STATS:
         out[f"agent_{key}"] = torch.tensor([float(getattr(e, key)) for e in episodes])
+    if any(e.env_reward for e in episodes):  # an environment's reward: rlkit.loop.score adds it to the scorer's
+        out["env_reward"] = torch.tensor([e.reward for e in episodes])  # (B,)
     return out
 
 
@@ -186,10 +231,13 @@ def generate_multi_turn(
     max_response_tokens: int,
     eos: list[int],
     parse=parse_hermes,
+    make_env=None,
 ) -> DataProto:
     """run_turns on a DataProto of left-padded prompts; returns assemble_episodes' layout (width max_response_tokens)."""
     contexts = [ids[m.bool()].tolist() for ids, m in zip(prompts["input_ids"], prompts["attention_mask"])]
-    episodes = run_turns(sample, contexts, tokenizer, tools, cfg, max_response_tokens, eos, parse)
+    keys = [(k, "prompt" if k == "raw_prompt" else k) for k in ("data_source", "ground_truth", "extra_info", "raw_prompt") if k in prompts]
+    rows = [{name: prompts[k][i] for k, name in keys} for i in range(len(contexts))]  # what each env's reset sees
+    episodes = run_turns(sample, contexts, tokenizer, tools, cfg, max_response_tokens, eos, parse, make_env, rows)
     return assemble_episodes(prompts, episodes, max_response_tokens, tokenizer.pad_token_id)
 
 
@@ -274,12 +322,13 @@ class TurnLoop:
     rollout_cfg: object  # RolloutConfig: temperatures, top_p, top_k
     max_response_length: int
     parse: Callable = parse_hermes
+    make_env: Callable | None = None  # an EnvFactory (--agent.env); None: the tools
 
     def __call__(self, worker, prompts: DataProto, validate: bool = False) -> DataProto:
         r, rollout = self.rollout_cfg, worker.rollout
         sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k)
         return generate_multi_turn(
-            sample, prompts, worker.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse
+            sample, prompts, worker.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse, self.make_env
         )
 
 
@@ -294,7 +343,10 @@ class AgentPolicy:
                 f"--agent.max-turns must be >= 1 and --agent.max-tool-calls >= 0, got {agent_cfg.max_turns}, {agent_cfg.max_tool_calls}"
             )
         self.policy, self.tools, self.agent_cfg = policy, tools, agent_cfg
-        self.turn_loop = TurnLoop(tools, agent_cfg, rollout_cfg, max_response_length, parse)  # (--trainer.async-steps: the worker's too)
+        make_env = EnvFactory(agent_cfg.env, tools, agent_cfg.max_turns, agent_cfg.max_tool_calls, parse)  # --agent.env
+        self.turn_loop = TurnLoop(
+            tools, agent_cfg, rollout_cfg, max_response_length, parse, make_env
+        )  # (--trainer.async-steps: the worker's too)
         policy.set_agent(self.turn_loop)  # its generate() is now multi-turn
 
     def __getattr__(self, name):

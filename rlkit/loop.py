@@ -62,10 +62,16 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
-    """One scalar per trajectory from the reward function, plus its metrics."""
-    return reward_fn(
-        batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"], prompts=batch["raw_prompt"]
+    """One scalar per trajectory from the reward function, plus its metrics (a @batched one sees the groups: uid)."""
+    groups = batch["uid"] if "uid" in batch else None  # (validation rows have none: each its own group)
+    responses = decode_responses(batch, tokenizer)
+    scores, metrics = reward_fn(
+        batch["data_source"], responses, batch["ground_truth"], batch["extra_info"], prompts=batch["raw_prompt"], groups=groups
     )
+    if "env_reward" in batch:  # an environment's episode reward (rlkit/envs.py) adds to the scorer's
+        scores = scores + batch["env_reward"].to(scores)
+        metrics["reward/env"] = batch["env_reward"].mean().item()
+    return scores, metrics
 
 
 def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:

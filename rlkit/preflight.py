@@ -43,6 +43,9 @@ def check_agent(cfg) -> None:
     from rlkit.tools import tools_from_names
 
     tools_from_names(a.tools, max(a.max_tool_response_chars, 1))  # unknown names: one line listing the shipped tools
+    from rlkit.envs import EnvFactory
+
+    EnvFactory(getattr(a, "env", "tools"))  # --agent.env: tools, guess or path.py:make_env
     if a.max_turns < 1:
         raise ConfigError(f"--agent.max-turns {a.max_turns}: must be at least 1 (the first turn is the model's answer or its first call)")
     if a.max_tool_calls < 0:

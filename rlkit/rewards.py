@@ -8,6 +8,15 @@ and returns either a number or a dict with a "score" key; the dict's other numer
 are averaged over the batch and logged as "reward/<key>". Built-in scorers live in `SCORERS`, keyed by
 the dataset's `data_source` column; a user file replaces them with `--reward.custom-fn path.py:fn`.
 `RewardFn` scores a batch, `token_level_rewards` puts each score on the last response token.
+
+A function that needs to see several responses at once (a judge that ranks a group, a diversity bonus) is
+marked with `@batched("group")` or `@batched("batch")` and has verl's batched signature (plural names),
+plus the group ids and prompts:
+
+    compute_score(data_sources, solution_strs, ground_truths, extra_infos, groups, prompts) -> list[float | dict]
+
+"group": one call per group (the rows that share a uid: the n responses to one prompt), "batch": one call for
+the whole batch; either way it returns one score per response, in the order given.
 """
 
 from __future__ import annotations
@@ -184,6 +193,74 @@ arith_score.answer = arith_answer
 
 # ----------------------------------------------------------------------------- user functions
 
+BATCHED_LEVELS = ("group", "batch")
+
+
+def batched(level: str = "group"):
+    """Decorator: the function scores a whole group ("group": the rows that share a uid) or the whole batch
+    ("batch") in one call, with keyword arguments data_sources, solution_strs, ground_truths, extra_infos, groups,
+    prompts (lists, one entry per response) and returns one score (a number or a dict with "score") per response.
+
+    It sets `fn.batched = level`, which RewardFn reads. In the sandbox one call is one job (its time limit is the
+    call's); the calls of different groups run in parallel on the sandbox workers.
+    """
+    if level not in BATCHED_LEVELS:
+        raise ConfigError(f"@batched({level!r}): choose 'group' or 'batch'")
+
+    def decorator(fn: ScoreFn) -> ScoreFn:
+        fn.batched = level
+        return fn
+
+    return decorator
+
+
+def _calls(fns: list, kwargs: list[dict], groups, prompts) -> list[tuple[list[int], object, dict]]:
+    """The scorer calls of a batch: (row indices, function, keyword arguments) in first-row order.
+
+    A per-sample function is called once per row; a @batched one once per group (rows with the same uid; no uid:
+    each row its own group) or once per batch, with the plural arguments of those rows in row order.
+    """
+    calls, index = [], {}
+    for i, fn in enumerate(fns):
+        level = getattr(fn, "batched", None)
+        if level is None:
+            calls.append(([i], fn, kwargs[i]))
+            continue
+        if level not in BATCHED_LEVELS:
+            raise ConfigError(f"{_describe(fn)}.batched = {level!r}: set it with @rlkit.rewards.batched('group' or 'batch')")
+        key = (id(fn), groups[i] if level == "group" else None)
+        if key not in index:
+            index[key] = len(calls)
+            calls.append(([], fn, None))
+        calls[index[key]][0].append(i)
+    for c, (rows, fn, kw) in enumerate(calls):
+        if kw is None:
+            calls[c] = (
+                rows,
+                fn,
+                {
+                    "data_sources": [kwargs[i]["data_source"] for i in rows],
+                    "solution_strs": [kwargs[i]["solution_str"] for i in rows],
+                    "ground_truths": [kwargs[i]["ground_truth"] for i in rows],
+                    "extra_infos": [kwargs[i]["extra_info"] for i in rows],
+                    "groups": [groups[i] for i in rows],
+                    "prompts": [prompts[i] for i in rows],
+                },
+            )
+    return calls
+
+
+def _split_batched(out, rows: list[int]) -> list:
+    """A @batched function's return value as one output per row; ValueError (one line) when the length is wrong."""
+    if hasattr(out, "tolist"):  # a tensor or an array
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        raise ValueError(f"a @batched function must return a list of {len(rows)} scores (one per response), got a {type(out).__name__}")
+    if len(out) != len(rows):
+        raise ValueError(f"returned {len(out)} scores for {len(rows)} responses; return one score per response, in the order given")
+    return list(out)
+
+
 # ----------------------------------------------------------------------------- batch scoring
 
 
@@ -353,7 +430,7 @@ class RewardFn:
 
         warm = {}
         for job, fn in zip(jobs, fns):
-            key = (job["fn"], str(job["kwargs"]["data_source"]))
+            key = (job["fn"], str(job["kwargs"].get("data_source", "")))  # (a @batched job has data_sources)
             if getattr(fn, "sandbox_warm", False):  # built-in verifiers only: never call a user's function for nothing
                 warm.setdefault(key, {"fn": job["fn"], "kwargs": {**job["kwargs"], "solution_str": ""}})
             else:
@@ -383,11 +460,12 @@ class RewardFn:
         if hasattr(self.model, "close"):
             self.model.close()
 
-    def __call__(self, data_sources, responses: list[str], ground_truths, extra_infos=None, prompts=None):
+    def __call__(self, data_sources, responses: list[str], ground_truths, extra_infos=None, prompts=None, groups=None):
         """Score B responses; returns (float32 tensor of shape (B,), metrics dict of floats).
 
         `data_sources` may be one string for the whole batch. Scorers are called with keyword arguments,
-        as verl does. Metrics: "reward/<key>" = mean of each extra numeric key returned by dict scorers
+        as verl does; a @batched one once per group of `groups` (the uids, e.g. batch["uid"]; None: each row
+        its own group) or once per batch. Metrics: "reward/<key>" = mean of each extra numeric key returned by dict scorers
         (over the samples that returned it), and "reward/errors", "reward/timeouts" when on_error="zero".
         """
         n = len(responses)
@@ -413,24 +491,36 @@ class RewardFn:
             {"data_source": data_sources[i], "solution_str": responses[i], "ground_truth": ground_truths[i], "extra_info": extra_infos[i]}
             for i in range(n)
         ]
-        specs = [self.sandbox_spec(fn) for fn in fns]
-        boxed = [i for i in range(n) if specs[i] is not None]
-        jobs = [{"fn": specs[i], "kwargs": kwargs[i]} for i in boxed]
-        results = dict(zip(boxed, self._pool(jobs, [fns[i] for i in boxed]).map(jobs))) if boxed else {}  # sample index -> sandbox Result
-        scores, extras, errors, timeouts = [], {}, [], 0
-        for i in range(n):
+        groups = list(groups.tolist() if hasattr(groups, "tolist") else groups) if groups is not None else list(range(n))
+        calls = _calls(fns, kwargs, groups, list(prompts) if prompts is not None else [None] * n)  # [(rows, fn, kwargs)]
+        specs = [self.sandbox_spec(fn) for _, fn, _ in calls]
+        boxed = [c for c in range(len(calls)) if specs[c] is not None]
+        jobs = [{"fn": specs[c], "kwargs": calls[c][2]} for c in boxed]
+        pool = self._pool(jobs, [calls[c][1] for c in boxed]) if boxed else None
+        results = dict(zip(boxed, pool.map(jobs))) if boxed else {}  # call index -> sandbox Result
+        outs, failures, timeouts = [None] * n, {}, 0  # outs: row -> the function's output; failures: row -> exception
+        for c, (rows, fn, kw) in enumerate(calls):
             try:
-                if i in results:
-                    r = results[i]
+                if c in results:
+                    r = results[c]
                     if not r.ok:
-                        timeouts += r.timed_out
+                        timeouts += r.timed_out * len(rows)
                         raise ScorerFailed(f"{r.error} (in the sandbox)")
                     out = r.value
                 else:
-                    with time_limit(self.timeout_s if fns[i] is self.custom_fn else None):
-                        out = fns[i](**kwargs[i])
-                score, sample_extras = _parse_output(out)
+                    with time_limit(self.timeout_s if fn is self.custom_fn else None):
+                        out = fn(**kw)
+                for i, o in zip(rows, _split_batched(out, rows) if getattr(fn, "batched", None) else [out]):
+                    outs[i] = o
             except (Exception, SystemExit) as e:  # SystemExit: a scorer's sys.exit() must not end the run with status 0
+                failures.update({i: e for i in rows})
+        scores, extras, errors = [], {}, []
+        for i in range(n):
+            try:
+                if i in failures:
+                    raise failures[i]
+                score, sample_extras = _parse_output(outs[i])
+            except (Exception, SystemExit) as e:
                 response = str(responses[i])
                 short = response if len(response) <= 200 else response[:200] + "..."
                 why = str(e) if isinstance(e, ScorerFailed) else f"{type(e).__name__}: {e}"

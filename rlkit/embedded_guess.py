@@ -1,0 +1,156 @@
+"""The embedded environment demo: guess-the-number (rlkit.envs.GuessEnv) with "higher" / "lower" replies.
+
+`python recipes/grpo_tools.py --agent.env guess` runs it on 2 CPU cores with no network, from (in `rlkit/assets/`):
+
+- `guess/train.parquet`, `guess/val.parquet`: "Guess my number, 1 to 15." with the secret as ground_truth,
+  data_source "rlkit/env" (the env gives the reward: 1 for finding the secret within --agent.max-turns 4
+  guesses). The secrets are split: 10 for training, the other 5 held out for validation.
+- `tiny-guess/`: a ~0.5M-parameter Llama-shaped model warm-started by a short supervised pass on games played by a
+  mixed strategy: at each turn the midpoint of the range the replies leave (binary search, `--midpoint-share` 30 %
+  of the turns) or its lowest number (a linear scan, the rest). Greedy, it scans (finds 4 of the 15 secrets);
+  sampled, it wins ~40 % of games; binary search wins every one: RL can learn to bisect.
+
+The supervised games are built token in / token out, like the rollouts (the reply segments come from
+`rlkit.agent.tool_suffix_ids`, masked). Rebuild everything, deterministically, with::
+
+    python -m rlkit.embedded_guess        # 400 SFT steps: minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+from rlkit.embedded import ASSETS, build_model, build_tokenizer
+
+MODEL_DIR = ASSETS / "tiny-guess"
+DATA_DIR = ASSETS / "guess"
+LO, HI, MAX_GUESSES = 1, 15, 4
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def use_defaults(cfg) -> None:
+    """--agent.env guess on recipes/grpo_tools.py: this demo's model, data and limits wherever the command line left
+    the tool demo's defaults (no tools offered, --agent.max-turns 4, --data.max-response-length 96)."""
+    from rlkit import embedded_tools
+
+    if cfg.model.path == str(embedded_tools.MODEL_DIR):
+        cfg.model.path = str(MODEL_DIR)
+    if cfg.data.train_files == [str(embedded_tools.DATA_DIR / "train.parquet")]:
+        cfg.data.train_files = [str(DATA_DIR / "train.parquet")]
+    if cfg.data.val_files == [str(embedded_tools.DATA_DIR / "val.parquet")]:
+        cfg.data.val_files = [str(DATA_DIR / "val.parquet")]
+    if cfg.agent.tools == "calculator":
+        cfg.agent.tools = ""
+    if cfg.agent.max_turns == 3:
+        cfg.agent.max_turns = MAX_GUESSES
+    if cfg.data.max_response_length == 64:  # 4 guesses and 3 replies of ~20 tokens
+        cfg.data.max_response_length = 96
+
+
+def guess_row(secret: int, split: str, index: int) -> dict:
+    return {
+        "data_source": "rlkit/env",
+        "prompt": [{"role": "user", "content": f"Guess my number, {LO} to {HI}."}],
+        "ability": "game",
+        "reward_model": {"style": "env", "ground_truth": str(secret)},
+        "extra_info": {"split": split, "index": index, "lo": LO, "hi": HI},
+    }
+
+
+def secrets(seed: int = 0, n_val: int = 5) -> tuple[list[int], list[int]]:
+    """The secrets LO..HI, shuffled with `seed`, split into (train, held-out val)."""
+    s = list(range(LO, HI + 1))
+    random.Random(seed).shuffle(s)
+    return sorted(s[n_val:]), sorted(s[:n_val])
+
+
+def play(secret: int, midpoint_share: float, rng: random.Random) -> list[int]:
+    """The guesses of one game of the mixed strategy (module docstring), at most MAX_GUESSES."""
+    lo, hi, guesses = LO, HI, []
+    while len(guesses) < MAX_GUESSES:
+        g = (lo + hi) // 2 if rng.random() < midpoint_share else lo
+        guesses.append(g)
+        if g == secret:
+            break
+        lo, hi = (g + 1, hi) if g < secret else (lo, g - 1)
+    return guesses
+
+
+def sft_example(tok, secret: int, guesses: list[int]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one game, with the GuessEnv's own replies: labels -100 on the prompt and the replies."""
+    from rlkit import agent
+    from rlkit.envs import GuessEnv
+
+    parquet = guess_row(secret, "", 0)
+    row = {"prompt": parquet["prompt"], "ground_truth": str(secret), "extra_info": parquet["extra_info"]}  # as the turn loop has it
+    env = GuessEnv()
+    prompt = tok(tok.apply_chat_template(env.reset(row), add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    ids, labels = list(prompt), [-100] * len(prompt)
+    for k, g in enumerate(guesses):
+        turn = tok(str(g), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids, labels = ids + turn, labels + turn
+        obs, _, done = env.step(str(g))
+        if done or k == len(guesses) - 1:  # found, or the last guess allowed
+            break
+        suffix = agent.tool_suffix_ids(tok, obs, tok.eos_token)
+        ids, labels = ids + suffix, labels + [-100] * len(suffix)
+    return ids, labels
+
+
+def build(
+    steps: int = 400, midpoint_share: float = 0.3, games: int = 4000, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR
+) -> Path:
+    """Write the task parquet files and train + save the guessing model."""
+    import datasets
+    import torch
+
+    from rlkit.embedded_tools import sft
+
+    torch.manual_seed(seed)
+    train, val = secrets(seed)
+    rng = random.Random(seed)
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rows = [guess_row(rng.choice(train), "train", i) for i in range(2048)]
+    datasets.Dataset.from_list(rows).to_parquet(str(data_dir / "train.parquet"))
+    datasets.Dataset.from_list([guess_row(s, "val", i) for i, s in enumerate(val)]).to_parquet(str(data_dir / "val.parquet"))
+    corpus = [
+        f"Guess my number, {LO} to {HI}. higher: {a} to {b} lower: {a} to {b} a number please" for a in range(LO, HI + 1) for b in (a, HI)
+    ]
+    tok = build_tokenizer(corpus + ["user assistant system"])
+    tok.chat_template = CHAT_TEMPLATE
+    model = build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
+    examples = [sft_example(tok, s, play(s, midpoint_share, rng)) for s in (rng.choice(train) for _ in range(games))]
+    sft(model, examples, steps, seed=seed, pad_id=tok.pad_token_id)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(
+        f"rlkit's embedded guess-the-number model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps on "
+        f"{games} games of {LO}..{HI}, {midpoint_share:.0%} of the turns bisecting, the rest scanning up (seed {seed}). "
+        "Rebuild with `python -m rlkit.embedded_guess`.\n"
+    )
+    return out_dir
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=400, help="SFT steps")
+    ap.add_argument("--midpoint-share", type=float, default=0.3, help="share of the supervised turns that bisect")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
+    print(json.dumps({"saved": str(build(args.steps, args.midpoint_share, seed=args.seed, out_dir=args.out))}))

@@ -1,0 +1,146 @@
+"""Environments (rlkit/envs.py) on the turn loop: the Env protocol, GuessEnv, the gymnasium-style adapter, token in /
+token out, the env's reward in the score; the embedded guess demo's data and model."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rlkit import agent, embedded, embedded_guess, envs, loop
+from rlkit.agent import AgentConfig
+from rlkit.errors import ConfigError
+from rlkit.protocol import DataProto
+from rlkit.rewards import RewardFn
+
+PROMPT = [{"role": "user", "content": "Guess my number, 1 to 15."}]
+ROW = {"prompt": PROMPT, "ground_truth": "11", "extra_info": {"lo": 1, "hi": 15}, "data_source": "rlkit/env"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(embedded.MODEL_DIR)  # ChatML, byte-level BPE
+
+
+def test_guess_env_replies_with_the_range_left_and_rewards_the_find():
+    env = envs.GuessEnv()
+    assert env.reset(ROW) == PROMPT
+    assert env.step("8") == ([{"role": "user", "content": "higher: 9 to 15"}], 0.0, False)
+    assert env.step(" 12\n") == ([{"role": "user", "content": "lower: 9 to 11"}], 0.0, False)
+    assert env.step("twelve") == ([{"role": "user", "content": "a number please: 9 to 11"}], 0.0, False)
+    assert env.step("3") == ([{"role": "user", "content": "higher: 9 to 11"}], 0.0, False)  # outside: the range stays
+    assert env.step("11") == ([], 1.0, True)
+    assert env.guesses == 4  # "twelve" is not a guess
+
+
+class Scripted:
+    """A Sampler that plays fixed turns for every row (ids + log-probs -0.5) and records the contexts."""
+
+    def __init__(self, turns):
+        self.turns, self.contexts = list(turns), []
+
+    def __call__(self, contexts, max_new_tokens):
+        self.contexts.append(contexts)
+        ids = self.turns.pop(0)
+        return [(ids[:b], [-0.5] * min(len(ids), b)) for b in max_new_tokens]
+
+
+def ids_of(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_turn_loop_drives_one_env_per_episode_token_in_token_out(tok):
+    eos = tok.eos_token_id
+    t1, t2 = ids_of(tok, "8") + [eos], ids_of(tok, "11") + [eos]
+    rows = [ROW, {**ROW, "ground_truth": "8"}]  # the second finds it at once
+    sampler = Scripted([t1, t2])
+    eps = agent.run_turns(sampler, [[5, 6], [5, 6]], tok, None, AgentConfig(max_turns=4), 200, [eos], make_env=envs.GuessEnv, rows=rows)
+    reply = ids_of(tok, "\n<|im_start|>user\nhigher: 9 to 15<|im_end|>\n<|im_start|>assistant\n")
+    assert eps[0].ids == t1 + reply + t2  # sampled ids + the reply's ids, never re-tokenized
+    assert eps[0].mask == [1] * len(t1) + [0] * len(reply) + [1] * len(t2)
+    assert (eps[0].reward, eps[0].turns, eps[0].stopped_by_limit, eps[0].env_reward) == (1.0, 2, False, True)
+    assert (eps[1].ids, eps[1].reward, eps[1].turns) == (t1, 1.0, 1)
+    assert sampler.contexts[1] == [[5, 6] + t1 + reply]  # only the open episode samples again
+
+
+def test_max_turns_ends_an_unsolved_game_with_reward_zero(tok):
+    eos = tok.eos_token_id
+    t = ids_of(tok, "1") + [eos]
+    ep = agent.run_turns(Scripted([t] * 3), [[5]], tok, None, AgentConfig(max_turns=3), 200, [eos], make_env=envs.GuessEnv, rows=[ROW])[0]
+    assert (ep.turns, ep.reward, ep.stopped_by_limit) == (3, 0.0, True)
+
+
+class Countdown:
+    """A gymnasium-style text env: say the numbers down from options' ground_truth to 1; +0.5 per right one."""
+
+    def reset(self, seed=None, options=None):
+        self.n = int(options["ground_truth"])
+        return f"start at {self.n}", {}
+
+    def step(self, action):
+        right = action.strip() == str(self.n)
+        self.n -= 1
+        return f"now {self.n}", 0.5 * right, self.n == 0, False, {}
+
+
+def test_gym_text_env_adapter_and_a_first_observation_of_its_own(tok):
+    eos = tok.eos_token_id
+    row = {"prompt": [{"role": "user", "content": "Count down."}], "ground_truth": "2", "extra_info": {}}
+    env = envs.GymTextEnv(Countdown)
+    first = env.reset(row)
+    assert first == [row["prompt"][0], {"role": "user", "content": "start at 2"}]
+    assert env.step("2") == ([{"role": "user", "content": "now 1"}], 0.5, False)
+    assert env.step("7") == ([], 0.0, True)
+
+    t2, t1 = ids_of(tok, "2") + [eos], ids_of(tok, "1") + [eos]
+    sampler = Scripted([t2, t1])
+    eps = agent.run_turns(sampler, [[5]], tok, None, AgentConfig(), 200, [eos], make_env=lambda: envs.GymTextEnv(Countdown), rows=[row])
+    prompt = ids_of(tok, tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False))
+    assert eps[0].prompt == prompt and sampler.contexts[0] == [prompt]  # the env's first observation is the prompt
+    assert eps[0].reward == 1.0
+    prompts = agent.left_pad([[5]], tok.pad_token_id)
+    out = agent.assemble_episodes(prompts, eps, 64, tok.pad_token_id)
+    assert out["prompts"][0].tolist()[-len(prompt) :] == prompt and out["env_reward"].tolist() == [1.0]
+    assert out["input_ids"].shape[1] == len(prompt) + 64
+
+
+def test_env_factory_names_and_errors(tmp_path):
+    assert isinstance(envs.EnvFactory("guess")(), envs.GuessEnv)
+    assert isinstance(envs.EnvFactory("tools", max_turns=2)(), envs.ToolEnv)
+    with pytest.raises(ConfigError, match="choose tools, guess, or a factory"):
+        envs.EnvFactory("chess")
+    f = tmp_path / "my_env.py"
+    f.write_text("def make_env():\n    return 42\n")
+    with pytest.raises(ConfigError, match="has no reset"):
+        envs.EnvFactory(f"{f}:make_env")()
+
+
+def test_loop_score_adds_the_env_reward():
+    class Tok:
+        pad_token_id = 0
+
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["x"] * len(ids)
+
+    batch = DataProto.from_dict(
+        tensors={
+            "responses": torch.zeros(3, 1, dtype=torch.long),
+            "response_mask": torch.ones(3, 1, dtype=torch.long),
+            "env_reward": torch.tensor([1.0, 0.0, 1.0]),
+        },
+        non_tensors={"data_source": ["rlkit/env"] * 3, "ground_truth": ["1"] * 3, "extra_info": [None] * 3, "raw_prompt": [PROMPT] * 3},
+    )
+    scores, metrics = loop.score(batch, Tok(), RewardFn())
+    assert scores.tolist() == [1.0, 0.0, 1.0] and metrics["reward/env"] == pytest.approx(2 / 3)
+
+
+def test_guess_demo_data_and_defaults():
+    import datasets
+
+    train = datasets.Dataset.from_parquet(str(embedded_guess.DATA_DIR / "train.parquet"))
+    val = datasets.Dataset.from_parquet(str(embedded_guess.DATA_DIR / "val.parquet"))
+    held_out = {r["reward_model"]["ground_truth"] for r in val}
+    assert len(held_out) == 5 and not held_out & {r["reward_model"]["ground_truth"] for r in train}
+    assert set(train["data_source"]) == {"rlkit/env"}
+    # the mixed strategy's games: binary search finds every secret of 1..15 within 4 guesses
+    import random
+
+    assert all(embedded_guess.play(s, 1.0, random.Random(0))[-1] == s for s in range(1, 16))

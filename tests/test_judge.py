@@ -1,0 +1,104 @@
+"""rlkit/judge.py: a generative judge as a batched reward: P(yes) from next-token logits (batched == one by one),
+the parsed score (sandboxed), and the judge through RewardFn."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rlkit import embedded
+from rlkit.errors import ConfigError
+from rlkit.judge import Judge, parse_score, question_of
+from rlkit.rewards import RewardFn
+
+# Judged texts of different lengths, so that a batch pads some of them.
+QUESTIONS = ["What is 2+3?", "What is 40+17?", "What is 9+9?", "What is 12+30?", "What is 1+1?"]
+RESPONSES = ["5", "57 or maybe 58", "18", "", "2"]
+REFERENCES = ["5", "57", "18", "42", "2"]
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    """A random tiny judge (the embedded tokenizer, a 2-layer model): its numbers are arbitrary but fixed."""
+    out = tmp_path_factory.mktemp("judge")
+    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden=64, seed=3)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_p_yes_batched_equals_one_by_one_and_a_plain_forward(judge_dir):
+    batched = Judge(str(judge_dir), yes="y", no="n", batch_size=4).score(QUESTIONS, RESPONSES, REFERENCES)  # 4 + 1 rows
+    single = Judge(str(judge_dir), yes="y", no="n", batch_size=1).score(QUESTIONS, RESPONSES, REFERENCES)
+    # float32 logits of a 2-layer model: a padded batch and a single row differ only in the order of reductions (SIMD
+    # widths), a few ulps (1.2e-7) per operation through ~10 chained ops; 1e-5 on a probability is ~100 ulps of margin.
+    assert batched == pytest.approx(single, abs=1e-5)
+    judge = Judge(str(judge_dir), yes="y", no="n").load()
+    text = judge.render(QUESTIONS[1], RESPONSES[1], REFERENCES[1])
+    assert text.startswith("<|im_start|>user\nQuestion: What is 40+17?\nReference: 57\nResponse: 57 or maybe 58\n")
+    ids = torch.tensor([judge.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        logits = judge.model(input_ids=ids).logits[0, -1]
+    expected = 1 / (1 + math.exp(logits[judge.no_id].item() - logits[judge.yes_id].item()))  # softmax over {yes, no}
+    assert batched[1] == pytest.approx(expected, abs=1e-5)
+    assert len({round(s, 6) for s in batched}) == 5  # the inputs differ: so do the scores (not a constant)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Score: 7", 0.7),
+        ("8/10", 0.8),
+        ("4 out of 5 steps; overall 3/4", 0.75),
+        ("Yes.", 1.0),
+        ("  no, it is wrong", 0.0),
+        ("12", 1.0),  # clipped
+        ("-3", 0.0),
+        ("7/0", 0.7),  # a zero denominator falls back to the scale
+    ],
+)
+def test_parse_score(text, expected):
+    assert parse_score(text) == pytest.approx(expected)
+
+
+def test_parse_score_without_a_verdict_raises():
+    with pytest.raises(ValueError, match="no score in the judge's text"):
+        parse_score("maybe")
+
+
+def test_parse_mode_reads_in_the_sandbox_nan_where_nothing_parses(judge_dir):
+    judge = Judge(str(judge_dir), mode="parse")
+    try:
+        assert judge.parse(["Score: 9", "No.", "yes", "2/4"]) == [0.9, 0.0, 1.0, 0.5]
+        assert math.isnan(judge.parse(["maybe"])[0])
+        texts = judge.load().generate([judge.render(q, r, t) for q, r, t in zip(QUESTIONS, RESPONSES, REFERENCES)])
+        assert len(texts) == 5 and judge.score(QUESTIONS, RESPONSES, REFERENCES)[0] == pytest.approx(
+            parse_score(texts[0]) if _parses(texts[0]) else math.nan, nan_ok=True
+        )
+    finally:
+        judge.close()
+
+
+def _parses(text):
+    try:
+        parse_score(text)
+        return True
+    except ValueError:
+        return False
+
+
+def test_judge_as_a_batched_reward_through_reward_fn(judge_dir):
+    judge = Judge(str(judge_dir), yes="y", no="n", batch_size=2)
+    prompts = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": q}] for q in QUESTIONS]
+    scores, _ = RewardFn(custom_fn=judge.reward_fn())("rlkit/arith", RESPONSES, REFERENCES, prompts=prompts, groups=[0, 0, 1, 1, 2])
+    assert scores.tolist() == pytest.approx(judge.score(QUESTIONS, RESPONSES, REFERENCES), abs=1e-6)
+    assert question_of(prompts[0]) == "What is 2+3?" and question_of("plain") == "plain"
+
+
+def test_judge_config_errors(judge_dir):
+    with pytest.raises(ConfigError, match="choose p_yes"):
+        Judge(str(judge_dir), mode="vote")
+    with pytest.raises(ConfigError, match="one token each"):
+        Judge(str(judge_dir), yes="yes indeed").load()
