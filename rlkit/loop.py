@@ -234,9 +234,10 @@ class Run:
         describe += sandbox.start_clause(cfg) + " | "  # where model-written text runs, and how contained (docs/sandbox.md)
         if t.async_steps:  # the trainer's own rollout (above) only validates
             describe += f"async: a generation worker samples {t.async_steps} batch(es) ahead with {cfg.rollout.name} | "
+        per_step = f"prompts x {cfg.rollout.n} samples" if hasattr(cfg, "rollout") else "rows"  # recipes/rm.py: pairs, no rollout
         self.tracker.message(
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
-            f"{self.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples | output {self.out_dir}"
+            f"{self.total_steps} steps of {cfg.data.train_batch_size} {per_step} | output {self.out_dir}"
             + (f" | resumed at step {self.start_step}" if self.start_step else "")
         )
 
