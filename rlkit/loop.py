@@ -62,10 +62,25 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
-    """One scalar per trajectory from the reward function, plus its metrics."""
-    return reward_fn(
+    """One scalar per trajectory from the reward function, plus its metrics. A training batch (its loader's key in
+    meta["sampler"]) also reports its groups: sampler/zero_var_share, and with --data.sampler difficulty the pass rates
+    go to the sampler (data.DifficultySampler.record)."""
+    scores, metrics = reward_fn(
         batch["data_source"], decode_responses(batch, tokenizer), batch["ground_truth"], batch["extra_info"], prompts=batch["raw_prompt"]
     )
+    key = batch.meta.get("sampler")
+    if key is not None and "index" in batch:
+        from rlkit.data import SAMPLERS, zero_var_share
+
+        index = batch["index"].tolist()
+        if key in SAMPLERS:
+            metrics = {**metrics, **SAMPLERS[key].record(index, scores)}
+        else:
+            groups = {}
+            for i, s in zip(index, scores.float().tolist()):
+                groups.setdefault(int(i), []).append(s)
+            metrics = {**metrics, **zero_var_share(groups)}
+    return scores, metrics
 
 
 def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:
@@ -200,6 +215,8 @@ class Run:
         self.total_steps = t.total_training_steps or t.total_epochs * len(train_loader)
         self.start_step = 0
         self.val_history: list[tuple[int, float]] = []
+        if getattr(cfg.data, "sampler", "uniform") == "difficulty":  # before resuming: its pass rates are in the checkpoint
+            train_loader.use_sampler(cfg.data.sampler_weights)
         path = checkpoint.find_resume_path(t.resume, self.ckpt_dir)
         if path is not None:
             state, saved = checkpoint.load(path)
