@@ -73,6 +73,10 @@ class DataConfig:
     """use at most this many validation prompts (-1 = all)"""
     shuffle: bool = True
     """shuffle the training prompts every epoch (seeded by trainer.seed)"""
+    sampler: Literal["uniform", "difficulty"] = "uniform"
+    """how the RL recipes draw training prompts: uniform (epoch by epoch), or difficulty (weighted by each prompt's last pass rate: hard/normal/easy pools, data.DifficultySampler)"""
+    sampler_weights: tuple[float, float, float] = (0.2, 1.0, 0.2)
+    """with --data.sampler difficulty: the weights of the hard (pass rate < 0.25), normal and easy (> 0.75) pools; unseen prompts count as normal"""
     task: str | None = None
     """generate the data instead of reading files: reasoning_gym:NAME (e.g. reasoning_gym:chain_sum; needs `pip install reasoning-gym==0.1.25`); train/val files are then ignored"""
     task_options: str = ""

@@ -252,11 +252,97 @@ def build_prompts(
     )
 
 
+SAMPLERS: dict[str, DifficultySampler] = {}  # key (in a training batch's meta["sampler"]) -> the loader's sampler
+
+
+class DifficultySampler:
+    """`--data.sampler difficulty`: each prompt's pass rate, remembered from its latest group, weights how often it is drawn.
+
+    After the reward (loop.score) each group of the step updates its prompt's pass rate p = the group's mean score
+    (verifiable scores in [0, 1]). Pools and their weights (--data.sampler-weights HARD NORMAL EASY, prime-rl's rule):
+
+        hard    p < 0.25            weight 0.2   its groups are mostly all wrong: little to learn
+        normal  0.25 <= p <= 0.75   weight 1.0   mixed groups: the GRPO signal
+        easy    p > 0.75            weight 0.2   mostly all right: little to learn
+        unseen                      weight 1.0 (as normal)
+
+    A step's B prompts are drawn without replacement with probability proportional to the weights, by a generator
+    seeded with (seed, draw number): the pass rates and the draw count are the whole state (state_dict), so a
+    resumed run draws what the uninterrupted one would. Metrics (record): sampler/zero_var_share (the step's groups
+    whose scores are all equal: they give GRPO no gradient), sampler/hard|normal|easy (shares of the seen prompts
+    in each pool), sampler/seen (prompts with a pass rate).
+    """
+
+    HARD, EASY = 0.25, 0.75
+
+    def __init__(self, size: int, weights: tuple[float, float, float] = (0.2, 1.0, 0.2), seed: int = 0):
+        if len(weights) != 3 or min(weights) < 0 or max(weights) <= 0:
+            raise ConfigError(f"--data.sampler-weights {weights}: three weights (hard normal easy), >= 0, one of them > 0")
+        self.size, self.weights, self.seed = size, tuple(float(w) for w in weights), seed
+        self.pass_rate: dict[int, float] = {}
+        self.draws, self.recorded = 0, 0
+        self.key = f"{os.getpid()}-{id(self)}"
+        SAMPLERS[self.key] = self
+
+    def pool(self, p: float) -> int:
+        """0 hard, 1 normal, 2 easy."""
+        return 0 if p < self.HARD else (2 if p > self.EASY else 1)
+
+    def draw(self, batch_size: int) -> list[int]:
+        """The next batch's prompt indices: weighted, without replacement."""
+        if self.draws > self.recorded:
+            raise ConfigError(
+                "--data.sampler difficulty: the previous batch got no scores (this recipe scores no rollouts, e.g. sft.py or "
+                "rm.py); use --data.sampler uniform"
+            )
+        w = torch.full((self.size,), self.weights[1], dtype=torch.float64)
+        for i, p in self.pass_rate.items():
+            w[i] = self.weights[self.pool(p)]
+        if int((w > 0).sum()) < batch_size:  # too few prompts keep a weight: top up from the rest, uniformly
+            w = w + (w == 0) * 1e-12
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.draws)
+        self.draws += 1
+        return torch.multinomial(w, batch_size, replacement=False, generator=g).tolist()
+
+    def record(self, index, scores: torch.Tensor) -> dict:
+        """Each group's mean score becomes its prompt's pass rate (index: the prompt of each row, rows of a group
+        sharing one); returns the sampler/ metrics."""
+        groups: dict[int, list[float]] = {}
+        for i, s in zip(np.asarray(index).tolist(), scores.float().tolist()):
+            groups.setdefault(int(i), []).append(s)
+        for i, g in groups.items():
+            self.pass_rate[i] = sum(g) / len(g)
+        self.recorded = self.draws
+        return {**zero_var_share(groups), **self.pool_shares()}
+
+    def pool_shares(self) -> dict:
+        seen = len(self.pass_rate)
+        counts = [0, 0, 0]
+        for p in self.pass_rate.values():
+            counts[self.pool(p)] += 1
+        shares = {f"sampler/{name}": c / max(seen, 1) for name, c in zip(("hard", "normal", "easy"), counts)}
+        return {**shares, "sampler/seen": seen}
+
+    def state_dict(self) -> dict:
+        return {"pass_rate": dict(self.pass_rate), "draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pass_rate = {int(k): float(v) for k, v in state["pass_rate"].items()}
+        self.draws = self.recorded = state["draws"]
+
+
+def zero_var_share(groups: dict) -> dict:
+    """sampler/zero_var_share: the share of groups (of 2+ samples) whose scores are all equal."""
+    multi = [g for g in groups.values() if len(g) > 1]
+    return {"sampler/zero_var_share": sum(max(g) == min(g) for g in multi) / len(multi)} if multi else {}
+
+
 class PromptLoader:
     """Yields batches of `batch_size` prompts, epoch after epoch, in a seeded order; resumable.
 
     The order of epoch e is a permutation drawn from `seed + e`, so (epoch, position) is all the
-    state there is: `state_dict()` / `load_state_dict()` restore it exactly.
+    state there is: `state_dict()` / `load_state_dict()` restore it exactly. With a DifficultySampler
+    (`use_sampler`) the prompts are drawn by its weights instead; (epoch, position) still count the batches.
     """
 
     def __init__(self, prompts: PromptSet, batch_size: int, pad_id: int, shuffle: bool = True, seed: int = 0):
@@ -264,6 +350,11 @@ class PromptLoader:
             raise ConfigError(f"--data.train-batch-size {batch_size} is larger than the dataset ({len(prompts)} prompts); lower it")
         self.prompts, self.batch_size, self.pad_id, self.shuffle, self.seed = prompts, batch_size, pad_id, shuffle, seed
         self.epoch, self.position = 0, 0
+        self.sampler: DifficultySampler | None = None
+
+    def use_sampler(self, weights: tuple[float, float, float]) -> None:
+        """Draw batches by difficulty (--data.sampler difficulty; loop.Run calls this before resuming)."""
+        self.sampler = DifficultySampler(len(self.prompts), weights, self.seed)
 
     def __len__(self) -> int:
         """Batches per epoch (the last incomplete batch is dropped)."""
@@ -279,14 +370,26 @@ class PromptLoader:
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
         start = self.position * self.batch_size
-        rows = self._order(self.epoch)[start : start + self.batch_size]
+        if self.sampler is not None:
+            rows = self.sampler.draw(self.batch_size)
+        else:
+            rows = self._order(self.epoch)[start : start + self.batch_size]
         self.position += 1
         batch = self.prompts.batch(rows, self.pad_id)
         batch.meta["epoch"] = self.epoch
+        if isinstance(self.prompts, PromptSet):  # prompts to sample: loop.score reports the groups (and feeds the sampler)
+            batch.meta["sampler"] = self.sampler.key if self.sampler is not None else "uniform"
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        state = {"epoch": self.epoch, "position": self.position}
+        if self.sampler is not None:
+            state["sampler"] = self.sampler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
+        if (self.sampler is not None) != ("sampler" in state):
+            raise ConfigError("cannot resume: the checkpoint was saved with another --data.sampler; resume with the same one")
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state["sampler"])

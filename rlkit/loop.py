@@ -62,7 +62,9 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
-    """One scalar per trajectory from the reward function, plus its metrics (a @batched one sees the groups: uid)."""
+    """One scalar per trajectory from the reward function, plus its metrics (a @batched one sees the groups: uid).
+    A training batch (its loader's key in meta["sampler"]) also reports its groups: sampler/zero_var_share, and with
+    --data.sampler difficulty the pass rates go to the sampler (data.DifficultySampler.record)."""
     groups = batch["uid"] if "uid" in batch else None  # (validation rows have none: each its own group)
     responses = decode_responses(batch, tokenizer)
     scores, metrics = reward_fn(
@@ -71,6 +73,18 @@ def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
     if "env_reward" in batch:  # an environment's episode reward (rlkit/envs.py) adds to the scorer's
         scores = scores + batch["env_reward"].to(scores)
         metrics["reward/env"] = batch["env_reward"].mean().item()
+    key = batch.meta.get("sampler")
+    if key is not None and "index" in batch:
+        from rlkit.data import SAMPLERS, zero_var_share
+
+        index = batch["index"].tolist()
+        if key in SAMPLERS:
+            metrics = {**metrics, **SAMPLERS[key].record(index, scores)}
+        else:
+            by_prompt = {}
+            for i, s in zip(index, scores.float().tolist()):
+                by_prompt.setdefault(int(i), []).append(s)
+            metrics = {**metrics, **zero_var_share(by_prompt)}
     return scores, metrics
 
 
@@ -206,6 +220,8 @@ class Run:
         self.total_steps = t.total_training_steps or t.total_epochs * len(train_loader)
         self.start_step = 0
         self.val_history: list[tuple[int, float]] = []
+        if getattr(cfg.data, "sampler", "uniform") == "difficulty":  # before resuming: its pass rates are in the checkpoint
+            train_loader.use_sampler(cfg.data.sampler_weights)
         path = checkpoint.find_resume_path(t.resume, self.ckpt_dir)
         if path is not None:
             state, saved = checkpoint.load(path)
@@ -240,9 +256,10 @@ class Run:
         describe += sandbox.start_clause(cfg) + " | "  # where model-written text runs, and how contained (docs/sandbox.md)
         if t.async_steps:  # the trainer's own rollout (above) only validates
             describe += f"async: a generation worker samples {t.async_steps} batch(es) ahead with {cfg.rollout.name} | "
+        per_step = f"prompts x {cfg.rollout.n} samples" if hasattr(cfg, "rollout") else "rows"  # recipes/rm.py: pairs, no rollout
         self.tracker.message(
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
-            f"{self.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples | output {self.out_dir}"
+            f"{self.total_steps} steps of {cfg.data.train_batch_size} {per_step} | output {self.out_dir}"
             + (f" | resumed at step {self.start_step}" if self.start_step else "")
         )
 

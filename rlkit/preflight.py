@@ -62,6 +62,11 @@ def check_async(cfg) -> None:
         raise ConfigError(f"--trainer.async-steps {k}: must be >= 0 (0 = synchronous)")
     if k == 0:
         return
+    if getattr(cfg.data, "sampler", "uniform") == "difficulty":  # its weights need each batch's scores before the next draw
+        raise ConfigError(
+            f"--data.sampler difficulty does not run with --trainer.async-steps {k} (batches are drawn before the last ones "
+            "are scored); use --trainer.async-steps 0 or --data.sampler uniform"
+        )
     workers = getattr(t, "async_workers", 1)
     if workers < 1:
         raise ConfigError(f"--trainer.async-workers {workers}: must be >= 1")

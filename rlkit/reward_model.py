@@ -16,6 +16,16 @@ from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
 
 
+def render(tokenizer, prompt, response: str) -> str:
+    """The text a reward model reads: chat messages + the response as the assistant turn, in the reward model's own
+    template (a plain-string prompt, or a tokenizer without a template: the texts joined). recipes/rm.py trains on
+    exactly this text, so that training and scoring see the same tokens."""
+    if isinstance(prompt, str) or not getattr(tokenizer, "chat_template", None):
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        return text + response
+    return tokenizer.apply_chat_template(list(prompt) + [{"role": "assistant", "content": response}], tokenize=False)
+
+
 class RewardModel:
     """score(prompts, responses) -> (B,) float tensor, in micro-batches, without gradients."""
 
@@ -38,11 +48,8 @@ class RewardModel:
         self.micro_batch_size, self.max_length = micro_batch_size, max_length
 
     def render(self, prompt, response: str) -> str:
-        """The text the reward model reads: chat messages + the response as the assistant turn, in its own template."""
-        if isinstance(prompt, str) or not getattr(self.tokenizer, "chat_template", None):
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-            return text + response
-        return self.tokenizer.apply_chat_template(list(prompt) + [{"role": "assistant", "content": response}], tokenize=False)
+        """The text the reward model reads (module-level `render` with its tokenizer)."""
+        return render(self.tokenizer, prompt, response)
 
     @torch.no_grad()
     def __call__(self, prompts, responses: list[str]) -> torch.Tensor:

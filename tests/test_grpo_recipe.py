@@ -31,7 +31,8 @@ def small_config(recipe, out_dir, steps=3, **trainer):
     cfg.data.val_max_samples = 32
     cfg.actor.ppo_mini_batch_size = 4
     cfg.actor.ppo_micro_batch_size = 16
-    cfg.rollout.n = 4
+    if hasattr(cfg, "rollout"):  # recipes/rm.py samples nothing
+        cfg.rollout.n = 4
     cfg.trainer.total_training_steps = steps
     cfg.trainer.default_local_dir = str(out_dir)
     cfg.trainer.test_freq = 2

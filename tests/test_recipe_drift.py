@@ -26,7 +26,10 @@ from pathlib import Path
 import pytest
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-NOT_FORKS = {"sft": "supervised fine-tuning: no rollout, reward or advantage, so none of grpo.py's loop"}
+NOT_FORKS = {
+    "sft": "supervised fine-tuning: no rollout, reward or advantage, so none of grpo.py's loop",
+    "rm": "reward-model training on preference pairs: no rollout, reward or advantage either",
+}
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.py") if p.stem != "grpo" and p.stem not in NOT_FORKS)
 FORKS = ("cispo", "gmpo", "gspo", "rloo")
 PPO_CLIP = ("dapo", "grpo_tools", "opd", "ppo", "reinforce_pp", "remax", "rloo")

@@ -1,0 +1,368 @@
+"""RM: a Bradley-Terry reward model trained on preference pairs, in one file.
+
+A reward model r(x, y) is the policy's network with a one-output head read at the last token
+(AutoModelForSequenceClassification). For each pair -- prompt x, chosen y_c, rejected y_r --
+maximise the Bradley-Terry likelihood that the chosen response wins:
+
+    L = mean_pairs [ -log sigmoid(r(x, y_c) - r(x, y_r) - m) + eta * (r(x, y_c) + r(x, y_r))^2 ]
+
+m: the pair's margin (--margin-key, a column; 0 without one). eta: --center-coef (0 = off): the
+loss sees only differences, so rewards drift; the squared sum keeps them centred on 0.
+
+Run it:
+
+    python recipes/rm.py                   # embedded model, pairs from the embedded task, ~1 min
+    python recipes/rm.py --help            # every option, documented
+    python recipes/rm.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
+        --data.train-files prefs/train.parquet --data.val-files prefs/test.parquet \\
+        --data.max-prompt-length 1024 --data.max-response-length 1024 --actor.lr 1e-5
+
+then train a policy on it (the export is a plain Hugging Face folder, tokenizer included):
+
+    python recipes/grpo.py --reward.model-path outputs/rm/checkpoints/global_step_200/hf
+
+Data (TRL/verl preference parquet): columns prompt (--data.prompt-key: a string or chat
+messages), chosen and rejected (--chosen-key, --rejected-key: a string, or chat messages ending
+with the assistant's turn; without a prompt column they are whole conversations), and optionally
+a margin column (--margin-key). Each response is rendered as the reward model scores it
+(rlkit.reward_model.render: the prompt's messages + the response as the assistant turn).
+
+Batch-size arithmetic, per training step:
+
+    data.train_batch_size pairs              B  = 64      one optimizer step
+    each accumulated over micro-batches of   actor.ppo_micro_batch_size pairs (2 rows each)
+
+Validation: val/pair_acc (share of held-out pairs with r(x, y_c) > r(x, y_r)) and val/loss.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+from rlkit import loop
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, TrainerConfig
+from rlkit.data import PromptLoader
+from rlkit.embedded import ASSETS
+from rlkit.errors import ConfigError, MissingFile, NonFinite
+from rlkit.protocol import DataProto
+from rlkit.reward_model import render
+from rlkit.workers import CheckpointFiles
+
+PAIRS = ASSETS / "arith-prefs"  # the embedded pairs: correct vs the embedded model's wrong answers
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(
+            train_files=[str(PAIRS / "train.parquet")],
+            val_files=[str(PAIRS / "val.parquet")],
+            train_batch_size=64,
+            max_prompt_length=64,
+            max_response_length=16,
+        )
+    )
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(
+            lr=1e-3, warmup_steps=10, ppo_mini_batch_size=64, use_kl_loss=False
+        )
+    )
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(total_training_steps=150, test_freq=50)
+    )
+    chosen_key: str = "chosen"
+    """the column of preferred responses (a string, or chat messages ending with the answer)"""
+    rejected_key: str = "rejected"
+    """the column of dispreferred responses (same form as the chosen ones)"""
+    margin_key: str = ""
+    """a column of per-pair margins m (how much chosen must win by); empty = no margin"""
+    center_coef: float = 0.0
+    """eta of the centring term eta * (r_c + r_r)^2 (TRL's center_rewards_coefficient; 0 = off)"""
+
+
+# -- the data: preference parquet -> rendered texts -> token ids ----------------------------------
+def read_pairs(files: list[str], cfg: Config) -> list[tuple]:
+    """Each row as (prompt messages or text, chosen text, rejected text, margin)."""
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise MissingFile(f"preference file not found: {', '.join(missing)} (--data.train-files)")
+    try:
+        table = pa.concat_tables([pq.read_table(f) for f in files])
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ConfigError(f"{files}: not a parquet file ({str(e).splitlines()[0][:80]})") from e
+    cols = table.column_names
+    for flag, key in (("--chosen-key", cfg.chosen_key), ("--rejected-key", cfg.rejected_key)):
+        if key not in cols:
+            raise ConfigError(f"{files}: no column {key!r} (columns: {cols}); set {flag}")
+    if cfg.margin_key and cfg.margin_key not in cols:
+        raise ConfigError(
+            f"{files}: no column {cfg.margin_key!r} (columns: {cols}); set --margin-key"
+        )
+    n = table.num_rows
+    if n == 0:
+        raise ConfigError(f"{files}: no rows; pass a file with preference pairs")
+    key = cfg.data.prompt_key
+    prompts = table.column(key).to_pylist() if key in cols else [None] * n
+    margins = table.column(cfg.margin_key).to_pylist() if cfg.margin_key else [0.0] * n
+    out = []
+    for i, (p, c, r, m) in enumerate(
+        zip(
+            prompts,
+            *(table.column(k).to_pylist() for k in (cfg.chosen_key, cfg.rejected_key)),
+            margins,
+        )
+    ):
+        if c is None or r is None or not isinstance(m, (int, float)):
+            raise ConfigError(
+                f"{files} row {i}: a null chosen/rejected or a non-number margin {m!r}"
+            )
+        (p1, c), (p2, r) = split_turn(p, c, i, files), split_turn(p, r, i, files)
+        if p1 != p2:
+            raise ConfigError(f"{files} row {i}: chosen and rejected continue different prompts")
+        out.append((p1, c, r, float(m)))
+    return out
+
+
+def split_turn(prompt, response, row: int, files) -> tuple:
+    """(prompt, response text): a string response continues the prompt; a message list's last
+    message is the response, the ones before it continue the prompt (no prompt: all of it)."""
+    if isinstance(response, str):
+        if prompt is None:
+            raise ConfigError(
+                f"{files}: no prompt column; set --data.prompt-key (or store messages)"
+            )
+        return prompt, response
+    if not response or response[-1].get("role") != "assistant" or isinstance(prompt, str):
+        raise ConfigError(
+            f"{files} row {row}: chosen/rejected as messages must end with an assistant turn "
+            "and follow a message-list prompt"
+        )
+    return list(prompt or []) + list(response[:-1]), response[-1]["content"]
+
+
+class Pairs:
+    """Tokenized pairs; batch(rows) stacks the chosen rows then the rejected rows, right-padded."""
+
+    def __init__(self, pairs: list[tuple], tok, cfg: DataConfig, max_samples: int = -1):
+        pairs = pairs[:max_samples] if max_samples > 0 else pairs
+        limit = cfg.max_prompt_length + cfg.max_response_length
+        self.ids, self.margins = [], [m for *_, m in pairs]
+        for i, (p, c, r, _) in enumerate(pairs):
+            enc = tok([render(tok, p, c), render(tok, p, r)], add_special_tokens=False)
+            if max(map(len, enc["input_ids"])) > limit:
+                raise ConfigError(
+                    f"pair {i} renders to {max(map(len, enc['input_ids']))} tokens, over "
+                    f"--data.max-prompt-length + --data.max-response-length = {limit}; raise them"
+                )
+            self.ids.append(enc["input_ids"])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def batch(self, rows, pad_id: int) -> DataProto:
+        seqs = [self.ids[i][0] for i in rows] + [self.ids[i][1] for i in rows]  # chosen, rejected
+        width = max(map(len, seqs))
+        input_ids = torch.full((len(seqs), width), pad_id)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for j, s in enumerate(seqs):
+            input_ids[j, : len(s)], attn[j, : len(s)] = torch.tensor(s), 1
+        return DataProto.from_dict(
+            tensors={
+                "input_ids": input_ids,  # (2b, L): rows [0, b) chosen, [b, 2b) rejected
+                "attention_mask": attn,
+                "margin": torch.tensor([self.margins[i] for i in rows] * 2),  # (2b,)
+            }
+        )
+
+
+# -- the model: a sequence classifier with one output, its optimizer, its checkpoint -------------
+class RewardTrainer(CheckpointFiles):
+    """AutoModelForSequenceClassification (num_labels=1) + AdamW; LoRA with --model.lora-rank."""
+
+    def __init__(self, cfg: Config):
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForSequenceClassification
+
+        from rlkit.engine import check_grad_clip_value, load_tokenizer, resolve_device
+        from rlkit.workers import resolved
+
+        m, a = resolved(cfg.model), cfg.actor
+        check_grad_clip_value("actor", a.grad_clip)
+        if m.dtype not in ("auto", "float32"):
+            raise ConfigError("recipes/rm.py trains in float32: use --model.dtype float32")
+        self.device, self.actor_cfg = resolve_device(cfg.trainer.device), a
+        self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
+        self.tokenizer.padding_side = "right"  # as rlkit.reward_model.RewardModel reads
+        torch.manual_seed(cfg.trainer.seed)  # the fresh head (and LoRA) start the same every run
+        model = AutoModelForSequenceClassification.from_pretrained(
+            m.path, num_labels=1, trust_remote_code=m.trust_remote_code, dtype=torch.float32
+        )
+        model.config.pad_token_id = self.tokenizer.pad_token_id  # the last real token is read
+        self.lora = m.lora_rank > 0
+        if self.lora:  # SEQ_CLS: the head ("score") trains in full beside the adapters
+            targets = m.target_modules
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    task_type="SEQ_CLS",
+                    r=m.lora_rank,
+                    lora_alpha=m.lora_alpha,
+                    target_modules=targets if targets == "all-linear" else targets.split(","),
+                ),
+            )
+        self.model = model.to(self.device).eval()  # eval: no dropout; gradients still flow
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay)
+        warm = max(a.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+        )
+        self.micro_batch = a.ppo_micro_batch_size or 64  # pairs per forward/backward
+
+    def rewards(self, mb: DataProto) -> torch.Tensor:
+        """r(x, y) of every row, (2b,): the head's output at the last non-pad token."""
+        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        return self.model(input_ids=ids, attention_mask=attn).logits[:, 0].float()
+
+    @torch.no_grad()
+    def score(self, batch: DataProto) -> torch.Tensor:
+        return self.rewards(batch).cpu()
+
+    def update(self, pairs: DataProto, loss_fn) -> dict:
+        """One optimizer step on B pairs, the gradient accumulated over micro-batches of pairs."""
+        b = len(pairs) // 2
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for s in range(0, b, self.micro_batch):
+            rows = list(range(s, min(s + self.micro_batch, b)))
+            mb = pairs.index(rows + [b + i for i in rows])  # its chosen, then its rejected
+            loss, metrics = loss_fn(self.rewards(mb), mb["margin"].to(self.device), b)
+            if not torch.isfinite(loss):
+                raise NonFinite(f"non-finite loss ({loss.item()}) in the update; lower --actor.lr")
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.actor_cfg.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        return {**sums, "actor/grad_norm": grad_norm.item(), "actor/lr": lr}
+
+    def num_params(self) -> tuple[int, int]:
+        from rlkit.engine import num_params
+
+        return num_params(self.model)
+
+    def save_pretrained(self, path) -> None:
+        """The export --reward.model-path loads: a plain Hugging Face folder (LoRA merged)."""
+        import copy
+
+        model = copy.deepcopy(self.model).merge_and_unload() if self.lora else self.model
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def state_dict(self) -> dict:
+        keep = (lambda k: "lora_" in k or "modules_to_save" in k) if self.lora else (lambda k: True)
+        return {
+            "model": {k: v for k, v in self.model.state_dict().items() if keep(k)},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"], strict=not self.lora)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+# ALGO LOGIC: the Bradley-Terry loss of a micro-batch, summed over its pairs / B (the step's pairs)
+def bt_loss(rewards, margin, num_pairs: int, center_coef: float = 0.0):
+    """-log sigmoid(r_c - r_r - m) + eta (r_c + r_r)^2 per pair; rewards (2b,): chosen | rejected"""
+    r_c, r_r = rewards.chunk(2)  # (b,), (b,)
+    diff = r_c - r_r
+    loss = -F.logsigmoid(diff - margin[: len(r_c)])  # (b,)
+    if center_coef:
+        loss = loss + center_coef * (r_c + r_r) ** 2
+    metrics = {
+        "rm/loss": loss.sum().item() / num_pairs,
+        "rm/acc": (diff > 0).float().sum().item() / num_pairs,  # train pairs ranked right
+        "rm/margin": diff.sum().item() / num_pairs,  # mean r_c - r_r
+        "rm/chosen": r_c.sum().item() / num_pairs,
+        "rm/rejected": r_r.sum().item() / num_pairs,
+    }
+    return loss.sum() / num_pairs, metrics
+
+
+@torch.no_grad()
+def evaluate(rm: RewardTrainer, pairs: Pairs, batch_size: int, center_coef: float) -> dict:
+    """val/pair_acc (share of pairs with r_c > r_r; a tie counts as wrong) and val/loss."""
+    n, sums = len(pairs), {}
+    for s in range(0, n, batch_size):
+        b = pairs.batch(range(s, min(s + batch_size, n)), rm.tokenizer.pad_token_id)
+        _, m = bt_loss(rm.score(b), b["margin"], n, center_coef)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v
+    return {"val/pair_acc": sums["rm/acc"], "val/loss": sums["rm/loss"]}
+
+
+def main(cfg: Config) -> dict:
+    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, logging, resume
+    from rlkit.engine import set_threads
+
+    set_threads(cfg.trainer.num_threads)
+    torch.manual_seed(cfg.trainer.seed)
+    if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
+        raise ConfigError(
+            "recipes/rm.py takes one optimizer step per batch: "
+            "--actor.ppo-mini-batch-size = --data.train-batch-size, --actor.ppo-epochs 1"
+        )
+    train_pairs, t = read_pairs(cfg.data.train_files, cfg), cfg.trainer  # file errors first
+    val_pairs = read_pairs(cfg.data.val_files, cfg) if cfg.data.val_files else None
+    rm = RewardTrainer(cfg)
+    tok = rm.tokenizer
+    train_set = Pairs(train_pairs, tok, cfg.data)
+    train = PromptLoader(
+        train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, t.seed
+    )
+    val_set = Pairs(val_pairs, tok, cfg.data, cfg.data.val_max_samples) if val_pairs else None
+    run = loop.Run(cfg, rm, train, None, None)
+    val_bs = cfg.data.val_batch_size
+
+    def validate(step: int) -> dict:  # held-out pairs: logged, and remembered for the summary
+        metrics = evaluate(rm, val_set, val_bs, cfg.center_coef)
+        run.val_history.append((step, metrics["val/pair_acc"]))
+        run.tracker.message(
+            f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        )
+        return metrics
+
+    if val_set is not None and run.start_step == 0 and t.val_before_train:
+        run.tracker.log(0, validate(0))
+    for step in run.steps():
+        timings = {}
+        with loop.timer("step", timings):
+            batch = train.next_batch()  # B pairs: input_ids (2B, L), chosen rows then rejected
+            with loop.timer("update", timings):  # ALGO LOGIC: the loss of bt_loss, one step
+
+                def loss_fn(rewards, margin, num_pairs):
+                    return bt_loss(rewards, margin, num_pairs, cfg.center_coef)
+
+                metrics = rm.update(batch, loss_fn)
+        if val_set is not None and (
+            t.test_freq > 0 and step % t.test_freq == 0 or step == run.total_steps
+        ):
+            metrics.update(validate(step))
+
+        # TRY NOT TO MODIFY: metrics, checkpoints (hf/: the export --reward.model-path loads)
+        run.end_of_step(step, metrics, timings, batch)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    loop.cli(main, Config)

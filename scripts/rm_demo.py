@@ -1,0 +1,196 @@
+"""SFT -> RM -> RL on the embedded task: preference pairs, a Bradley-Terry reward model, GRPO on it.
+
+    python scripts/rm_demo.py pairs            # rlkit/assets/arith-prefs/{train,val}.parquet (~20 s)
+    python scripts/rm_demo.py run              # pairs -> recipes/rm.py -> recipes/grpo.py on the RM
+                                               # -> held-out accuracy by the exact scorer (~10 min)
+
+Pairs: for a prompt "What is a+b?" the chosen response is the right answer; the rejected one is a
+wrong answer the embedded model itself sampled (temperature 1: the mistakes the policy makes), and,
+with --near-miss, also a near miss (the answer +-1 or +-10: a digit off) as a harder negative.
+Train pairs come from the task's train split, val pairs from its held-out split (disjoint problems).
+
+`run` trains the RM (held-out pair accuracy), then GRPO with --reward.model-path on its export,
+saving checkpoints along the way; each checkpoint is evaluated greedily on the held-out prompts by
+the exact scorer (true accuracy) and by the RM (its reward): the curve RM reward vs true accuracy
+(docs/rm.md), written to <out>/curve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlkit import embedded  # noqa: E402
+
+OUT = embedded.ASSETS / "arith-prefs"
+
+
+def near_misses(answer: int, rng: random.Random, k: int) -> list[str]:
+    """k distinct wrong answers a digit away from `answer`: +-1, +-10 (never negative)."""
+    cands = [answer + d for d in (-1, 1, -10, 10) if answer + d >= 0]
+    rng.shuffle(cands)
+    return [str(c) for c in cands[:k]]
+
+
+def sample_answers(prompts: list[list[dict]], n: int, seed: int, model_dir=embedded.MODEL_DIR) -> list[list[str]]:
+    """n responses per prompt from the embedded model at temperature 1, decoded as the RL loop decodes them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.manual_seed(seed)
+    out = []
+    for s in range(0, len(prompts), 256):
+        texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts[s : s + 256]]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=8,
+                num_return_sequences=n,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        dec = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        out += [dec[i * n : (i + 1) * n] for i in range(len(texts))]
+    return out
+
+
+def make_pairs(split_rows, samples: int, near_miss: int, seed: int) -> list[dict]:
+    """Rows (prompt, chosen, rejected): per problem, each distinct wrong sample (at most 2) and `near_miss` near misses."""
+    rng = random.Random(seed)
+    prompts = [r["prompt"] for r in split_rows]
+    sampled = sample_answers(prompts, samples, seed)
+    rows = []
+    for r, answers in zip(split_rows, sampled):
+        truth = r["reward_model"]["ground_truth"]
+        wrong = list(dict.fromkeys(a for a in answers if a.strip() != truth))[:2]
+        wrong += [w for w in near_misses(int(truth), rng, near_miss) if w not in wrong]
+        rows += [{"prompt": r["prompt"], "chosen": truth, "rejected": w} for w in wrong]
+    return rows
+
+
+def write_pairs(out: Path, train_problems: int, val_problems: int, samples: int, near_miss: int, seed: int) -> tuple[Path, Path]:
+    import datasets
+
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = embedded.arith_problems(0)  # the task's own split: val problems are held out
+    paths = []
+    for split, problems, n in (("train", train, train_problems), ("val", val, val_problems)):
+        rows = [embedded.arith_row(a, b, split, i) for i, (a, b) in enumerate(problems[:n])]
+        pairs = make_pairs(rows, samples, near_miss, seed + (split == "val"))
+        path = out / f"{split}.parquet"
+        datasets.Dataset.from_list(pairs).to_parquet(str(path))
+        print(f"{path}: {len(pairs)} pairs from {len(rows)} problems")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def greedy_eval(model_dir, rm_dir, n_val: int) -> dict:
+    """Greedy answers of the policy at model_dir on the first n_val held-out problems: accuracy by the exact scorer and
+    the RM's mean reward on the same answers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlkit.reward_model import RewardModel
+    from rlkit.rewards import RewardFn
+
+    _, val = embedded.arith_problems(0)
+    rows = [embedded.arith_row(a, b, "val", i) for i, (a, b) in enumerate(val[:n_val])]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        gen = model.generate(**enc, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    answers = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    exact = RewardFn(sandbox="off")
+    truth = [r["reward_model"]["ground_truth"] for r in rows]
+    acc, _ = exact([embedded.DATA_SOURCE] * len(rows), answers, truth)
+    rm = RewardModel(str(rm_dir), "cpu")([r["prompt"] for r in rows], answers)
+    return {"acc": acc.mean().item(), "rm_reward": rm.mean().item(), "examples": answers[:8]}
+
+
+def sh(cmd: list[str], log: Path) -> None:
+    print("$", " ".join(cmd), flush=True)
+    with open(log, "w") as f:
+        if subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT) != 0:
+            raise SystemExit(f"failed: see {log}")
+
+
+def run(args) -> None:
+    """RM training, then GRPO on the RM with checkpoints every --save-freq steps, each evaluated (curve.json)."""
+    out = args.run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    rm_dir = args.rm
+    if rm_dir is None:
+        sh(
+            [py, "recipes/rm.py", "--data.train-files", str(args.out / "train.parquet"), "--data.val-files", str(args.out / "val.parquet"),
+             "--trainer.total-training-steps", str(args.rm_steps), "--trainer.test-freq", str(args.rm_steps // 4),
+             "--actor.lr", str(args.rm_lr), "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "rm"],
+            out / "rm.log",
+        )  # fmt: skip
+        rm_dir = out / "rm" / "checkpoints" / f"global_step_{args.rm_steps}" / "hf"
+    sh(
+        [py, "recipes/grpo.py", "--reward.model-path", str(rm_dir), "--trainer.total-training-steps", str(args.rl_steps),
+         "--trainer.save-freq", str(args.save_freq), "--trainer.max-ckpt-to-keep", "0", "--trainer.test-freq", "0",
+         "--no-trainer.val-before-train", "--data.val-max-samples", "64", "--actor.kl-loss-coef", str(args.kl),
+         "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "grpo-rm"],
+        out / "grpo.log",
+    )  # fmt: skip
+    curve = []
+    for step in range(0, args.rl_steps + 1, args.save_freq):
+        policy = embedded.MODEL_DIR if step == 0 else out / "grpo-rm" / "checkpoints" / f"global_step_{step}" / "hf"
+        point = {"step": step, **greedy_eval(policy, rm_dir, args.val_problems)}
+        print(json.dumps(point), flush=True)
+        curve.append(point)
+    (out / "curve.json").write_text(json.dumps(curve, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["pairs", "run"])
+    ap.add_argument("--out", type=Path, default=OUT, help="where the pair parquet files go")
+    ap.add_argument("--train-problems", type=int, default=3000)
+    ap.add_argument("--val-problems", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=4, help="samples per problem to find wrong answers in")
+    ap.add_argument("--near-miss", type=int, default=1, help="near-miss negatives per problem")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-dir", type=Path, default=ROOT / "outputs" / "rm_demo", help="run: where the runs go")
+    ap.add_argument("--rm", type=Path, default=None, help="run: an RM export to use instead of training one")
+    ap.add_argument("--rm-steps", type=int, default=400)
+    ap.add_argument("--rm-lr", type=float, default=2e-3)
+    ap.add_argument("--rl-steps", type=int, default=40)
+    ap.add_argument("--save-freq", type=int, default=10)
+    ap.add_argument("--kl", type=float, default=0.001, help="run: GRPO's --actor.kl-loss-coef")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    start = time.time()
+    if args.stage == "pairs":
+        write_pairs(args.out, args.train_problems, args.val_problems, args.samples, args.near_miss, args.seed)
+    else:
+        run(args)
+    print(f"done in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""recipes/rm.py: the Bradley-Terry loss against a hand computation, a tiny RM that learns, its export scored by the
+RL reward path exactly as the trainer scores, resume, and one-line errors."""
+
+import json
+import math
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_grpo_recipe import load_recipe
+
+from rlkit import embedded
+from rlkit.config import RewardConfig
+from rlkit.errors import ConfigError, MissingFile
+from rlkit.rewards import RewardFn
+
+rm = load_recipe("rm")
+
+
+def test_loss_margin_centring_and_accuracy_against_hand_values():
+    # two pairs of a mini-batch of 4: chosen rewards (2, 0.5), rejected (1, 1.5), margins (0.5, 0), eta 0.1
+    rewards = torch.tensor([2.0, 0.5, 1.0, 1.5])
+    margin = torch.tensor([0.5, 0.0, 0.5, 0.0])  # (2b,): each pair's margin on its chosen and its rejected row
+    loss, m = rm.bt_loss(rewards, margin, num_pairs=4, center_coef=0.1)
+    # pair 1: -log sigmoid(2 - 1 - 0.5) = log(1 + e^-0.5) = 0.4740770, + 0.1 * (2 + 1)^2 = 0.9
+    # pair 2: -log sigmoid(0.5 - 1.5)   = log(1 + e^1)    = 1.3132617, + 0.1 * (0.5 + 1.5)^2 = 0.4
+    expected = (0.4740770 + 0.9 + 1.3132617 + 0.4) / 4
+    assert abs(loss.item() - expected) < 1e-6  # float32 of O(1) values: ~1e-7 rounding, 7-digit constants
+    assert m["rm/acc"] == 0.25 and abs(m["rm/margin"] - (1.0 - 1.0) / 4) < 1e-7  # one pair of 4 ranked right
+    plain, _ = rm.bt_loss(rewards, torch.zeros(4), num_pairs=2)  # no margin, no centring: mean over the 2 pairs
+    assert abs(plain.item() - (math.log(1 + math.exp(-1)) + math.log(1 + math.e)) / 2) < 1e-6
+
+
+def write_pairs(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def easy_pairs(tmp_path):
+    """Right answers vs impossible ones (3 digits, >= 200: two-digit sums stop at 198), on the task's train/val split."""
+    train, val = embedded.arith_problems(0)
+    rng = random.Random(0)
+
+    def rows(problems):
+        return [
+            {"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "chosen": str(a + b), "rejected": str(rng.randint(200, 999))}
+            for a, b in problems
+        ]
+
+    return write_pairs(tmp_path / "train.parquet", rows(train[:400])), write_pairs(tmp_path / "val.parquet", rows(val[:64]))
+
+
+def config(tmp_path, train, val, steps, name="rm", **fields):
+    cfg = rm.Config()
+    cfg.data.train_files, cfg.data.val_files = [train], [val] if val else []
+    cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 32
+    cfg.actor.warmup_steps = 5
+    cfg.trainer.total_training_steps = steps
+    cfg.trainer.test_freq = steps
+    cfg.trainer.num_threads = 1
+    cfg.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
+    cfg.trainer.experiment_name = name
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def rows_of(tmp_path, name):
+    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_tiny_reward_model_learns_held_out_pairs(tmp_path):
+    """~15 s: 30 steps of 32 pairs, full fine-tuning of the embedded model with a fresh head."""
+    train, val = easy_pairs(tmp_path)
+    summary = rm.main(config(tmp_path, train, val, steps=30))
+    val_rows = [r for r in rows_of(tmp_path, "rm") if "val/pair_acc" in r]
+    assert [r["step"] for r in val_rows] == [0, 30]
+    assert val_rows[-1]["val/pair_acc"] >= 0.9, val_rows  # chance is 0.5; the fresh head starts near it
+    assert val_rows[-1]["val/loss"] < 0.5 * val_rows[0]["val/loss"], val_rows
+    assert summary["val_acc_after"] == val_rows[-1]["val/pair_acc"]
+
+
+def test_the_export_scores_in_the_rl_reward_path_as_the_trainer_does_lora(tmp_path):
+    """A LoRA run's hf/ export (merged, tokenizer and pad id included) through --reward.model-path: the same scores."""
+    train, val = easy_pairs(tmp_path)
+    cfg = config(tmp_path, train, None, steps=2)
+    cfg.model.lora_rank = 4
+    rm.main(cfg)
+    export = tmp_path / "rm" / "checkpoints" / "global_step_2" / "hf"
+    assert json.loads((export / "config.json").read_text())["pad_token_id"] is not None
+
+    trainer = rm.RewardTrainer(cfg)  # the trained adapter and head back from the run's checkpoint
+    trainer.load_checkpoint(tmp_path / "rm" / "checkpoints" / "global_step_2" / "policy")
+    pairs = rm.read_pairs([val], cfg)[:8]
+    data = rm.Pairs(pairs, trainer.tokenizer, cfg.data)
+    mine = trainer.score(data.batch(range(8), trainer.tokenizer.pad_token_id))  # (16,): chosen, then rejected
+    reward = RewardFn.from_config(RewardConfig(model_path=str(export)), "cpu")
+    prompts = [p for p, *_ in pairs] * 2
+    responses = [c for _, c, _, _ in pairs] + [r for _, _, r, _ in pairs]
+    theirs, metrics = reward(["rlkit/arith"] * 16, responses, ["0"] * 16, prompts=prompts)
+    # float32 on other batch widths and a merged LoRA (W + BA summed once): equal to a few hundred ulps of O(1) scores
+    torch.testing.assert_close(theirs, mine, atol=1e-4, rtol=0)
+    assert mine.std() > 0 and "reward/model_score" in metrics
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    train, _ = easy_pairs(tmp_path)
+
+    def run(name, steps):
+        cfg = config(tmp_path, train, None, steps, name=name)
+        cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 8
+        cfg.trainer.save_freq, cfg.trainer.resume = 2, "auto"
+        rm.main(cfg)
+
+    run("whole", 4)
+    run("split", 2)
+    run("split", 4)  # resumes at step 2: weights, optimizer, scheduler, data position
+    last = {n: [r for r in rows_of(tmp_path, n) if r["step"] == 4][-1] for n in ("whole", "split")}
+    for key in ("rm/loss", "rm/margin", "actor/grad_norm"):
+        assert abs(last["whole"][key] - last["split"][key]) < 1e-5, (key, last)  # same ops, same order: rounding only
+    a, b = (torch.load(tmp_path / n / "checkpoints" / "global_step_4" / "policy" / "state.pt")["model"] for n in ("whole", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_data_and_flags_fail_with_one_line(tmp_path):
+    train, val = easy_pairs(tmp_path)
+    with pytest.raises(ConfigError, match="no column 'better'.*--chosen-key"):
+        rm.main(config(tmp_path, train, val, 1, chosen_key="better"))
+    with pytest.raises(ConfigError, match="no column 'm'.*--margin-key"):
+        rm.main(config(tmp_path, train, val, 1, margin_key="m"))
+    with pytest.raises(MissingFile, match="preference file not found"):
+        rm.main(config(tmp_path, str(tmp_path / "nope.parquet"), val, 1))
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = write_pairs(tmp_path / "bad.parquet", [{"prompt": msgs, "chosen": msgs, "rejected": msgs}])
+    with pytest.raises(ConfigError, match="must end with an assistant turn"):
+        rm.main(config(tmp_path, bad, None, 1))
+    no_prompt = write_pairs(tmp_path / "np.parquet", [{"chosen": "1", "rejected": "2"}])
+    with pytest.raises(ConfigError, match="no prompt column; set --data.prompt-key"):
+        rm.main(config(tmp_path, no_prompt, None, 1))
+    cfg = config(tmp_path, train, val, 1)
+    cfg.actor.ppo_mini_batch_size = 16
+    with pytest.raises(ConfigError, match="one optimizer step per batch"):
+        rm.main(cfg)
+    cfg = config(tmp_path, train, val, 1)
+    cfg.data.max_prompt_length = 4
+    with pytest.raises(ConfigError, match=r"pair 0 renders to \d+ tokens.*raise them"):
+        rm.main(cfg)
+    for err in (ConfigError, MissingFile):  # one line each: loop.cli prints the message alone
+        assert err.__mro__[1].__name__ == "UserError"
+
+
+def test_messages_pairs_and_implicit_prompts_render_as_the_scorer_renders():
+    """chosen/rejected as messages (explicit prompt, or whole conversations): the same text as prompt + answer."""
+    cfg = rm.Config()
+    tok = __import__("rlkit.engine", fromlist=["load_tokenizer"]).load_tokenizer(str(embedded.MODEL_DIR))
+    user = [{"role": "user", "content": "What is 1+2?"}]
+    ans = [{"role": "assistant", "content": "3"}]
+    for p, c in ((user, "3"), (user, ans), (None, user + ans)):
+        prompt, text = rm.split_turn(p, c, 0, "f")
+        assert (prompt, text) == (user, "3")
+    assert (
+        rm.Pairs([(user, "3", "4", 0.0)], tok, cfg.data).ids[0][0]
+        == tok("<|im_start|>user\nWhat is 1+2?<|im_end|>\n<|im_start|>assistant\n3<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    )
