@@ -1,0 +1,183 @@
+"""Vision-language models (rlkit/vlm.py, docs/vlm.md): images carried with their rows, the vision-token ban at
+sampling, M-RoPE positions in the passes, and GRPO / RLOO steps on the embedded tiny Qwen2-VL and on a random tiny
+Qwen2.5-VL. Every model here is tiny (~0.2M parameters); the file takes ~1-2 minutes on 2 shared cores."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_grpo_recipe import load_recipe, read_jsonl
+
+from rlkit import embedded_vlm, vlm
+from rlkit.protocol import DataProto
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return embedded_vlm.build_processor()
+
+
+@pytest.fixture(scope="module")
+def model(processor):
+    return embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer), seed=0).eval()
+
+
+def rows_with_distinct_images(n: int) -> list[dict]:
+    return embedded_vlm.task_rows(n, seed=7, split="train")
+
+
+def test_placeholders_become_image_parts_and_pad_tokens_match_the_grid(processor):
+    assert vlm.image_messages([{"role": "user", "content": "<image>How many?"}]) == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}
+    ]
+    rows = rows_with_distinct_images(2)
+    ids, mm = vlm.render(processor, [r["prompt"] for r in rows], [r["images"] for r in rows])
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for x, m in zip(ids, mm):
+        # an 84x28 image: 2x6 patches of 14 px, merged 2x2 -> 3 image tokens, one per square
+        assert m["image_grid_thw"].tolist() == [[1, 2, 6]]
+        assert m["pixel_values"].shape == (12, 3 * 2 * 14 * 14)
+        assert x.count(pad) == 3
+
+
+def test_rows_keep_their_own_pixels_through_repeat_shuffle_split(processor):
+    """Rows with distinct images, repeated per group, shuffled and split: each row's pixels are still its own, and the
+    micro-batch's concatenated pixels split back by image_grid_thw.prod() give each row its own (TRL #6274's bug)."""
+    rows = rows_with_distinct_images(6)
+    _, mm = vlm.render(processor, [r["prompt"] for r in rows], [r["images"] for r in rows])
+    assert len({m["pixel_values"].sum().item() for m in mm}) == 6  # the images differ
+    batch = DataProto.from_dict(tensors={"row": torch.arange(6)}, non_tensors={vlm.MM_KEY: mm})
+    seen = 0
+    for micro in batch.repeat(4, interleave=True).shuffled(3).split(5):
+        own = [mm[int(r)] for r in micro["row"]]
+        for m, o in zip(micro[vlm.MM_KEY], own):
+            assert torch.equal(m["pixel_values"], o["pixel_values"])
+        cat = vlm.collate(micro[vlm.MM_KEY])
+        back = vlm.split_by_image(cat["pixel_values"], cat["image_grid_thw"], [1] * len(micro))
+        assert all(torch.equal(b["pixel_values"], o["pixel_values"]) for b, o in zip(back, own))
+        seen += len(micro)
+    assert seen == 24
+
+
+def test_rollout_never_samples_a_vision_token(processor, model):
+    """A model pushed to emit <|image_pad|> (its logit +100): the rollout's ban keeps it out of every response; without
+    the ban every response would start with it (the control), and the next forward pass would fail (verl #1640)."""
+    from rlkit.rollout import HFRollout
+
+    tok = processor.tokenizer
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    rows = rows_with_distinct_images(4)
+    input_ids, attn, mm = embedded_vlm.encode(processor, rows)
+    prompts = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attn}, non_tensors={vlm.MM_KEY: mm})
+    hook = model.lm_head.register_forward_hook(
+        lambda m, i, out: out.index_add(-1, torch.tensor([pad]), torch.full((*out.shape[:-1], 1), 100.0))
+    )
+    try:
+        out = HFRollout(model, tok, torch.device("cpu")).generate(prompts.repeat(2), max_new_tokens=4, temperature=1.0)
+        banned = torch.tensor(vlm.vision_token_ids(model.config))
+        assert not torch.isin(out["responses"], banned).any()
+        extra = vlm.model_inputs(prompts, input_ids, model.config, "cpu")
+        free = model.generate(
+            input_ids=input_ids, attention_mask=attn, **extra, max_new_tokens=1, do_sample=True, pad_token_id=tok.pad_token_id
+        )
+        assert (free[:, -1] == pad).all()  # the control: unbanned, the pad token is what it samples
+    finally:
+        hook.remove()
+
+
+def test_log_probs_use_mrope_positions_and_do_not_depend_on_the_micro_batch(processor):
+    """The embedded VLM's log-probs of sampled responses: the same in micro-batches of 1 and of all rows (pixels sliced
+    per micro-batch), equal to a direct forward pass with the model's own 3-row M-RoPE positions, and different from
+    one with rlkit's 1-D positions (so the positions matter: a pass that gave them would be wrong)."""
+    from rlkit.config import ModelConfig
+    from rlkit.engine import TorchEngine
+    from rlkit.rollout import HFRollout
+
+    engine = TorchEngine(ModelConfig(path=str(embedded_vlm.MODEL_DIR)), None, "cpu", need_ref=False)
+    assert engine.vlm and not engine.remove_padding
+    rows = rows_with_distinct_images(5)
+    input_ids, attn, mm = embedded_vlm.encode(processor, rows)
+    mm_col = np.empty(len(mm), dtype=object)
+    mm_col[:] = mm
+    prompts = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attn}, non_tensors={vlm.MM_KEY: mm_col})
+    torch.manual_seed(0)
+    batch = HFRollout(engine.model, engine.tokenizer, torch.device("cpu")).generate(prompts, max_new_tokens=4)
+    whole, _ = engine.compute_log_prob(batch, 1.0, micro_batch_size=5)
+    ones, _ = engine.compute_log_prob(batch, 1.0, micro_batch_size=1)
+    # float32: the same rows in other batch shapes differ by rounding only (a few ulps of log-probs of size ~5)
+    torch.testing.assert_close(whole, ones, atol=1e-4, rtol=1e-4)
+    extra = vlm.model_inputs(batch, batch["input_ids"], engine.model.config, "cpu")
+    with torch.no_grad():
+        logits = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+        flat = engine.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], **extra
+        ).logits
+    R = batch["responses"].shape[1]
+
+    def scored(lg):
+        lp = torch.log_softmax(lg[:, -R - 1 : -1].float(), -1).gather(-1, batch["responses"][..., None])[..., 0]
+        return lp * batch["response_mask"]
+
+    torch.testing.assert_close(whole, scored(logits), atol=1e-4, rtol=1e-4)
+    assert (whole - scored(flat)).abs().max() > 0.1
+
+
+def vlm_config(recipe, out_dir, model_path, steps=1):
+    cfg = recipe.Config()
+    cfg.model.path = model_path
+    cfg.data.task = "colour_codeword"
+    cfg.data.task_train_size, cfg.data.task_val_size = 16, 8
+    cfg.data.max_response_length = 5
+    cfg.data.train_batch_size = 8
+    cfg.actor.ppo_mini_batch_size = 8
+    cfg.actor.ppo_micro_batch_size = 12  # 32 rows in 3 micro-batches: the images sliced per micro-batch
+    cfg.rollout.n = 4
+    cfg.trainer.total_training_steps = steps
+    cfg.trainer.default_local_dir = str(out_dir)
+    cfg.trainer.test_freq = 1
+    cfg.trainer.save_freq = steps
+    return cfg
+
+
+@pytest.mark.parametrize("name,lora", [("grpo", 0), ("rloo", 8)])
+def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tmp_path, name, lora):
+    """One step of GRPO (full parameters) / RLOO (LoRA) on the embedded VLM: the language model moves, the frozen
+    vision tower does not, and the HF export loads with its processor (images in, the same token count out)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    recipe = load_recipe(name)
+    cfg = vlm_config(recipe, tmp_path, "embedded-vlm")
+    cfg.model.lora_rank = lora
+    recipe.main(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and np.isfinite(rows[1]["actor/pg_loss"])
+    hf = tmp_path / "checkpoints/global_step_1/hf"
+    before = load_file(embedded_vlm.MODEL_DIR / "model.safetensors")
+    after = load_file(hf / "model.safetensors")
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all("visual" not in k for k in moved)
+    assert any(k.startswith("model.layers.") for k in moved)  # the language model (saved in the hub checkpoint's names)
+    proc = vlm.load_processor(str(hf))
+    ids, mm = vlm.render(
+        proc, [[{"role": "user", "content": embedded_vlm.QUESTION}]], [[vlm.png_bytes(embedded_vlm.draw("RGB", random.Random(0)))]]
+    )
+    assert mm[0]["image_grid_thw"].tolist() == [[1, 2, 6]]
+    assert type(AutoModelForImageTextToText.from_pretrained(hf)).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+def test_random_tiny_qwen25_vl_runs_a_grpo_step(tmp_path, processor):
+    """A Qwen2.5-VL-shaped model (window-attention vision tower, its own rope index) built from a random config takes
+    the same path as a hub checkpoint (--model Qwen/Qwen2.5-VL-3B-Instruct): rollout, log-probs, update, export."""
+    model = embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind="qwen2_5_vl"), seed=0)
+    folder = tmp_path / "qwen25vl"
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    grpo = load_recipe("grpo")
+    cfg = vlm_config(grpo, tmp_path / "run", str(folder))
+    cfg.actor.entropy_coeff = 0.01  # a random model scores 0 everywhere (no advantage): the entropy term gives a gradient
+    grpo.main(cfg)
+    rows = read_jsonl(tmp_path / "run/metrics.jsonl")
+    assert rows[-1]["step"] == 1 and np.isfinite(rows[-1]["actor/grad_norm"]) and rows[-1]["actor/grad_norm"] > 0
+    assert (tmp_path / "run/checkpoints/global_step_1/hf/model.safetensors").is_file()
