@@ -181,3 +181,42 @@ def test_random_tiny_qwen25_vl_runs_a_grpo_step(tmp_path, processor):
     rows = read_jsonl(tmp_path / "run/metrics.jsonl")
     assert rows[-1]["step"] == 1 and np.isfinite(rows[-1]["actor/grad_norm"]) and rows[-1]["actor/grad_norm"] > 0
     assert (tmp_path / "run/checkpoints/global_step_1/hf/model.safetensors").is_file()
+
+
+def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
+    """docs/errors.md's vision-language rows."""
+    from types import SimpleNamespace
+
+    from rlkit.config import DataConfig, RolloutConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import load_tokenizer
+    from rlkit.errors import ConfigError
+    from rlkit.workers import make_rollout
+
+    rows = rows_with_distinct_images(2)
+    with pytest.raises(ConfigError, match=r"row 1: the prompt has 2 <image> placeholder\(s\) but the images column holds 1"):
+        vlm.render(processor, [rows[0]["prompt"], [{"role": "user", "content": "<image><image>Two?"}]], [r["images"] for r in rows])
+    cfg = DataConfig(task="colour_codeword", task_train_size=4, task_val_size=2, truncation="left")
+    with pytest.raises(ConfigError, match="--data.truncation left would cut image tokens"):
+        build_prompts([], load_tokenizer(str(embedded_vlm.MODEL_DIR)), cfg, split="train")
+    with pytest.raises(ConfigError, match="--rollout.name vllm does not take images yet"):
+        make_rollout(SimpleNamespace(vlm=True), RolloutConfig(name="vllm"), cfg, "embedded-vlm", 0)
+
+
+def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
+    """The shipped parquet is verl's format ({"bytes": PNG} images, <image> in the prompt) and renders like the
+    generated task: same prompts, same pixels."""
+    from rlkit.config import DataConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import load_tokenizer
+
+    tok = load_tokenizer(str(embedded_vlm.MODEL_DIR))
+    files = [str(embedded_vlm.DATA_DIR / "val.parquet")]
+    from_file = build_prompts(files, tok, DataConfig(train_files=files, val_files=[]), max_samples=8)
+    generated = build_prompts([], tok, DataConfig(task="colour_codeword", task_val_size=8), split="val")
+    assert from_file.input_ids == generated.input_ids
+    assert list(from_file.ground_truth) == list(generated.ground_truth)
+    for a, b in zip(from_file.multi_modal_inputs, generated.multi_modal_inputs):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+    batch = from_file.batch([3, 1], tok.pad_token_id)
+    assert torch.equal(batch[vlm.MM_KEY][0]["pixel_values"], from_file.multi_modal_inputs[3]["pixel_values"])
