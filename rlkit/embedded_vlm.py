@@ -132,9 +132,11 @@ def write_parquet(out_dir: Path = DATA_DIR, train_size: int = 2000, val_size: in
 # ---------------------------------------------------------------------------------------------
 # The processor and the model
 # ---------------------------------------------------------------------------------------------
-def build_processor():
-    """The embedded byte-level tokenizer + the vision tokens, and a Qwen2-VL processor (images only: no torchvision)."""
-    from transformers import Qwen2VLProcessor
+def build_processor(kind: str = "qwen2_vl"):
+    """The embedded byte-level tokenizer + the vision tokens, and a Qwen2-VL processor (images only: no torchvision).
+
+    kind="qwen3_vl": Qwen3-VL's processor, patch 16 (a 28-pixel square is resized to 32: still one token)."""
+    from transformers import Qwen2VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from rlkit.vlm import _image_only
@@ -142,13 +144,17 @@ def build_processor():
     tok = build_tokenizer([QUESTION.replace("<image>", ""), "user assistant"])
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = CHAT_TEMPLATE
-    images = Qwen2VLImageProcessorPil(min_pixels=SQUARE * SQUARE, max_pixels=SQUARE * SQUARE * 16)
-    return _image_only(Qwen2VLProcessor)(image_processor=images, tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    patch = 16 if kind == "qwen3_vl" else 14
+    side = 2 * patch  # one merged token
+    images = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, min_pixels=side * side, max_pixels=side * side * 16)
+    cls = Qwen3VLProcessor if kind == "qwen3_vl" else Qwen2VLProcessor
+    return _image_only(cls)(image_processor=images, tokenizer=tok, chat_template=CHAT_TEMPLATE)
 
 
 def tiny_config(tok, hidden: int = 64, layers: int = 2, vision_depth: int = 2, kind: str = "qwen2_vl"):
-    """A tiny Qwen2-VL (or kind="qwen2_5_vl": Qwen2.5-VL) config for `tok`: head_dim 16, mrope_section [2, 3, 3]."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    """A tiny Qwen2-VL (kind="qwen2_5_vl": Qwen2.5-VL, "qwen3_vl": Qwen3-VL) config for `tok`: head_dim 16,
+    mrope_section [2, 3, 3]."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = dict(
@@ -170,7 +176,19 @@ def tiny_config(tok, hidden: int = 64, layers: int = 2, vision_depth: int = 2, k
         vision = dict(
             depth=vision_depth, hidden_size=32, intermediate_size=64, out_hidden_size=hidden, num_heads=4, fullatt_block_indexes=[1]
         )
-    cls = Qwen2_5_VLConfig if kind == "qwen2_5_vl" else Qwen2VLConfig
+    if kind == "qwen3_vl":  # Qwen3-VL: interleaved M-RoPE, patch 16, deepstack features from a vision block
+        text.update(head_dim=hidden // 4, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        vision = dict(
+            depth=vision_depth,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=hidden,
+            patch_size=16,
+            deepstack_visual_indexes=[vision_depth - 1],
+            num_position_embeddings=64,
+        )
+    cls = {"qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}.get(kind, Qwen2VLConfig)
     return cls(
         text_config=text,
         vision_config=vision,

@@ -167,11 +167,14 @@ def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tm
     assert type(AutoModelForImageTextToText.from_pretrained(hf)).__name__ == "Qwen2VLForConditionalGeneration"
 
 
-def test_random_tiny_qwen25_vl_runs_a_grpo_step(tmp_path, processor):
-    """A Qwen2.5-VL-shaped model (window-attention vision tower, its own rope index) built from a random config takes
-    the same path as a hub checkpoint (--model Qwen/Qwen2.5-VL-3B-Instruct): rollout, log-probs, update, export."""
-    model = embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind="qwen2_5_vl"), seed=0)
-    folder = tmp_path / "qwen25vl"
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_random_tiny_qwen25_and_qwen3_vl_run_a_grpo_step(tmp_path, kind):
+    """A Qwen2.5-VL-shaped model (window-attention vision tower) and a Qwen3-VL-shaped one (patch 16, interleaved
+    M-RoPE, deepstack), built from random configs, take the same path as a hub checkpoint
+    (--model Qwen/Qwen2.5-VL-3B-Instruct): rollout, log-probs, update, export."""
+    processor = embedded_vlm.build_processor(kind)
+    model = embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind=kind), seed=0)
+    folder = tmp_path / kind
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     grpo = load_recipe("grpo")
@@ -220,3 +223,28 @@ def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
         assert torch.equal(a["pixel_values"], b["pixel_values"])
     batch = from_file.batch([3, 1], tok.pad_token_id)
     assert torch.equal(batch[vlm.MM_KEY][0]["pixel_values"], from_file.multi_modal_inputs[3]["pixel_values"])
+
+
+def test_vlm_grpo_step_on_ray_with_two_fsdp_workers(tmp_path):
+    """--trainer.backend ray: two FSDP2 workers, each generating and scoring its half of the rows with their own images
+    (the rows travel to the workers with their pixels); the language model moves, the frozen vision tower does not."""
+    import ray
+    from safetensors.torch import load_file
+
+    from rlkit.ray_group import init_ray
+
+    grpo = load_recipe("grpo")
+    cfg = vlm_config(grpo, tmp_path, "embedded-vlm")
+    cfg.trainer.backend, cfg.trainer.n_workers = "ray", 2
+    init_ray(num_cpus=2)
+    try:
+        grpo.main(cfg)
+    finally:
+        ray.shutdown()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and rows[-1]["actor/grad_norm"] > 0
+    before = load_file(embedded_vlm.MODEL_DIR / "model.safetensors")
+    after = load_file(tmp_path / "checkpoints/global_step_1/hf/model.safetensors")
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all("visual" not in k for k in moved)
+    assert vlm.load_processor(str(tmp_path / "checkpoints/global_step_1/hf")).image_processor.merge_size == 2
