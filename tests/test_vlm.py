@@ -140,9 +140,9 @@ def vlm_config(recipe, out_dir, model_path, steps=1):
     return cfg
 
 
-@pytest.mark.parametrize("name,lora", [("grpo", 0), ("rloo", 8)])
+@pytest.mark.parametrize("name,lora", [("grpo", 0), ("rloo", 8), ("dapo", 0)])
 def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tmp_path, name, lora):
-    """One step of GRPO (full parameters) / RLOO (LoRA) on the embedded VLM: the language model moves, the frozen
+    """One step of GRPO (full parameters) / RLOO (LoRA) / DAPO on the embedded VLM: the language model moves, the frozen
     vision tower does not, and the HF export loads with its processor (images in, the same token count out)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
@@ -150,6 +150,8 @@ def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tm
     recipe = load_recipe(name)
     cfg = vlm_config(recipe, tmp_path, "embedded-vlm")
     cfg.model.lora_rank = lora
+    if name == "dapo":  # dynamic sampling: generation batches concatenated, rows (and their pixels) filtered
+        cfg.gen_batch_size = 16
     recipe.main(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and np.isfinite(rows[1]["actor/pg_loss"])
