@@ -250,3 +250,23 @@ def test_vlm_grpo_step_on_ray_with_two_fsdp_workers(tmp_path):
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all("visual" not in k for k in moved)
     assert vlm.load_processor(str(tmp_path / "checkpoints/global_step_1/hf")).image_processor.merge_size == 2
+
+
+def test_rows_with_two_one_and_no_images_collate_and_split_back(processor):
+    """Images per row 2, 0, 1: the batch's pixels are the rows' in order (image j owns grid_thw[j].prod() rows), a row
+    without images adds none, and split_by_image returns each row's own."""
+    rng = random.Random(0)
+    imgs = [[vlm.png_bytes(embedded_vlm.draw(s, rng)) for s in seqs] for seqs in (["RGB", "CMY"], [], ["BBB"])]
+    prompts = [
+        [{"role": "user", "content": "<image>then<image>Name the colours."}],
+        [{"role": "user", "content": "Name the colours."}],
+        [{"role": "user", "content": embedded_vlm.QUESTION}],
+    ]
+    ids, mm = vlm.render(processor, prompts, imgs)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [x.count(pad) for x in ids] == [6, 0, 3]
+    cat = vlm.collate(mm)
+    assert cat["image_grid_thw"].tolist() == [[1, 2, 6]] * 3 and cat["pixel_values"].shape[0] == 36
+    back = vlm.split_by_image(cat["pixel_values"], cat["image_grid_thw"], [2, 0, 1])
+    for b, m in zip(back, mm):
+        assert torch.equal(b["pixel_values"], m["pixel_values"].reshape(-1, cat["pixel_values"].shape[1]))
