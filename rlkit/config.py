@@ -43,6 +43,8 @@ class ModelConfig:
     """passes on real tokens only, sequences packed into rows (rlkit/packing.py; varlen with flash_attention_2)"""
     share_prompt: bool = True
     """with remove_padding: a group's shared prompt computed once in those passes (sdpa and eager, not varlen)"""
+    freeze_vision_tower: bool = True
+    """vision-language models: train the language model only (LoRA: adapters on it only); false trains the vision tower too"""
 
 
 @dataclass

@@ -144,6 +144,7 @@ class PromptSet:
     ground_truth: np.ndarray
     extra_info: np.ndarray
     raw_prompt: np.ndarray
+    multi_modal_inputs: np.ndarray | None = None  # images: per row {"pixel_values", "image_grid_thw"} (rlkit/vlm.py)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -158,15 +159,18 @@ class PromptSet:
             input_ids[j, width - len(x) :] = torch.tensor(x)
             mask[j, width - len(x) :] = 1
         rows = np.asarray(rows)
+        non_tensors = {
+            "data_source": self.data_source[rows],
+            "ground_truth": self.ground_truth[rows],
+            "extra_info": self.extra_info[rows],
+            "raw_prompt": self.raw_prompt[rows],
+            "index": rows,
+        }
+        if self.multi_modal_inputs is not None:  # the row's own pixels travel with it through repeat/index/split
+            non_tensors["multi_modal_inputs"] = self.multi_modal_inputs[rows]
         return DataProto.from_dict(
             tensors={"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
-            non_tensors={
-                "data_source": self.data_source[rows],
-                "ground_truth": self.ground_truth[rows],
-                "extra_info": self.extra_info[rows],
-                "raw_prompt": self.raw_prompt[rows],
-                "index": rows,
-            },
+            non_tensors=non_tensors,
         )
 
 
@@ -180,6 +184,10 @@ def task_columns(cfg, split: str) -> dict[str, list]:
     """The columns of a generated task (cfg.task, e.g. reasoning_gym:chain_sum) for split 'train' or 'val'."""
     from rlkit import tasks
 
+    if cfg.task == "colour_codeword":  # the embedded vision-language task (rlkit/embedded_vlm.py)
+        from rlkit import embedded_vlm
+
+        return embedded_vlm.task_columns(split, cfg.task_train_size, cfg.task_val_size, cfg.task_seed)
     train, val = tasks.train_val_rows(
         cfg.task, cfg.task_train_size, cfg.task_val_size if split == "val" else 0, cfg.task_seed, cfg.task_options, cfg.task_format
     )
@@ -215,6 +223,8 @@ def build_prompts(
             from rlkit import tasks
 
             tasks.register(str(source)[len("reasoning_gym/") :])
+        if source == "rlkit/colour_codeword":  # its scorer registers on import
+            from rlkit import embedded_vlm  # noqa: F401
     where = cfg.task or ", ".join(map(str, files))
     check_rows(cols, [where], cfg.prompt_key)
     prompts = cols[cfg.prompt_key]
@@ -223,8 +233,19 @@ def build_prompts(
             f"{where}: column {cfg.prompt_key!r} holds strings ({prompts[0][:40]!r}), but the model is a chat model: store each prompt as "
             '[{"role": "user", "content": "..."}] so that its chat template applies (strings are only for models without one)'
         )
-    texts = render_prompts(tokenizer, prompts, tools)
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    mm = None
+    if "images" in cols:  # verl's multimodal rows: the model's processor renders text and pixels (rlkit/vlm.py)
+        from rlkit import vlm
+
+        ids, mm = vlm.render(vlm.load_processor(tokenizer.name_or_path), prompts, cols["images"])
+        if not cfg.filter_overlong_prompts and cfg.truncation != "error":
+            raise ConfigError(
+                f"{where}: --data.truncation {cfg.truncation} would cut image tokens out of prompts with images; "
+                "use --data.filter-overlong-prompts or raise --data.max-prompt-length"
+            )
+    else:
+        texts = render_prompts(tokenizer, prompts, tools)
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     keep = list(range(len(ids)))
     if cfg.filter_overlong_prompts:
         keep = [i for i in keep if len(ids[i]) <= cfg.max_prompt_length]
@@ -249,6 +270,7 @@ def build_prompts(
         ground_truth=_objects([rm[i]["ground_truth"] for i in keep]),
         extra_info=_objects([extra[i] for i in keep]),
         raw_prompt=_objects([prompts[i] for i in keep]),
+        multi_modal_inputs=None if mm is None else mm[keep],
     )
 
 

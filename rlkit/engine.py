@@ -191,7 +191,10 @@ def load_model(
                     stacklevel=2,
                 )
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **attn)
+            auto = AutoModelForCausalLM
+            if is_vlm_folder(path, trust_remote_code):  # a vision-language model (rlkit/vlm.py): its own auto class
+                from transformers import AutoModelForImageTextToText as auto
+            model = auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **attn)
     except ValueError as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ConfigError(f"{path} ships its own modelling code; if you trust it, pass --model.trust-remote-code") from e
@@ -202,6 +205,21 @@ def load_model(
             "(downloads need network; set HF_HUB_OFFLINE=1 to use only the local cache)"
         ) from e
     return model.to(device)
+
+
+def is_vlm_folder(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model at `path` is a vision-language model (its config has a vision tower)."""
+    from transformers import AutoConfig
+
+    from rlkit.vlm import is_vlm
+
+    try:
+        return is_vlm(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError):  # the model load reports it
+        return False
+
+
+VISION_MODULES = r"(.*\.)?visual(\..*)?"  # Qwen2-VL-style vision towers (model.visual.*)
 
 
 def add_lora(model, model_cfg, value_head: bool = False):
@@ -217,9 +235,17 @@ def add_lora(model, model_cfg, value_head: bool = False):
             lora_dropout=0.0,
             task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",  # TOKEN_CLS trains the value head in full
             target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-            exclude_modules=["score", "classifier"] if value_head else None,  # the head gets no adapter
+            # the head gets no adapter; a VLM's vision tower none with --model.freeze-vision-tower
+            exclude_modules=["score", "classifier"] if value_head else (VISION_MODULES if freeze_vision(model, model_cfg) else None),
         ),
     )
+
+
+def freeze_vision(model, model_cfg) -> bool:
+    """Whether `model` is a vision-language model whose vision tower stays frozen (--model.freeze-vision-tower)."""
+    from rlkit.vlm import is_vlm
+
+    return is_vlm(model.config) and getattr(model_cfg, "freeze_vision_tower", True)
 
 
 def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dict[str, torch.Tensor], int, int]:
@@ -363,6 +389,15 @@ class TorchEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model_cfg = model_cfg
         self.ref_model = None
+        from rlkit.vlm import is_vlm
+
+        self.vlm = is_vlm(model.config)  # images: padded layout, M-RoPE positions from the model (rlkit/vlm.py)
+        if value_head and self.vlm:
+            raise ConfigError("a value model on a vision-language model is not supported yet: use a critic-free recipe (grpo, rloo, dapo)")
+        if freeze_vision(model, model_cfg) and not self.lora:
+            for name, param in model.named_parameters():
+                if ".visual." in f".{name}":
+                    param.requires_grad_(False)
         if self.lora:
             model = add_lora(model, model_cfg, value_head)
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
@@ -372,8 +407,9 @@ class TorchEngine:
         # flash_attention_2 takes packed sequences without a mask (varlen: each response with its own copy of its prompt)
         self.varlen = self.attn_implementation == "flash_attention_2"
         self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager", "flash_attention_2")
+        self.remove_padding = self.remove_padding and not self.vlm  # packing lays out 1-D positions; M-RoPE needs 3 rows
         self.share_prompt = self.remove_padding and model_cfg.share_prompt and not self.varlen
-        if model_cfg.remove_padding and not self.remove_padding:
+        if model_cfg.remove_padding and not self.remove_padding and not self.vlm:  # a VLM's layout: describe() says it
             warnings.warn(
                 f"--model.remove-padding: attention {self.attn_implementation} takes neither a 4D mask nor packed sequences; "
                 "passes use the padded layout",
@@ -405,6 +441,8 @@ class TorchEngine:
             params = f"{params} (LoRA adapters float32)"
         ckpt = "on" if self.gradient_checkpointing else "off"
         attn = self.attn_implementation + (" (varlen packing, prompts not shared)" if self.varlen and self.remove_padding else "")
+        if self.vlm:
+            attn += " (vision-language: padded layout, no shared-prompt prefill, M-RoPE positions from the model)"
         return f"device {self.device}, params {params}, compute {compute}, attention {attn}, gradient checkpointing {ckpt}"
 
     # -- forward passes ------------------------------------------------------------------------
@@ -505,10 +543,13 @@ class TorchEngine:
         t, first, keep = trim_padding({k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
         # the LM head only where it is read (the last keep+1 positions), not over the prompt: (b, keep+1, V), not (b, L, V)
         only = {"logits_to_keep": keep + 1} if self.keep_logits else {}
+        if self.vlm:  # the rows' own images; no position ids: the model computes its 3-row M-RoPE ones (rlkit/vlm.py)
+            from rlkit import vlm
+
+            only.update(vlm.model_inputs(mb, t["input_ids"], model.config, self.device))
+            t.pop("position_ids")
         with self.autocast():
-            out = model(
-                input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False, **only
-            ).logits
+            out = model(**t, use_cache=False, **only).logits
         if self.value_head:
             values = torch.zeros(len(mb), resp_len, device=self.device)
             values[:, :keep] = out[:, -keep - 1 : -1, 0].float()  # position t-1 values state y_<t
@@ -686,6 +727,10 @@ class TorchEngine:
         else:
             model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        if self.vlm:  # the processor too: AutoProcessor.from_pretrained(path) renders images for the export
+            from rlkit.vlm import load_processor
+
+            load_processor(self.model_cfg.path, self.model_cfg.trust_remote_code).save_pretrained(path)
 
     def in_checkpoint(self, key: str) -> bool:
         """Whether a weight is saved for resumption: all of them, or with LoRA the adapter plus a value model's

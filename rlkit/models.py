@@ -34,6 +34,10 @@ BUILTIN_MODELS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# name -> a model folder shipped in rlkit/assets (`python -m rlkit.embedded_vlm` rebuilds embedded-vlm)
+EMBEDDED: dict[str, Path] = {"embedded-vlm": Path(__file__).resolve().parent / "assets" / "tiny-vlm"}
+
+
 def cache_dir() -> Path:
     """Where built-in models are materialised: $RLKIT_CACHE or ~/.cache/rlkit."""
     return Path(os.environ.get("RLKIT_CACHE", "~/.cache/rlkit")).expanduser()
@@ -54,6 +58,8 @@ def gguf_path(name: str) -> Path:
 def resolve_model_path(path: str) -> str:
     """A built-in model name -> its materialised HF folder (converted on first use); anything else unchanged."""
     name = str(path).strip().lower()
+    if name in EMBEDDED and not Path(path).exists():  # a model shipped in rlkit/assets
+        return str(EMBEDDED[name])
     if name not in BUILTIN_MODELS or Path(path).exists():  # a real folder of that name wins
         return path
     folder = cache_dir() / "models" / name

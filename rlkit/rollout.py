@@ -142,6 +142,10 @@ class HFRollout:
         self.kv_dtype = kv_dtype
         self.eos = eos_ids(model, tokenizer)
         self._warned = False
+        from rlkit import vlm
+
+        self.vlm = vlm.is_vlm(model.config)  # images: M-RoPE positions from the model, vision tokens banned
+        self.banned = vlm.vision_token_ids(model.config) if self.vlm else []
 
     def shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
         """One prefill per group of n rows with the same prompt (batch.repeat(n, interleave=True)), or None.
@@ -208,13 +212,17 @@ class HFRollout:
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
             mask = chunk["attention_mask"].to(self.device)
+            if self.vlm:  # the rows' own images; no response may contain a vision token (rlkit/vlm.py)
+                from rlkit import vlm
+
+                kwargs.update(vlm.model_inputs(chunk, ids, self.model.config, self.device), suppress_tokens=self.banned)
             record = SampledLogProbs(temperature) if return_log_probs else None
             if record is not None:
                 from transformers import LogitsProcessorList
 
                 kwargs["logits_processor"] = LogitsProcessorList([record])
             with self.autocast():
-                cache = self.shared_prefill(ids, mask)
+                cache = None if self.vlm else self.shared_prefill(ids, mask)  # a VLM: 1-D prefill positions would be wrong
                 if cache is None:
                     cache = cast_cache(self.kv_dtype, self.model.config)
                 out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, return_dict_in_generate=True, **kwargs)

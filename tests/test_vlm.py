@@ -1,0 +1,272 @@
+"""Vision-language models (rlkit/vlm.py, docs/vlm.md): images carried with their rows, the vision-token ban at
+sampling, M-RoPE positions in the passes, and GRPO / RLOO steps on the embedded tiny Qwen2-VL and on a random tiny
+Qwen2.5-VL. Every model here is tiny (~0.2M parameters); the file takes ~1-2 minutes on 2 shared cores."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_grpo_recipe import load_recipe, read_jsonl
+
+from rlkit import embedded_vlm, vlm
+from rlkit.protocol import DataProto
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return embedded_vlm.build_processor()
+
+
+@pytest.fixture(scope="module")
+def model(processor):
+    return embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer), seed=0).eval()
+
+
+def rows_with_distinct_images(n: int) -> list[dict]:
+    return embedded_vlm.task_rows(n, seed=7, split="train")
+
+
+def test_placeholders_become_image_parts_and_pad_tokens_match_the_grid(processor):
+    assert vlm.image_messages([{"role": "user", "content": "<image>How many?"}]) == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}
+    ]
+    rows = rows_with_distinct_images(2)
+    ids, mm = vlm.render(processor, [r["prompt"] for r in rows], [r["images"] for r in rows])
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for x, m in zip(ids, mm):
+        # an 84x28 image: 2x6 patches of 14 px, merged 2x2 -> 3 image tokens, one per square
+        assert m["image_grid_thw"].tolist() == [[1, 2, 6]]
+        assert m["pixel_values"].shape == (12, 3 * 2 * 14 * 14)
+        assert x.count(pad) == 3
+
+
+def test_rows_keep_their_own_pixels_through_repeat_shuffle_split(processor):
+    """Rows with distinct images, repeated per group, shuffled and split: each row's pixels are still its own, and the
+    micro-batch's concatenated pixels split back by image_grid_thw.prod() give each row its own (TRL #6274's bug)."""
+    rows = rows_with_distinct_images(6)
+    _, mm = vlm.render(processor, [r["prompt"] for r in rows], [r["images"] for r in rows])
+    assert len({m["pixel_values"].sum().item() for m in mm}) == 6  # the images differ
+    batch = DataProto.from_dict(tensors={"row": torch.arange(6)}, non_tensors={vlm.MM_KEY: mm})
+    seen = 0
+    for micro in batch.repeat(4, interleave=True).shuffled(3).split(5):
+        own = [mm[int(r)] for r in micro["row"]]
+        for m, o in zip(micro[vlm.MM_KEY], own):
+            assert torch.equal(m["pixel_values"], o["pixel_values"])
+        cat = vlm.collate(micro[vlm.MM_KEY])
+        back = vlm.split_by_image(cat["pixel_values"], cat["image_grid_thw"], [1] * len(micro))
+        assert all(torch.equal(b["pixel_values"], o["pixel_values"]) for b, o in zip(back, own))
+        seen += len(micro)
+    assert seen == 24
+
+
+def test_rollout_never_samples_a_vision_token(processor, model):
+    """A model pushed to emit <|image_pad|> (its logit +100): the rollout's ban keeps it out of every response; without
+    the ban every response would start with it (the control), and the next forward pass would fail (verl #1640)."""
+    from rlkit.rollout import HFRollout
+
+    tok = processor.tokenizer
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    rows = rows_with_distinct_images(4)
+    input_ids, attn, mm = embedded_vlm.encode(processor, rows)
+    prompts = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attn}, non_tensors={vlm.MM_KEY: mm})
+    hook = model.lm_head.register_forward_hook(
+        lambda m, i, out: out.index_add(-1, torch.tensor([pad]), torch.full((*out.shape[:-1], 1), 100.0))
+    )
+    try:
+        out = HFRollout(model, tok, torch.device("cpu")).generate(prompts.repeat(2), max_new_tokens=4, temperature=1.0)
+        banned = torch.tensor(vlm.vision_token_ids(model.config))
+        assert not torch.isin(out["responses"], banned).any()
+        extra = vlm.model_inputs(prompts, input_ids, model.config, "cpu")
+        free = model.generate(
+            input_ids=input_ids, attention_mask=attn, **extra, max_new_tokens=1, do_sample=True, pad_token_id=tok.pad_token_id
+        )
+        assert (free[:, -1] == pad).all()  # the control: unbanned, the pad token is what it samples
+    finally:
+        hook.remove()
+
+
+def test_log_probs_use_mrope_positions_and_do_not_depend_on_the_micro_batch(processor):
+    """The embedded VLM's log-probs of sampled responses: the same in micro-batches of 1 and of all rows (pixels sliced
+    per micro-batch), equal to a direct forward pass with the model's own 3-row M-RoPE positions, and different from
+    one with rlkit's 1-D positions (so the positions matter: a pass that gave them would be wrong)."""
+    from rlkit.config import ModelConfig
+    from rlkit.engine import TorchEngine
+    from rlkit.rollout import HFRollout
+
+    engine = TorchEngine(ModelConfig(path=str(embedded_vlm.MODEL_DIR)), None, "cpu", need_ref=False)
+    assert engine.vlm and not engine.remove_padding
+    rows = rows_with_distinct_images(5)
+    input_ids, attn, mm = embedded_vlm.encode(processor, rows)
+    mm_col = np.empty(len(mm), dtype=object)
+    mm_col[:] = mm
+    prompts = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attn}, non_tensors={vlm.MM_KEY: mm_col})
+    torch.manual_seed(0)
+    batch = HFRollout(engine.model, engine.tokenizer, torch.device("cpu")).generate(prompts, max_new_tokens=4)
+    whole, _ = engine.compute_log_prob(batch, 1.0, micro_batch_size=5)
+    ones, _ = engine.compute_log_prob(batch, 1.0, micro_batch_size=1)
+    # float32: the same rows in other batch shapes differ by rounding only (a few ulps of log-probs of size ~5)
+    torch.testing.assert_close(whole, ones, atol=1e-4, rtol=1e-4)
+    extra = vlm.model_inputs(batch, batch["input_ids"], engine.model.config, "cpu")
+    with torch.no_grad():
+        logits = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+        flat = engine.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], **extra
+        ).logits
+    R = batch["responses"].shape[1]
+
+    def scored(lg):
+        lp = torch.log_softmax(lg[:, -R - 1 : -1].float(), -1).gather(-1, batch["responses"][..., None])[..., 0]
+        return lp * batch["response_mask"]
+
+    torch.testing.assert_close(whole, scored(logits), atol=1e-4, rtol=1e-4)
+    assert (whole - scored(flat)).abs().max() > 0.1
+
+
+def vlm_config(recipe, out_dir, model_path, steps=1):
+    cfg = recipe.Config()
+    cfg.model.path = model_path
+    cfg.data.task = "colour_codeword"
+    cfg.data.task_train_size, cfg.data.task_val_size = 16, 8
+    cfg.data.max_response_length = 5
+    cfg.data.train_batch_size = 8
+    cfg.actor.ppo_mini_batch_size = 8
+    cfg.actor.ppo_micro_batch_size = 12  # 32 rows in 3 micro-batches: the images sliced per micro-batch
+    cfg.rollout.n = 4
+    cfg.trainer.total_training_steps = steps
+    cfg.trainer.default_local_dir = str(out_dir)
+    cfg.trainer.test_freq = 1
+    cfg.trainer.save_freq = steps
+    return cfg
+
+
+@pytest.mark.parametrize("name,lora", [("grpo", 0), ("rloo", 8), ("dapo", 0)])
+def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tmp_path, name, lora):
+    """One step of GRPO (full parameters) / RLOO (LoRA) / DAPO on the embedded VLM: the language model moves, the frozen
+    vision tower does not, and the HF export loads with its processor (images in, the same token count out)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    recipe = load_recipe(name)
+    cfg = vlm_config(recipe, tmp_path, "embedded-vlm")
+    cfg.model.lora_rank = lora
+    if name == "dapo":  # dynamic sampling: generation batches concatenated, rows (and their pixels) filtered
+        cfg.gen_batch_size = 16
+    recipe.main(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and np.isfinite(rows[1]["actor/pg_loss"])
+    hf = tmp_path / "checkpoints/global_step_1/hf"
+    before = load_file(embedded_vlm.MODEL_DIR / "model.safetensors")
+    after = load_file(hf / "model.safetensors")
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all("visual" not in k for k in moved)
+    assert any(k.startswith("model.layers.") for k in moved)  # the language model (saved in the hub checkpoint's names)
+    proc = vlm.load_processor(str(hf))
+    ids, mm = vlm.render(
+        proc, [[{"role": "user", "content": embedded_vlm.QUESTION}]], [[vlm.png_bytes(embedded_vlm.draw("RGB", random.Random(0)))]]
+    )
+    assert mm[0]["image_grid_thw"].tolist() == [[1, 2, 6]]
+    assert type(AutoModelForImageTextToText.from_pretrained(hf)).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_random_tiny_qwen25_and_qwen3_vl_run_a_grpo_step(tmp_path, kind):
+    """A Qwen2.5-VL-shaped model (window-attention vision tower) and a Qwen3-VL-shaped one (patch 16, interleaved
+    M-RoPE, deepstack), built from random configs, take the same path as a hub checkpoint
+    (--model Qwen/Qwen2.5-VL-3B-Instruct): rollout, log-probs, update, export."""
+    processor = embedded_vlm.build_processor(kind)
+    model = embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind=kind), seed=0)
+    folder = tmp_path / kind
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    grpo = load_recipe("grpo")
+    cfg = vlm_config(grpo, tmp_path / "run", str(folder))
+    cfg.actor.entropy_coeff = 0.01  # a random model scores 0 everywhere (no advantage): the entropy term gives a gradient
+    grpo.main(cfg)
+    rows = read_jsonl(tmp_path / "run/metrics.jsonl")
+    assert rows[-1]["step"] == 1 and np.isfinite(rows[-1]["actor/grad_norm"]) and rows[-1]["actor/grad_norm"] > 0
+    assert (tmp_path / "run/checkpoints/global_step_1/hf/model.safetensors").is_file()
+
+
+def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
+    """docs/errors.md's vision-language rows."""
+    from types import SimpleNamespace
+
+    from rlkit.config import DataConfig, RolloutConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import load_tokenizer
+    from rlkit.errors import ConfigError
+    from rlkit.workers import make_rollout
+
+    rows = rows_with_distinct_images(2)
+    with pytest.raises(ConfigError, match=r"row 1: the prompt has 2 <image> placeholder\(s\) but the images column holds 1"):
+        vlm.render(processor, [rows[0]["prompt"], [{"role": "user", "content": "<image><image>Two?"}]], [r["images"] for r in rows])
+    cfg = DataConfig(task="colour_codeword", task_train_size=4, task_val_size=2, truncation="left")
+    with pytest.raises(ConfigError, match="--data.truncation left would cut image tokens"):
+        build_prompts([], load_tokenizer(str(embedded_vlm.MODEL_DIR)), cfg, split="train")
+    with pytest.raises(ConfigError, match="--rollout.name vllm does not take images yet"):
+        make_rollout(SimpleNamespace(vlm=True), RolloutConfig(name="vllm"), cfg, "embedded-vlm", 0)
+
+
+def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
+    """The shipped parquet is verl's format ({"bytes": PNG} images, <image> in the prompt) and renders like the
+    generated task: same prompts, same pixels."""
+    from rlkit.config import DataConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import load_tokenizer
+
+    tok = load_tokenizer(str(embedded_vlm.MODEL_DIR))
+    files = [str(embedded_vlm.DATA_DIR / "val.parquet")]
+    from_file = build_prompts(files, tok, DataConfig(train_files=files, val_files=[]), max_samples=8)
+    generated = build_prompts([], tok, DataConfig(task="colour_codeword", task_val_size=8), split="val")
+    assert from_file.input_ids == generated.input_ids
+    assert list(from_file.ground_truth) == list(generated.ground_truth)
+    for a, b in zip(from_file.multi_modal_inputs, generated.multi_modal_inputs):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+    batch = from_file.batch([3, 1], tok.pad_token_id)
+    assert torch.equal(batch[vlm.MM_KEY][0]["pixel_values"], from_file.multi_modal_inputs[3]["pixel_values"])
+
+
+def test_vlm_grpo_step_on_ray_with_two_fsdp_workers(tmp_path):
+    """--trainer.backend ray: two FSDP2 workers, each generating and scoring its half of the rows with their own images
+    (the rows travel to the workers with their pixels); the language model moves, the frozen vision tower does not."""
+    import ray
+    from safetensors.torch import load_file
+
+    from rlkit.ray_group import init_ray
+
+    grpo = load_recipe("grpo")
+    cfg = vlm_config(grpo, tmp_path, "embedded-vlm")
+    cfg.trainer.backend, cfg.trainer.n_workers = "ray", 2
+    init_ray(num_cpus=2)
+    try:
+        grpo.main(cfg)
+    finally:
+        ray.shutdown()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and rows[-1]["actor/grad_norm"] > 0
+    before = load_file(embedded_vlm.MODEL_DIR / "model.safetensors")
+    after = load_file(tmp_path / "checkpoints/global_step_1/hf/model.safetensors")
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all("visual" not in k for k in moved)
+    assert vlm.load_processor(str(tmp_path / "checkpoints/global_step_1/hf")).image_processor.merge_size == 2
+
+
+def test_rows_with_two_one_and_no_images_collate_and_split_back(processor):
+    """Images per row 2, 0, 1: the batch's pixels are the rows' in order (image j owns grid_thw[j].prod() rows), a row
+    without images adds none, and split_by_image returns each row's own."""
+    rng = random.Random(0)
+    imgs = [[vlm.png_bytes(embedded_vlm.draw(s, rng)) for s in seqs] for seqs in (["RGB", "CMY"], [], ["BBB"])]
+    prompts = [
+        [{"role": "user", "content": "<image>then<image>Name the colours."}],
+        [{"role": "user", "content": "Name the colours."}],
+        [{"role": "user", "content": embedded_vlm.QUESTION}],
+    ]
+    ids, mm = vlm.render(processor, prompts, imgs)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [x.count(pad) for x in ids] == [6, 0, 3]
+    cat = vlm.collate(mm)
+    assert cat["image_grid_thw"].tolist() == [[1, 2, 6]] * 3 and cat["pixel_values"].shape[0] == 36
+    back = vlm.split_by_image(cat["pixel_values"], cat["image_grid_thw"], [2, 0, 1])
+    for b, m in zip(back, mm):
+        assert torch.equal(b["pixel_values"], m["pixel_values"].reshape(-1, cat["pixel_values"].shape[1]))
