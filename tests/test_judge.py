@@ -102,3 +102,18 @@ def test_judge_config_errors(judge_dir):
         Judge(str(judge_dir), mode="vote")
     with pytest.raises(ConfigError, match="one token each"):
         Judge(str(judge_dir), yes="yes indeed").load()
+
+
+def test_the_shipped_embedded_judge_tells_right_from_wrong():
+    """rlkit/assets/tiny-judge on held-out problems (its build measured 0.771 on 512): well above chance (0.5)."""
+    import random
+
+    from rlkit import embedded_judge
+
+    rng = random.Random(1)
+    rows = [(a, b, rng.random() < 0.5) for a, b in [(rng.randrange(100), rng.randrange(100)) for _ in range(128)]]
+    responses = [str(a + b) if right else embedded_judge.wrong_answer(a + b, rng) for a, b, right in rows]
+    judge = Judge(str(embedded_judge.MODEL_DIR), embedded_judge.TEMPLATE, yes="y", no="n")
+    p = judge.score([f"What is {a}+{b}?" for a, b, _ in rows], responses, [a + b for a, b, _ in rows])
+    acc = sum((q > 0.5) == (r == str(a + b)) for q, r, (a, b, _) in zip(p, responses, rows)) / len(rows)
+    assert acc >= 0.65, acc
