@@ -475,7 +475,9 @@ def test_counted_things_are_counted():
 # 4. Metrics: every key a recipe logs is documented; every timing/ key named is a timer
 # --------------------------------------------------------------------------------------------------------------
 
-FAMILIES = "actor|critic|reward|val|timing|perf|training|response_length|prompt_length|rollout_corr|async|agent|memory|dapo|distill|rm|sampler"
+FAMILIES = (
+    "actor|critic|reward|val|timing|perf|training|response_length|prompt_length|rollout_corr|async|agent|memory|dapo|distill|rm|sampler"
+)
 KEY = re.compile(rf"^(?:{FAMILIES})/[\w<>/|@-]+$")  # @: val/pass@<k>
 
 
