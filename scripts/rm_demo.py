@@ -150,7 +150,7 @@ def run(args) -> None:
     sh(
         [py, "recipes/grpo.py", "--reward.model-path", str(rm_dir), "--trainer.total-training-steps", str(args.rl_steps),
          "--trainer.save-freq", str(args.save_freq), "--trainer.max-ckpt-to-keep", "0", "--trainer.test-freq", "0",
-         "--no-trainer.val-before-train", "--data.val-max-samples", "64", "--actor.kl-loss-coef", str(args.kl),
+         "--trainer.no-val-before-train", "--data.val-max-samples", "64", "--actor.kl-loss-coef", str(args.kl),
          "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "grpo-rm"],
         out / "grpo.log",
     )  # fmt: skip
