@@ -266,6 +266,23 @@ def timed(fn, sink: list):
     return wrapper
 
 
+def roofline(args, config, parts, times, trl_parts, w: int, forced: bool) -> str:
+    """common.roofline_table for the timed steps: rlkit's phases from its timers, TRL's from the wrapped methods
+    (its reference includes its scoring bookkeeping, its update the backward, optimizer and trainer). The FLOPs
+    are counted on rlkit's batches; TRL's are the same tokens with --model random or --workload gsm8k (with the
+    embedded model each side samples its own, ~the same count). Generation is left out when it is forced."""
+    phases = ["ref", "old_log_prob", "update"] if forced else ["gen", "ref", "old_log_prob", "update"]
+    sides = {k: [{x: p[x] for x in phases} for p in ps[w:]] for k, ps in parts.items()}
+    trl = []
+    for i in range(w, len(times["trl"])):
+        gas, gen, rew = trl_parts["generate_and_score"][i], trl_parts["generate"][i], trl_parts["rewards"][i]
+        trl.append({"gen": 0.0 if forced else gen, "ref": gas - gen - rew, "update": times["trl"][i] - gas})
+    sides["trl"] = trl
+    steps = [p["groups"] for p in parts["rlkit"][w:]]
+    old_lp = parts["rlkit"][w]["ran_old_log_prob"]
+    return common.roofline_table(config, steps, sides, decode_rows=args.prompts * args.n, old_log_prob=old_lp)
+
+
 def main(argv=None):
     args = parse_args(argv)
     common.set_threads(args.threads)
@@ -421,6 +438,8 @@ def main(argv=None):
         print(
             f"prompt tokens per step: TRL {common.median(prompt_tokens[w:]):.0f}, rlkit {common.median([p['prompt_tokens'] for p in parts['rlkit'][w:]]):.0f}"
         )
+    print()
+    print(roofline(args, first.model.config, parts, times, trl_parts, w, forced is not None))
     fastest = {k: min(v[w:]) for k, v in times.items()}
     print(
         f"\nrlkit / TRL = {med['rlkit'] / med['trl']:.2f}x (ratio of medians; median of per-step ratios {paired['rlkit']:.2f}x; "
