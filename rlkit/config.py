@@ -43,6 +43,9 @@ class ModelConfig:
     """passes on real tokens only, sequences packed into rows (rlkit/packing.py; varlen with flash_attention_2)"""
     share_prompt: bool = True
     """with remove_padding: a group's shared prompt computed once in those passes (sdpa and eager, not varlen)"""
+    shared_prompt_attention: Literal["auto", "mask", "split"] = "auto"
+    """with share_prompt and sdpa: mask = one dense block-mask sdpa call per row ((P + nR)^2 pairs); split = one sdpa
+    call per sequence, only the pairs the mask allows (rlkit/packing.py); auto = split unless gradient checkpointing"""
 
 
 @dataclass
