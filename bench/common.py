@@ -134,6 +134,7 @@ class RlkitGRPO:
         prefix_sharing: bool = False,
         padded: bool = False,
         train_files: list[str] | None = None,
+        shared_prompt_attention: str | None = None,
     ):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
@@ -155,6 +156,8 @@ class RlkitGRPO:
         cfg.actor.ppo_micro_batch_size = micro_batch or prompts * n
         cfg.actor.use_kl_loss = beta > 0
         cfg.actor.kl_loss_coef = beta
+        if shared_prompt_attention:
+            cfg.model.shared_prompt_attention = shared_prompt_attention
         cfg.model.remove_padding = not padded  # padded: rlkit before issue #15 (padded rows, every prompt n times)
         cfg.trainer.num_threads = threads
         cfg.trainer.seed = seed
@@ -524,6 +527,7 @@ VARIANTS = {
     "logits_to_keep": dict(logits_to_keep=True),
     "prefix": dict(prefix_sharing=True),
     "padded": dict(padded=True),
+    "mask": dict(shared_prompt_attention="mask"),  # the dense block mask instead of split attention (issue #25)
     "all": dict(skip_old_log_prob=True, prefix_sharing=True),
 }
 

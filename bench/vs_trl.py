@@ -67,7 +67,7 @@ def parse_args(argv=None):
         "--variants",
         default="",
         metavar="A,B",
-        help="also time rlkit variants: comma-separated from padded (rlkit before issue #15: padded passes, a prefill per row), and the older prototypes skip_old_lp, logits_to_keep, prefix, all; see docs/performance.md",
+        help="also time rlkit variants: comma-separated from padded (rlkit before issue #15: padded passes, a prefill per row), mask (the dense block mask instead of split attention), and the older prototypes skip_old_lp, logits_to_keep, prefix, all; see docs/performance.md",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workload", choices=["arith", "gsm8k"], default="arith", help="gsm8k: see the module docstring")
