@@ -476,19 +476,41 @@ def matmul_ceiling(config, rows: int, reps: int = 3, head: bool = True) -> float
     return flops / best
 
 
+class Ceiling:
+    """matmul_ceiling sampled between the timed steps, so that it runs under the same load as they do (a shared
+    machine's throughput moves by 2x within minutes): sample(groups) after each step, at the decode step's rows
+    (generation) and at the pass's positions (at most 2048, the others); rates() the medians."""
+
+    def __init__(self, config, decode_rows: int):
+        self.config, self.decode_rows, self.pass_rows = config, max(1, decode_rows), None
+        self.gen, self.passes = [], []
+
+    def sample(self, groups) -> None:
+        if self.pass_rows is None:
+            self.pass_rows = max(1, min(sum(group_counts(p, rs)[0] for p, rs in groups), 2048))
+        self.gen.append(matmul_ceiling(self.config, self.decode_rows, reps=2))
+        self.passes.append(matmul_ceiling(self.config, self.pass_rows, reps=2))
+
+    def rates(self) -> dict[str, float]:
+        g, p = median(self.gen), median(self.passes)
+        return {"gen": g, "ref": p, "old_log_prob": p, "update": p}
+
+    def describe(self) -> str:
+        r = self.rates()
+        return (
+            f"float32 matmuls of this model's shapes on {threads()} thread(s), sampled after each step (median of {len(self.gen)}): "
+            f"{r['gen'] / 1e9:.1f} GFLOP/s at {self.decode_rows} rows for generation, {r['ref'] / 1e9:.1f} GFLOP/s at {self.pass_rows} rows for the passes"
+        )
+
+
 def roofline_table(
-    config, steps: list[list[tuple[int, list[int]]]], sides: dict[str, list[dict]], decode_rows: int, old_log_prob: bool = True
+    config, steps: list[list[tuple[int, list[int]]]], sides: dict[str, list[dict]], ceiling: Ceiling, old_log_prob: bool = True
 ) -> str:
     """The roofline of one workload, one line per (side, phase): the phase's FLOPs (phase_flops: the work the step
     must do, the same for every side), the side's seconds, the achieved GFLOP/s and its % of the matmul ceiling
-    measured now (matmul_ceiling) at decode_rows rows for generation and at the pass's positions (at most 2048)
-    for the others. steps: each timed step's groups; sides: {side: [{phase: seconds} per step]} (a phase absent or
-    at 0 s is skipped). Medians over the steps: FLOPs, seconds, and the rate (of the per-step rates)."""
-    positions = max(sum(group_counts(p, rs)[0] for p, rs in g) for g in steps)
-    pass_rows = max(1, min(positions, 2048))
-    ceil_pass = matmul_ceiling(config, pass_rows)
-    ceil_gen = matmul_ceiling(config, max(1, decode_rows))
-    ceilings = {"gen": ceil_gen, "ref": ceil_pass, "old_log_prob": ceil_pass, "update": ceil_pass}
+    (Ceiling, sampled in the same run). steps: each timed step's groups; sides: {side: [{phase: seconds} per step]}
+    (a phase absent or at 0 s is skipped). Medians over the steps: FLOPs, seconds, and the rate (of the per-step rates)."""
+    ceilings = ceiling.rates()
     flops = [phase_flops(config, g, old_log_prob) for g in steps]
     rows = []
     for side, per_step in sides.items():
@@ -509,8 +531,7 @@ def roofline_table(
             )
     head = (
         "roofline (FLOPs the step must do: 2N per position, 6N trained, prompts once, LM head on the logits read, attention's "
-        f"q.k and values; ceiling: float32 matmuls of this model's shapes on {threads()} thread(s), measured now: "
-        f"{ceil_gen / 1e9:.1f} GFLOP/s at {decode_rows} rows for generation, {ceil_pass / 1e9:.1f} GFLOP/s at {pass_rows} rows for the passes)"
+        f"q.k and values; ceiling: {ceiling.describe()})"
     )
     return head + "\n" + fmt_table(rows, ["side", "phase", "GFLOP", "median s", "GFLOP/s", "% of ceiling"])
 

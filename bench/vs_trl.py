@@ -266,7 +266,7 @@ def timed(fn, sink: list):
     return wrapper
 
 
-def roofline(args, config, parts, times, trl_parts, w: int, forced: bool) -> str:
+def roofline(args, config, parts, times, trl_parts, w: int, forced: bool, ceiling) -> str:
     """common.roofline_table for the timed steps: rlkit's phases from its timers, TRL's from the wrapped methods
     (its reference includes its scoring bookkeeping, its update the backward, optimizer and trainer). The FLOPs
     are counted on rlkit's batches; TRL's are the same tokens with --model random or --workload gsm8k (with the
@@ -280,7 +280,7 @@ def roofline(args, config, parts, times, trl_parts, w: int, forced: bool) -> str
     sides["trl"] = trl
     steps = [p["groups"] for p in parts["rlkit"][w:]]
     old_lp = parts["rlkit"][w]["ran_old_log_prob"]
-    return common.roofline_table(config, steps, sides, decode_rows=args.prompts * args.n, old_log_prob=old_lp)
+    return common.roofline_table(config, steps, sides, ceiling, old_log_prob=old_lp)
 
 
 def main(argv=None):
@@ -336,6 +336,7 @@ def main(argv=None):
         for r in rl.values():
             r.policy.worker.rollout.generate = forced.rlkit_generate(r.policy.worker.rollout)
     first = next(iter(rl.values()))
+    ceiling = common.Ceiling(first.model.config, decode_rows=args.prompts * args.n)
     rss = PeakRSS()
     torch.set_num_threads(args.threads)
 
@@ -357,6 +358,8 @@ def main(argv=None):
             tokens[name].append(t["gen_tokens"])
             widths[name].append(t["gen_width"])
             parts[name].append(t)
+        if global_step > args.warmup:  # the matmul ceiling under the same load as the steps (common.Ceiling)
+            ceiling.sample(parts["rlkit"][-1]["groups"])
         line = " | ".join(f"{k} {v[-1]:.3f}s {tokens[k][-1] if tokens[k] else '?'} tok" for k, v in times.items())
         print(f"step {global_step}{' (warm-up)' if global_step <= args.warmup else ''}: {line}", flush=True)
         rss.side = "trl" if global_step >= args.warmup else None
@@ -439,7 +442,7 @@ def main(argv=None):
             f"prompt tokens per step: TRL {common.median(prompt_tokens[w:]):.0f}, rlkit {common.median([p['prompt_tokens'] for p in parts['rlkit'][w:]]):.0f}"
         )
     print()
-    print(roofline(args, first.model.config, parts, times, trl_parts, w, forced is not None))
+    print(roofline(args, first.model.config, parts, times, trl_parts, w, forced is not None, ceiling))
     fastest = {k: min(v[w:]) for k, v in times.items()}
     print(
         f"\nrlkit / TRL = {med['rlkit'] / med['trl']:.2f}x (ratio of medians; median of per-step ratios {paired['rlkit']:.2f}x; "

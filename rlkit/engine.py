@@ -250,6 +250,12 @@ def attention(model, name: str | None):
         config._attn_implementation = before
 
 
+def attention_width(model) -> int:
+    """Query heads x head dim of the model's attention (its config)."""
+    c = model.config
+    return c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+
 def accepts_logits_to_keep(model) -> bool:
     """Whether the model's forward computes the LM head on the last N positions only (transformers' `logits_to_keep`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -485,9 +491,13 @@ class TorchEngine:
         )
         dev = self.device
         mask, runs = None, None
-        if self.split_attention:  # no mask: the layout goes to packing.split_attention
+        if self.split_attention:  # no mask: the layout goes to packing.split_attention (auto: where it pays)
             runs = packing.spans(p.segment_ids, p.sub_ids, dev)
-        elif not self.varlen:
+            if self.model_cfg.shared_prompt_attention == "auto" and not packing.split_pays(
+                runs, p.input_ids.shape[1], attention_width(model)
+            ):
+                runs = None
+        if runs is None and not self.varlen:
             mask = packing.block_mask(p.segment_ids.to(dev, non_blocking=True), p.sub_ids.to(dev, non_blocking=True))[:, None]
             if self.attn_implementation == "eager":  # eager adds the mask to the scores
                 mask = torch.zeros(mask.shape, device=dev).masked_fill(~mask, torch.finfo(torch.float32).min)

@@ -256,6 +256,24 @@ def spans(seg: torch.Tensor, sub: torch.Tensor, device) -> Spans:
     return Spans(out, masks)
 
 
+SPLIT_MIN_FLOPS_PER_CALL = 2e6  # auto: split when it saves this many attention FLOPs per extra sdpa call (bench/attention.py)
+
+
+def split_pays(runs: Spans, length: int, width: int) -> bool:
+    """Whether split attention saves more than it costs: the dense mask's pairs (rows x length^2) minus those split
+    computes, at 4 x width FLOPs a pair (q.k and the values, per layer), against SPLIT_MIN_FLOPS_PER_CALL per sdpa call
+    it makes instead of one. Long responses (GSM8K-shaped) pay by far; groups of a few tokens do not."""
+    pairs, calls = 0, 0
+    for row in runs.rows:
+        for run in row:
+            n = run[2] - run[1]
+            if run[0] == "prompt":
+                pairs, calls = pairs + n * n, calls + 1
+            elif run[0] == "response":
+                pairs, calls = pairs + n * (n + run[4] - run[3]), calls + 1
+    return (len(runs.rows) * length**2 - pairs) * 4 * width >= SPLIT_MIN_FLOPS_PER_CALL * calls
+
+
 def split_attention(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, rlkit_spans: Spans | None = None, **kwargs
 ):

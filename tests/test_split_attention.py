@@ -29,10 +29,21 @@ def test_spans_of_a_packed_layout_by_hand():
     assert torch.equal(full[2:4][:, [0, 1, 2, 3]], s.masks[(2, 2)]) and torch.equal(full[4:5][:, [0, 1, 4]], s.masks[(1, 2)])
 
 
+def test_split_pays_counts_pairs_and_calls_by_hand():
+    # one row of 5: prompt 2 (4 pairs), responses 2 and 1 (2 x 4 and 1 x 3 pairs): 15 of the mask's 25, in 3 calls
+    s = packing.Spans([[("prompt", 0, 2), ("response", 2, 4, 0, 2), ("response", 4, 5, 0, 2)]], {})
+    saved = (25 - 15) * 4 * 8  # width 8: 320 FLOPs saved, against 3 calls
+    assert packing.split_pays(s, 5, 8) == (saved >= 3 * packing.SPLIT_MIN_FLOPS_PER_CALL)
+    assert not packing.split_pays(s, 5, 8)  # a few tokens: the mask's one call is cheaper
+    # GSM8K-shaped: a 200-token prompt and 8 responses of 160 in one row of 1480, width 256: split
+    runs = [("prompt", 0, 200)] + [("response", 200 + 160 * k, 360 + 160 * k, 0, 200) for k in range(8)]
+    assert packing.split_pays(packing.Spans([runs], {}), 1480, 256)
+
+
 @pytest.fixture(scope="module")
 def engine():
     torch.manual_seed(0)
-    return TorchEngine(ModelConfig(attn_implementation="sdpa"), ActorConfig(lr=1e-3), device="cpu")
+    return TorchEngine(ModelConfig(attn_implementation="sdpa", shared_prompt_attention="split"), ActorConfig(lr=1e-3), device="cpu")
 
 
 def counted_sdpa(monkeypatch):
@@ -56,7 +67,7 @@ def run(engine, split: bool, b, fn):
 
 
 def test_split_log_probs_and_entropy_equal_the_mask(engine, monkeypatch):
-    assert engine.split_attention  # the default (auto) with sdpa and a shared prompt
+    assert engine.split_attention
     b = make_batch(engine.model.config.vocab_size)
     calls = counted_sdpa(monkeypatch)
     lp0, ent0 = run(engine, False, b, lambda: engine.compute_log_prob(b, 0.7, 64, with_entropy=True))
@@ -98,7 +109,8 @@ def test_mask_setting_keeps_the_dense_mask():
 def test_split_with_lora_equals_the_mask():
     """peft's wrapper passes the layout through to the attention (and the reference pass, adapter disabled, too)."""
     torch.manual_seed(0)
-    eng = TorchEngine(ModelConfig(attn_implementation="sdpa", lora_rank=4), ActorConfig(lr=1e-3), device="cpu")
+    cfg = ModelConfig(attn_implementation="sdpa", lora_rank=4, shared_prompt_attention="split")
+    eng = TorchEngine(cfg, ActorConfig(lr=1e-3), device="cpu")
     assert eng.split_attention
     b = make_batch(eng.model.config.vocab_size, seed=3)
     real = b["attention_mask"][:, P:].bool()
