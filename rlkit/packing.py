@@ -256,7 +256,10 @@ def spans(seg: torch.Tensor, sub: torch.Tensor, device) -> Spans:
     return Spans(out, masks)
 
 
-SPLIT_MIN_FLOPS_PER_CALL = 2e6  # auto: split when it saves this many attention FLOPs per extra sdpa call (bench/attention.py)
+# auto: split when it saves this many attention FLOPs per sdpa call it makes. Measured (bench/vs_trl.py --variants mask,
+# 1 thread): the GSM8K shape saves ~3e8 per call and split runs its passes in 0.6x the time; the random 4.3M model's
+# 19-token prompts and 32-token responses save ~7e6 per call and split was slower (the calls' overhead, small sdpa).
+SPLIT_MIN_FLOPS_PER_CALL = 3e7
 
 
 def split_pays(runs: Spans, length: int, width: int) -> bool:

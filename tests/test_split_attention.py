@@ -38,6 +38,9 @@ def test_split_pays_counts_pairs_and_calls_by_hand():
     # GSM8K-shaped: a 200-token prompt and 8 responses of 160 in one row of 1480, width 256: split
     runs = [("prompt", 0, 200)] + [("response", 200 + 160 * k, 360 + 160 * k, 0, 200) for k in range(8)]
     assert packing.split_pays(packing.Spans([runs], {}), 1480, 256)
+    # the random 4.3M workload: a 19-token prompt and 8 responses of 32 (row of 275): ~7e6 FLOPs saved per call, the mask
+    runs = [("prompt", 0, 19)] + [("response", 19 + 32 * k, 51 + 32 * k, 0, 19) for k in range(8)]
+    assert not packing.split_pays(packing.Spans([runs], {}), 275, 256)
 
 
 @pytest.fixture(scope="module")
