@@ -134,6 +134,7 @@ class RlkitGRPO:
         prefix_sharing: bool = False,
         padded: bool = False,
         train_files: list[str] | None = None,
+        shared_prompt_attention: str | None = None,
     ):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
@@ -155,6 +156,8 @@ class RlkitGRPO:
         cfg.actor.ppo_micro_batch_size = micro_batch or prompts * n
         cfg.actor.use_kl_loss = beta > 0
         cfg.actor.kl_loss_coef = beta
+        if shared_prompt_attention:
+            cfg.model.shared_prompt_attention = shared_prompt_attention
         cfg.model.remove_padding = not padded  # padded: rlkit before issue #15 (padded rows, every prompt n times)
         cfg.trainer.num_threads = threads
         cfg.trainer.seed = seed
@@ -214,11 +217,20 @@ class RlkitGRPO:
             batch["advantages"] = advantages[:, None] * batch["response_mask"]
             with loop.timer("update", timings):
                 metrics = policy.update(batch, self.actor_loss)
+        prompt_len = batch["prompts"].shape[1]
+        timings["groups"] = common_groups(batch, prompt_len)  # for the roofline: (P, [R_i]) per group
+        timings["ran_old_log_prob"] = not (self.skip_old_log_prob or self.policy.update_is_one_step())
         timings["gen_tokens"] = int(batch["response_mask"].sum())
         timings["gen_width"] = int(batch["responses"].shape[1])
         timings["prompt_tokens"] = int(batch["attention_mask"][:, : batch["prompts"].shape[1]].sum())
         timings["pg_loss"] = metrics.get("actor/pg_loss", float("nan"))
         return timings
+
+
+def common_groups(batch, prompt_len: int) -> list[tuple[int, list[int]]]:
+    """A rollout batch's groups [(prompt tokens, [response tokens])], from its attention mask and uids."""
+    mask = batch["attention_mask"]
+    return groups_of(mask[:, :prompt_len].sum(-1).tolist(), mask[:, prompt_len:].sum(-1).tolist(), list(batch["uid"]))
 
 
 def patch_logits_to_keep(engine) -> None:
@@ -364,12 +376,179 @@ def patch_prefix_sharing(engine, rollout, n: int) -> None:
     rollout.generate = generate
 
 
+# ---------------------------------------------------------------------------
+# Roofline: the FLOPs each phase must do, and the machine's matmul ceiling measured in the same run
+# ---------------------------------------------------------------------------
+
+
+def model_dims(config) -> dict:
+    """A Llama/Qwen-shaped decoder's sizes from its Hugging Face config: hidden h, layers, query heads x head_dim
+    (attention width a), key/value width kv, MLP width (gated: 3 matrices), vocabulary."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return dict(
+        h=h,
+        layers=config.num_hidden_layers,
+        a=heads * head_dim,
+        kv=kv_heads * head_dim,
+        ff=config.intermediate_size,
+        vocab=config.vocab_size,
+    )
+
+
+def linear_shapes(dims: dict) -> list[tuple[int, int]]:
+    """(in, out) of every matmul weight of one decoder layer: q, k, v, o, gate, up, down."""
+    h, a, kv, ff = dims["h"], dims["a"], dims["kv"], dims["ff"]
+    return [(h, a), (h, kv), (h, kv), (a, h), (h, ff), (h, ff), (ff, h)]
+
+
+def body_params(dims: dict) -> int:
+    """N: the matmul weights of the decoder layers (embeddings, norms, biases and the LM head excluded)."""
+    return dims["layers"] * sum(i * o for i, o in linear_shapes(dims))
+
+
+def group_counts(prompt_len: int, responses: list[int]) -> tuple[int, int, int]:
+    """(positions, logits read, attention keys) one GRPO group of a prompt and its n responses needs, prompt once:
+
+    positions = P + sum_i (R_i - 1)      the prompt once, each response but its last token (it predicts nothing)
+    reads     = 1 + sum_i (R_i - 1)      the prompt's last position (serves every response's first token) + the rest
+    keys      = sum_{t<P} (t + 1) + sum_i sum_{j<R_i - 1} (P + j + 1)    causal, each response sees its prompt
+    """
+    P = prompt_len
+    positions = P + sum(max(r - 1, 0) for r in responses)
+    reads = (1 if responses else 0) + sum(max(r - 1, 0) for r in responses)
+    keys = P * (P + 1) // 2 + sum(m * P + m * (m + 1) // 2 for m in (max(r - 1, 0) for r in responses))
+    return positions, reads, keys
+
+
+def forward_flops(dims: dict, positions: int, reads: int, keys: int) -> int:
+    """One forward pass: 2 N per position (the layers' matmuls), 2 h V per logit read (the LM head), and attention's
+    own 4 a per (query, key) pair per layer (q.k and the weighted sum of values, 2 a each)."""
+    return 2 * body_params(dims) * positions + 2 * dims["h"] * dims["vocab"] * reads + 4 * dims["a"] * dims["layers"] * keys
+
+
+def phase_flops(config, groups: list[tuple[int, list[int]]], old_log_prob: bool = True) -> dict[str, int]:
+    """The FLOPs a GRPO step's phases must do, for groups [(prompt length, [response lengths])], prompts once:
+
+    gen           forward FLOPs of the prompts and the sampled tokens (each fed once; the same arithmetic as
+                  scoring them, at a decode step's small matmuls)
+    ref, old      one forward pass over the same positions (old: 0 when the update reuses its own log-probs)
+    update        3x the forward (forward + backward: 6 N per trained position); AdamW's O(N) is not counted
+    """
+    dims = model_dims(config)
+    fwd = sum(forward_flops(dims, *group_counts(p, rs)) for p, rs in groups)
+    return {"gen": fwd, "ref": fwd, "old_log_prob": fwd if old_log_prob else 0, "update": 3 * fwd}
+
+
+def groups_of(prompt_lens: list[int], response_lens: list[int], uids: list) -> list[tuple[int, list[int]]]:
+    """Rows -> [(prompt length, [response lengths])] per run of equal uid (GRPO's rows of a group are consecutive)."""
+    out, last = [], object()
+    for p, r, u in zip(prompt_lens, response_lens, uids):
+        if u != last:
+            out.append((p, []))
+            last = u
+        out[-1][1].append(r)
+    return out
+
+
+def matmul_ceiling(config, rows: int, reps: int = 3, head: bool = True) -> float:
+    """The machine's matmul throughput (FLOP/s) on this model's shapes, measured now on torch's current threads:
+    a (rows, in) @ (in, out) float32 product for each of one layer's weights (and the LM head), the fastest of
+    `reps` rounds; FLOPs of the round / its seconds. rows: the positions a pass multiplies at once (a packed
+    pass: its positions; a decode step: the rows generating)."""
+    import torch
+
+    dims = model_dims(config)
+    shapes = linear_shapes(dims) + ([(dims["h"], dims["vocab"])] if head else [])
+    g = torch.Generator().manual_seed(0)
+    mats = [(torch.randn(rows, i, generator=g), torch.randn(i, o, generator=g)) for i, o in shapes]
+    flops = sum(2 * rows * i * o for i, o in shapes)
+    best = float("inf")
+    with torch.no_grad():
+        for x, w in mats:  # warm-up: first-call allocation and kernel selection
+            x @ w
+        for _ in range(reps):
+            t = now()
+            for x, w in mats:
+                x @ w
+            best = min(best, now() - t)
+    return flops / best
+
+
+class Ceiling:
+    """matmul_ceiling sampled between the timed steps, so that it runs under the same load as they do (a shared
+    machine's throughput moves by 2x within minutes): sample(groups) after each step, at the decode step's rows
+    (generation) and at the pass's positions (at most 2048, the others); rates() the medians."""
+
+    def __init__(self, config, decode_rows: int):
+        self.config, self.decode_rows, self.pass_rows = config, max(1, decode_rows), None
+        self.gen, self.passes = [], []
+
+    def sample(self, groups) -> None:
+        if self.pass_rows is None:
+            self.pass_rows = max(1, min(sum(group_counts(p, rs)[0] for p, rs in groups), 2048))
+        self.gen.append(matmul_ceiling(self.config, self.decode_rows, reps=2))
+        self.passes.append(matmul_ceiling(self.config, self.pass_rows, reps=2))
+
+    def rates(self) -> dict[str, float]:
+        g, p = median(self.gen), median(self.passes)
+        return {"gen": g, "ref": p, "old_log_prob": p, "update": p}
+
+    def describe(self) -> str:
+        r = self.rates()
+        return (
+            f"float32 matmuls of this model's shapes on {threads()} thread(s), sampled after each step (median of {len(self.gen)}): "
+            f"{r['gen'] / 1e9:.1f} GFLOP/s at {self.decode_rows} rows for generation, {r['ref'] / 1e9:.1f} GFLOP/s at {self.pass_rows} rows for the passes"
+        )
+
+
+def roofline_table(
+    config, steps: list[list[tuple[int, list[int]]]], sides: dict[str, list[dict]], ceiling: Ceiling, old_log_prob: bool = True
+) -> str:
+    """The roofline of one workload, one line per (side, phase): the phase's FLOPs (phase_flops: the work the step
+    must do, the same for every side), the side's seconds, the achieved GFLOP/s and its % of the matmul ceiling
+    (Ceiling, sampled in the same run). steps: each timed step's groups; sides: {side: [{phase: seconds} per step]}
+    (a phase absent or at 0 s is skipped). Medians over the steps: FLOPs, seconds, and the rate (of the per-step rates)."""
+    ceilings = ceiling.rates()
+    flops = [phase_flops(config, g, old_log_prob) for g in steps]
+    rows = []
+    for side, per_step in sides.items():
+        for phase in per_step[0]:
+            pairs = [(f[phase], t[phase]) for f, t in zip(flops, per_step) if f.get(phase) and t.get(phase)]
+            if not pairs:
+                continue
+            rate = median([f / t for f, t in pairs])
+            rows.append(
+                [
+                    side,
+                    phase,
+                    f"{median([f for f, _ in pairs]) / 1e9:.3f}",
+                    f"{median([t for _, t in pairs]):.3f}",
+                    f"{rate / 1e9:.2f}",
+                    f"{100 * rate / ceilings[phase]:.0f}%",
+                ]
+            )
+    head = (
+        "roofline (FLOPs the step must do: 2N per position, 6N trained, prompts once, LM head on the logits read, attention's "
+        f"q.k and values; ceiling: {ceiling.describe()})"
+    )
+    return head + "\n" + fmt_table(rows, ["side", "phase", "GFLOP", "median s", "GFLOP/s", "% of ceiling"])
+
+
+def threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 # prototyped optimisations, by name (see docs/performance.md): RlkitGRPO keyword arguments
 VARIANTS = {
     "skip_old_lp": dict(skip_old_log_prob=True),
     "logits_to_keep": dict(logits_to_keep=True),
     "prefix": dict(prefix_sharing=True),
     "padded": dict(padded=True),
+    "mask": dict(shared_prompt_attention="mask"),  # the dense block mask instead of split attention (issue #25)
     "all": dict(skip_old_log_prob=True, prefix_sharing=True),
 }
 

@@ -67,7 +67,7 @@ def parse_args(argv=None):
         "--variants",
         default="",
         metavar="A,B",
-        help="also time rlkit variants: comma-separated from padded (rlkit before issue #15: padded passes, a prefill per row), and the older prototypes skip_old_lp, logits_to_keep, prefix, all; see docs/performance.md",
+        help="also time rlkit variants: comma-separated from padded (rlkit before issue #15: padded passes, a prefill per row), mask (the dense block mask instead of split attention), and the older prototypes skip_old_lp, logits_to_keep, prefix, all; see docs/performance.md",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workload", choices=["arith", "gsm8k"], default="arith", help="gsm8k: see the module docstring")
@@ -266,6 +266,23 @@ def timed(fn, sink: list):
     return wrapper
 
 
+def roofline(args, config, parts, times, trl_parts, w: int, forced: bool, ceiling) -> str:
+    """common.roofline_table for the timed steps: rlkit's phases from its timers, TRL's from the wrapped methods
+    (its reference includes its scoring bookkeeping, its update the backward, optimizer and trainer). The FLOPs
+    are counted on rlkit's batches; TRL's are the same tokens with --model random or --workload gsm8k (with the
+    embedded model each side samples its own, ~the same count). Generation is left out when it is forced."""
+    phases = ["ref", "old_log_prob", "update"] if forced else ["gen", "ref", "old_log_prob", "update"]
+    sides = {k: [{x: p[x] for x in phases} for p in ps[w:]] for k, ps in parts.items()}
+    trl = []
+    for i in range(w, len(times["trl"])):
+        gas, gen, rew = trl_parts["generate_and_score"][i], trl_parts["generate"][i], trl_parts["rewards"][i]
+        trl.append({"gen": 0.0 if forced else gen, "ref": gas - gen - rew, "update": times["trl"][i] - gas})
+    sides["trl"] = trl
+    steps = [p["groups"] for p in parts["rlkit"][w:]]
+    old_lp = parts["rlkit"][w]["ran_old_log_prob"]
+    return common.roofline_table(config, steps, sides, ceiling, old_log_prob=old_lp)
+
+
 def main(argv=None):
     args = parse_args(argv)
     common.set_threads(args.threads)
@@ -319,6 +336,7 @@ def main(argv=None):
         for r in rl.values():
             r.policy.worker.rollout.generate = forced.rlkit_generate(r.policy.worker.rollout)
     first = next(iter(rl.values()))
+    ceiling = common.Ceiling(first.model.config, decode_rows=args.prompts * args.n)
     rss = PeakRSS()
     torch.set_num_threads(args.threads)
 
@@ -340,6 +358,8 @@ def main(argv=None):
             tokens[name].append(t["gen_tokens"])
             widths[name].append(t["gen_width"])
             parts[name].append(t)
+        if global_step > args.warmup:  # the matmul ceiling under the same load as the steps (common.Ceiling)
+            ceiling.sample(parts["rlkit"][-1]["groups"])
         line = " | ".join(f"{k} {v[-1]:.3f}s {tokens[k][-1] if tokens[k] else '?'} tok" for k, v in times.items())
         print(f"step {global_step}{' (warm-up)' if global_step <= args.warmup else ''}: {line}", flush=True)
         rss.side = "trl" if global_step >= args.warmup else None
@@ -421,6 +441,8 @@ def main(argv=None):
         print(
             f"prompt tokens per step: TRL {common.median(prompt_tokens[w:]):.0f}, rlkit {common.median([p['prompt_tokens'] for p in parts['rlkit'][w:]]):.0f}"
         )
+    print()
+    print(roofline(args, first.model.config, parts, times, trl_parts, w, forced is not None, ceiling))
     fastest = {k: min(v[w:]) for k, v in times.items()}
     print(
         f"\nrlkit / TRL = {med['rlkit'] / med['trl']:.2f}x (ratio of medians; median of per-step ratios {paired['rlkit']:.2f}x; "

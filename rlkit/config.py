@@ -45,6 +45,10 @@ class ModelConfig:
     """with remove_padding: a group's shared prompt computed once in those passes (sdpa and eager, not varlen)"""
     freeze_vision_tower: bool = True
     """vision-language models: train the language model only (LoRA: adapters on it only); false trains the vision tower too"""
+    shared_prompt_attention: Literal["auto", "mask", "split"] = "auto"
+    """with share_prompt and sdpa: mask = one dense block-mask sdpa call per row ((P + nR)^2 pairs); split = one sdpa
+    call per sequence, only the pairs the mask allows (rlkit/packing.py); auto = split where it saves enough attention
+    work per extra call (packing.split_pays: long responses), not with gradient checkpointing"""
 
 
 @dataclass

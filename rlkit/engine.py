@@ -261,6 +261,27 @@ def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dic
     return {k: v[:, first:end] for k, v in tensors.items()}, first, keep
 
 
+@contextmanager
+def attention(model, name: str | None):
+    """The model's transformers attention implementation set to `name` for the block (None: unchanged)."""
+    if name is None:
+        yield
+        return
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def attention_width(model) -> int:
+    """Query heads x head dim of the model's attention (its config)."""
+    c = model.config
+    return c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+
 def accepts_logits_to_keep(model) -> bool:
     """Whether the model's forward computes the LM head on the last N positions only (transformers' `logits_to_keep`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -409,6 +430,16 @@ class TorchEngine:
         self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager", "flash_attention_2")
         self.remove_padding = self.remove_padding and not self.vlm  # packing lays out 1-D positions; M-RoPE needs 3 rows
         self.share_prompt = self.remove_padding and model_cfg.share_prompt and not self.varlen
+        # the shared prompt's attention per sequence instead of a dense (row length)^2 mask (packing.split_attention); not
+        # with gradient checkpointing: its backward recomputes the layers after the pass has put sdpa back (engine.attention)
+        self.split_attention = (
+            self.share_prompt
+            and self.attn_implementation == "sdpa"
+            and model_cfg.shared_prompt_attention != "mask"
+            and not self.gradient_checkpointing
+        )
+        if self.split_attention:
+            packing.register_split_attention()
         if model_cfg.remove_padding and not self.remove_padding and not self.vlm:  # a VLM's layout: describe() says it
             warnings.warn(
                 f"--model.remove-padding: attention {self.attn_implementation} takes neither a 4D mask nor packed sequences; "
@@ -497,8 +528,14 @@ class TorchEngine:
             one_row=self.varlen,
         )
         dev = self.device
-        mask = None
-        if not self.varlen:
+        mask, runs = None, None
+        if self.split_attention:  # no mask: the layout goes to packing.split_attention (auto: where it pays)
+            runs = packing.spans(p.segment_ids, p.sub_ids, dev)
+            if self.model_cfg.shared_prompt_attention == "auto" and not packing.split_pays(
+                runs, p.input_ids.shape[1], attention_width(model)
+            ):
+                runs = None
+        if runs is None and not self.varlen:
             mask = packing.block_mask(p.segment_ids.to(dev, non_blocking=True), p.sub_ids.to(dev, non_blocking=True))[:, None]
             if self.attn_implementation == "eager":  # eager adds the mask to the scores
                 mask = torch.zeros(mask.shape, device=dev).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -515,13 +552,15 @@ class TorchEngine:
             row = p.src_row[sel] - r0
             dst = (p.dst_row[sel].to(dev), p.dst_col[sel].to(dev))
             only = {"logits_to_keep": read.to(dev)} if self.keep_logits else {}  # the LM head on the K positions read, not on all C
-            with self.autocast():
+            split = {"rlkit_spans": packing.Spans(runs.rows[r0:r1], runs.masks)} if runs is not None else {}
+            with self.autocast(), attention(model, packing.SPLIT_ATTENTION if split else None):
                 out = model(
                     input_ids=p.input_ids[r0:r1].to(dev),
                     attention_mask=None if mask is None else mask[r0:r1],
                     position_ids=p.position_ids[r0:r1].to(dev),
                     use_cache=False,
                     **only,
+                    **split,
                 ).logits  # (rows, K, V)
             if not self.keep_logits:
                 out = out[:, read.to(dev)]

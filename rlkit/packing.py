@@ -200,3 +200,121 @@ def split_to_count(spans: list[tuple[int, int]], costs, count: int) -> list[tupl
         cut = min(range(a + 1, b), key=lambda c: abs(span_cost(costs, a, c) - span_cost(costs, c, b)))
         spans[j : j + 1] = [(a, cut), (cut, b)]
     return spans
+
+
+# ---------------------------------------------------------------------------
+# Split attention: the block mask's attention, computed per sequence (only the pairs it allows)
+# ---------------------------------------------------------------------------
+#
+# The dense block mask costs (row length)^2 query-key pairs per layer: a group of a P-token prompt and n responses
+# of R tokens pays (P + nR)^2, where its tokens need P^2/2 + n (PR + R^2/2) (P = 200, R = 160, n = 8: 2.2M pairs
+# against 0.6M). Split attention runs the same attention as one sdpa call per sequence instead: the prompt causal
+# against itself, each response against [its prompt, itself causal], padding against itself; outputs laid back in
+# the row's order. Same result as the mask to float rounding, with gradients (unlike FlexAttention on CPU, which has
+# no backward in torch 2.13), any device. The engine passes it as a transformers attention function
+# (SPLIT_ATTENTION) with the layout in a keyword argument; other calls (generation) go to sdpa unchanged.
+
+SPLIT_ATTENTION = "rlkit_split_sdpa"
+
+
+@dataclass
+class Spans:
+    """Each packed row as runs of positions: ("prompt", start, end), ("response", start, end, prompt_start,
+    prompt_end), ("pad", start, end), in order; masks[(R, P)] the (R, P + R) bool mask of a response of R tokens
+    after a P-token prompt (prompt all visible, itself causal), built once per pass on the device."""
+
+    rows: list[list[tuple]]
+    masks: dict[tuple[int, int], torch.Tensor]
+
+
+def spans(seg: torch.Tensor, sub: torch.Tensor, device) -> Spans:
+    """The Spans of packed ids (rows, C) (host tensors): one run per (segment, sub-sequence) change."""
+    out, masks = [], {}
+    for s_row, u_row in zip(seg.tolist(), sub.tolist()):
+        runs, start = [], 0
+        for i in range(1, len(s_row) + 1):
+            if i == len(s_row) or s_row[i] != s_row[start] or u_row[i] != u_row[start]:
+                runs.append((s_row[start], u_row[start], start, i))
+                start = i
+        row, prompts = [], {}
+        for s, u, a, b in runs:
+            if s < 0:
+                row.append(("pad", a, b))
+            elif u == 0:
+                row.append(("prompt", a, b))
+                prompts[s] = (a, b)
+            else:
+                pa, pb = prompts.get(s, (a, a))
+                row.append(("response", a, b, pa, pb))
+                key = (b - a, pb - pa)
+                if key not in masks:
+                    r, p = key
+                    masks[key] = torch.cat(
+                        [torch.ones(r, p, dtype=torch.bool, device=device), torch.ones(r, r, dtype=torch.bool, device=device).tril()], 1
+                    )
+        out.append(row)
+    return Spans(out, masks)
+
+
+# auto: split when it saves this many attention FLOPs per sdpa call it makes. Measured (bench/vs_trl.py --variants mask,
+# 1 thread): the GSM8K shape saves ~3e8 per call and split runs its passes in 0.6x the time; the random 4.3M model's
+# 19-token prompts and 32-token responses save ~7e6 per call and split was slower (the calls' overhead, small sdpa).
+SPLIT_MIN_FLOPS_PER_CALL = 3e7
+
+
+def split_pays(runs: Spans, length: int, width: int) -> bool:
+    """Whether split attention saves more than it costs: the dense mask's pairs (rows x length^2) minus those split
+    computes, at 4 x width FLOPs a pair (q.k and the values, per layer), against SPLIT_MIN_FLOPS_PER_CALL per sdpa call
+    it makes instead of one. Long responses (GSM8K-shaped) pay by far; groups of a few tokens do not."""
+    pairs, calls = 0, 0
+    for row in runs.rows:
+        for run in row:
+            n = run[2] - run[1]
+            if run[0] == "prompt":
+                pairs, calls = pairs + n * n, calls + 1
+            elif run[0] == "response":
+                pairs, calls = pairs + n * (n + run[4] - run[3]), calls + 1
+    return (len(runs.rows) * length**2 - pairs) * 4 * width >= SPLIT_MIN_FLOPS_PER_CALL * calls
+
+
+def split_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, rlkit_spans: Spans | None = None, **kwargs
+):
+    """A transformers attention function: query (B, H, C, D), key/value (B, Hkv, C, D) -> ((B, C, H, D), None).
+
+    With rlkit_spans: the block mask's attention, one sdpa call per run (see above). Without: sdpa, unchanged."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if rlkit_spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for b, runs in enumerate(rlkit_spans.rows):
+        q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]  # (1, H, C, D)
+        parts = []
+        for run in runs:
+            a, e = run[1], run[2]
+            if run[0] == "pad":  # padding sees itself only: its own value
+                parts.append(v[:, :, a:e])
+            elif run[0] == "prompt":
+                parts.append(sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True, dropout_p=dropout, scale=scaling))
+            else:
+                pa, pb = run[3], run[4]
+                ks = torch.cat([k[:, :, pa:pb], k[:, :, a:e]], 2)
+                vs = torch.cat([v[:, :, pa:pb], v[:, :, a:e]], 2)
+                mask = rlkit_spans.masks[(e - a, pb - pa)]
+                parts.append(sdpa(q[:, :, a:e], ks, vs, attn_mask=mask, dropout_p=dropout, scale=scaling))
+        rows.append(torch.cat(parts, 2))
+    return torch.cat(rows, 0).transpose(1, 2).contiguous(), None
+
+
+def register_split_attention() -> None:
+    """Register split_attention with transformers (attention function, and sdpa's mask for calls without spans)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(SPLIT_ATTENTION, split_attention)
+    AttentionMaskInterface.register(SPLIT_ATTENTION, sdpa_mask)
