@@ -96,6 +96,8 @@ def run_model(name: str, args, work: Path) -> dict | None:
                     rows["input_ids"].shape[1] + R,
                     seed=args.seed,
                 )
+            # the random model's EOS lies past its vocabulary (never sampled, bench/common.py), which vLLM refuses as a stop id
+            arms[arm].eos = [e for e in arms[arm].eos if e < model.config.vocab_size]
             torch.set_num_threads(args.threads)
         else:
             raise SystemExit(f"unknown arm {arm!r}: generate, fast, vllm")
