@@ -131,3 +131,18 @@ def test_fast_falls_back_to_generate_when_generation_config_asks_for_more(tiny, 
 def test_unknown_impl_is_refused(tiny, tok):
     with pytest.raises(ConfigError, match="--rollout.hf-impl"):
         HFRollout(tiny, tok, "cpu", impl="vllm")
+
+
+def test_fast_equals_generate_on_a_lora_model(tok, prompt_set):
+    """A peft LoRA model (the engine's, B perturbed so the adapter acts) under the engine's autocast."""
+    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.engine import TorchEngine
+
+    eng = TorchEngine(ModelConfig(lora_rank=4), ActorConfig(lr=1e-3), device="cpu")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in eng.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    rows = prompt_set.batch([0, 1, 2, 3], tok.pad_token_id).repeat(3, interleave=True)
+    assert_same(*both(eng.model, eng.tokenizer, rows, temperature=1.5, autocast=eng.autocast))
