@@ -113,6 +113,8 @@ class RolloutConfig:
     """temperature for validation; 0 = greedy"""
     log_prob_micro_batch_size: int = 0
     """rows per forward pass of the log-prob and value passes (0 = --actor.ppo-micro-batch-size)"""
+    hf_impl: Literal["fast", "generate"] = "fast"
+    """hf: fast (rlkit's decoding loop, KV cache written in place: the same tokens as generate, faster) or generate (transformers'); docs/performance.md"""
     micro_batch_size: int = 0
     """hf: rows per generate call (0 = auto: on CUDA what half the free memory holds, docs/gpu.md; on CPU 64, all under 10M params)"""
     gpu_memory_utilization: float = 0.5
@@ -328,7 +330,7 @@ SYSTEM_OPTIONS = {
     "performance": {
         "trainer": ("device", "num_threads"),
         "model": ("attn_implementation", "gradient_checkpointing", "remove_padding", "share_prompt"),
-        "rollout": ("micro_batch_size", "log_prob_micro_batch_size"),
+        "rollout": ("hf_impl", "micro_batch_size", "log_prob_micro_batch_size"),
         "actor": ("max_token_len_per_micro_batch",),
         "critic": ("max_token_len_per_micro_batch",),
     },

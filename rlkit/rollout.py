@@ -1,4 +1,8 @@
-"""Rollout adapter `hf`: sample responses with transformers' `generate` (KV-cached, batched).
+"""Rollout adapter `hf`: sample responses on the training model, KV-cached and batched, with transformers' `generate`
+(`--rollout.hf-impl generate`) or with rlkit's own decoding loop around the model's forward (`fast`, the default):
+the same forward passes, the same sampling ops in the same order, so the same tokens for the same seed, bit for bit,
+without `generate`'s per-token bookkeeping, and with the KV cache in one buffer allocated for the whole response
+(GrowingLayer) instead of concatenated every step (docs/performance.md, "Generation").
 
 Input: a DataProto of left-padded prompts (input_ids, attention_mask, position_ids).
 Output: the same rows with the prompt and response laid side by side, the layout every later
@@ -12,12 +16,15 @@ step uses::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from contextlib import nullcontext
 
 import torch
 
 from rlkit.algos import logprobs_from_logits
+from rlkit.errors import ConfigError
 from rlkit.packing import group_starts
 from rlkit.protocol import DataProto
 
@@ -103,6 +110,93 @@ def cast_cache(dtype: torch.dtype | None, config):
     return CastCache(config=config)
 
 
+@functools.cache
+def growing_layer_class():
+    """GrowingLayer: a KV-cache layer (transformers' DynamicLayer, imported lazily as everywhere in rlkit) whose keys and
+    values live in one (B, heads, capacity, head_dim) buffer allocated at its first update; each update writes its
+    positions in place and returns a view of the filled part.
+
+    DynamicLayer concatenates instead, copying the whole cache at every decoding step (O(L^2) bytes over a response;
+    for the 4.3M model at 128 rows that copy was ~40 % of generation, docs/performance.md). The views hold the same
+    numbers in the same layout per (row, head), so attention computes the same bits. dtype: the buffer's (None: the
+    first keys'), as CastCache keeps the compute dtype under autocast."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def __init__(self, capacity: int, dtype: torch.dtype | None = None):
+            super().__init__()
+            self.capacity, self.cast, self.length = capacity, dtype, 0
+
+        def lazy_initialization(self, key_states, value_states):
+            self.dtype, self.device = self.cast or key_states.dtype, key_states.device
+            k, v = key_states.shape, value_states.shape
+            self.key_buf = key_states.new_empty((k[0], k[1], self.capacity, k[3]), dtype=self.dtype)
+            self.value_buf = value_states.new_empty((v[0], v[1], self.capacity, v[3]), dtype=self.dtype)
+            self.keys, self.values = self.key_buf[:, :, :0], self.value_buf[:, :, :0]
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self.length, self.length + key_states.shape[-2]
+            if end > self.capacity:
+                raise RuntimeError(f"GrowingLayer: {end} positions exceed the capacity {self.capacity}")
+            self.key_buf[:, :, start:end] = key_states  # cast to the buffer's dtype by the copy
+            self.value_buf[:, :, start:end] = value_states
+            self.length = end
+            self.keys, self.values = self.key_buf[:, :, :end], self.value_buf[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            """Each row's filled positions repeated `repeats` times, consecutively (a group's shared prompt)."""
+            if self.is_initialized:
+                for name in ("key_buf", "value_buf"):
+                    old = getattr(self, name)
+                    new = old.new_empty((old.shape[0] * repeats, *old.shape[1:]))
+                    new[:, :, : self.length] = old[:, :, : self.length].repeat_interleave(repeats, dim=0)
+                    setattr(self, name, new)
+                self.keys, self.values = self.key_buf[:, :, : self.length], self.value_buf[:, :, : self.length]
+
+    return GrowingLayer
+
+
+def growing_cache(config, capacity: int, dtype: torch.dtype | None = None):
+    """A DynamicCache whose layers are GrowingLayers of `capacity` positions, or None when the model's cache has other
+    layer kinds (sliding-window, linear attention, ...), which keep transformers' own layers (and `generate`)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    layer = growing_layer_class()
+    cache.layers = [layer(capacity, dtype) for _ in cache.layers]
+    return cache
+
+
+# generation_config fields whose non-default values make `generate` add a logits processor or a stopping criterion that the
+# fast loop does not apply (a hub model's generation_config.json may set them): with any of them set, hf-impl fast falls
+# back to generate (a warning, once). temperature/top-k/top-p and NEUTRAL_SAMPLING's are applied or neutral.
+GENERATE_ONLY_FIELDS = (
+    "min_length", "min_new_tokens", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
+    "forced_bos_token_id", "forced_eos_token_id", "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty",
+    "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values", "guidance_scale",
+    "watermarking_config", "top_h", "length_penalty", "max_time", "stop_strings", "num_beams", "diversity_penalty",
+    "force_words_ids", "constraints", "penalty_alpha", "low_memory", "prefill_chunk_size",
+)  # fmt: skip
+
+
+def generate_only_options(generation_config) -> list[str]:
+    """The GENERATE_ONLY_FIELDS this generation config sets to something other than transformers' default."""
+    from transformers import GenerationConfig
+
+    default = GenerationConfig()
+    return [f for f in GENERATE_ONLY_FIELDS if getattr(generation_config, f, None) != getattr(default, f, None)]
+
+
 def generation_rows(config, prompt_len: int, response_len: int, dtype: torch.dtype, budget_bytes: float) -> int:
     """Rows per HF generate call that fit in `budget_bytes` (at least 1), from the model config:
 
@@ -134,12 +228,16 @@ def free_device_memory(device: torch.device) -> int:
 class HFRollout:
     """Generation with `model.generate` on the training model itself (no second copy)."""
 
-    def __init__(self, model, tokenizer, device, autocast=None, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model, tokenizer, device, autocast=None, kv_dtype: torch.dtype | None = None, impl: str = "fast"):
         """autocast: a function returning the context to generate in (the engine's: bf16 compute over float32 masters).
-        kv_dtype: the KV cache's dtype (the compute dtype under autocast; None: the model's)."""
+        kv_dtype: the KV cache's dtype (the compute dtype under autocast; None: the model's).
+        impl: "fast" (rlkit's decoding loop, `decode`) or "generate" (transformers' generate); --rollout.hf-impl."""
+        if impl not in ("fast", "generate"):
+            raise ConfigError(f"--rollout.hf-impl {impl!r}: choose fast or generate")
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.autocast = autocast or nullcontext
         self.kv_dtype = kv_dtype
+        self.impl = impl
         self.eos = eos_ids(model, tokenizer)
         self._warned = False
         from rlkit import vlm
@@ -147,13 +245,30 @@ class HFRollout:
         self.vlm = vlm.is_vlm(model.config)  # images: M-RoPE positions from the model, vision tokens banned
         self.banned = vlm.vision_token_ids(model.config) if self.vlm else []
 
-    def shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+    def fast_loop_applies(self, capacity: int):
+        """A GrowingLayer cache of `capacity` positions when the fast loop can stand in for generate (impl fast, plain
+        full-attention layers, no generation-config option only generate applies), else None (a warning, once, says why)."""
+        if self.impl != "fast":
+            return None
+        extra = generate_only_options(self.model.generation_config)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # a peft model's own
+        if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+            extra.append("(forward takes no logits_to_keep)")
+        cache = None if extra else growing_cache(self.model.config, capacity, self.kv_dtype)
+        if cache is None and not self._warned:
+            self._warned = True
+            why = f"its generation_config sets {extra}" if extra else "its KV cache has layers other than full attention"
+            warnings.warn(f"--rollout.hf-impl fast: {type(self.model).__name__}: {why}; generating with generate", stacklevel=3)
+        return cache
+
+    def shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, cache=None):
         """One prefill per group of n rows with the same prompt (batch.repeat(n, interleave=True)), or None.
 
         Runs the distinct prompts but their last token through the model and repeats the KV cache n times;
         generate() then processes only the last prompt token of every row, against that cache, and samples
         with all its options as usual. None (generate prefills every row) when the rows are not groups of
-        equal size n >= 2, or the model returns no cache that can be repeated.
+        equal size n >= 2, or the model returns no cache that can be repeated. cache: the (empty) cache to prefill into
+        (default: transformers' DynamicCache in kv_dtype).
         """
         starts = group_starts(ids, mask, share=True)
         n = len(ids) // len(starts)
@@ -166,7 +281,7 @@ class HFRollout:
             position_ids=(head_mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
             logits_to_keep=1,
-            past_key_values=cast_cache(self.kv_dtype, self.model.config),
+            past_key_values=cache if cache is not None else cast_cache(self.kv_dtype, self.model.config),
         )
         cache = out.past_key_values
         if not hasattr(cache, "batch_repeat_interleave"):
@@ -200,41 +315,111 @@ class HFRollout:
         chunks = prompts.split(micro_batch_size) if micro_batch_size else [prompts]
         for chunk in chunks:
             ids = chunk["input_ids"].to(self.device)
-            kwargs = dict(
-                do_sample=temperature > 0,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=self.eos,
-                pad_token_id=self.tokenizer.pad_token_id,
-                **NEUTRAL_SAMPLING,
-            )
-            if temperature > 0:
-                kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
-            else:
-                kwargs.update(temperature=None, top_p=None, top_k=None)
             mask = chunk["attention_mask"].to(self.device)
-            if self.vlm:  # the rows' own images; no response may contain a vision token (rlkit/vlm.py)
-                from rlkit import vlm
-
-                kwargs.update(vlm.model_inputs(chunk, ids, self.model.config, self.device), suppress_tokens=self.banned)
-            record = SampledLogProbs(temperature) if return_log_probs else None
-            if record is not None:
-                from transformers import LogitsProcessorList
-
-                kwargs["logits_processor"] = LogitsProcessorList([record])
             with self.autocast():
-                cache = None if self.vlm else self.shared_prefill(ids, mask)  # a VLM: 1-D prefill positions would be wrong
-                if cache is None:
-                    cache = cast_cache(self.kv_dtype, self.model.config)
-                out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, return_dict_in_generate=True, **kwargs)
-            resp = out.sequences[:, ids.shape[1] :].cpu()
-            width = resp.shape[1]
-            if width < max_new_tokens:  # every row stopped early: pad to a fixed width
-                pad = torch.full((len(resp), max_new_tokens - width), self.tokenizer.pad_token_id, dtype=resp.dtype)
-                resp = torch.cat([resp, pad], dim=1)
+                cache = None if self.vlm else self.fast_loop_applies(ids.shape[1] + max_new_tokens)  # VLM: generate
+                if cache is not None:
+                    resp, lp = self.decode(ids, mask, cache, max_new_tokens, temperature, top_p, top_k, return_log_probs)
+                else:
+                    resp, lp = self.hf_generate(ids, mask, max_new_tokens, temperature, top_p, top_k, return_log_probs, chunk)
             piece = assemble(chunk, resp, self.eos, self.tokenizer.pad_token_id)
-            if record is not None:
-                lp = torch.zeros(len(resp), max_new_tokens)
-                lp[:, :width] = record.finish(out.sequences).cpu()
+            if lp is not None:
                 piece["rollout_log_probs"] = lp * piece["response_mask"]
             outs.append(piece)
         return DataProto.concat(outs)
+
+    def hf_generate(self, ids, mask, max_new_tokens, temperature, top_p, top_k, return_log_probs, chunk=None):
+        """One batch through transformers' generate (each group's prompt prefilled once): responses (B, R) on the CPU,
+        padded with pad after the last step, and the sampled tokens' log-probs (B, R) or None. A vision-language
+        model gets its rows' images (`chunk`) and the vision tokens banned, and no shared prefill (M-RoPE positions)."""
+        kwargs = dict(
+            do_sample=temperature > 0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos,
+            pad_token_id=self.tokenizer.pad_token_id,
+            **NEUTRAL_SAMPLING,
+        )
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        record = SampledLogProbs(temperature) if return_log_probs else None
+        if record is not None:
+            from transformers import LogitsProcessorList
+
+            kwargs["logits_processor"] = LogitsProcessorList([record])
+        if self.vlm:  # the rows' own images; no response may contain a vision token (rlkit/vlm.py)
+            from rlkit import vlm
+
+            kwargs.update(vlm.model_inputs(chunk, ids, self.model.config, self.device), suppress_tokens=self.banned)
+        cache = None if self.vlm else self.shared_prefill(ids, mask)  # a VLM: 1-D prefill positions would be wrong
+        if cache is None:
+            cache = cast_cache(self.kv_dtype, self.model.config)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, return_dict_in_generate=True, **kwargs)
+        resp = out.sequences[:, ids.shape[1] :].cpu()
+        width = resp.shape[1]
+        if width < max_new_tokens:  # every row stopped early: pad to a fixed width
+            pad = torch.full((len(resp), max_new_tokens - width), self.tokenizer.pad_token_id, dtype=resp.dtype)
+            resp = torch.cat([resp, pad], dim=1)
+        lp = None
+        if record is not None:
+            lp = torch.zeros(len(resp), max_new_tokens)
+            lp[:, :width] = record.finish(out.sequences).cpu()
+        return resp, lp
+
+    def decode(self, ids, mask, cache, max_new_tokens, temperature, top_p, top_k, return_log_probs):
+        """generate's sampling loop (transformers 5.x `GenerationMixin._sample`) written out for rlkit's case, the same
+        ops in the same order, so the same tokens for the same seed (tests/test_fast_generation.py):
+
+            logits = forward(last tokens)[:, -1] in float32          # the prompt (or its last token) first, then 1 per step
+            greedy: y = argmax(logits);  sampled: y ~ softmax(top_p(top_k(logits / T)))   # transformers' warpers; multinomial
+            y = pad on rows already ended;  a row ends at its first EOS;  stop when all have, or after R steps
+
+        The KV cache is `cache` (growing_cache: written in place, no per-step copy) and each group's prompt is prefilled
+        once (shared_prefill). Returns responses (B, R) on the CPU, padded with pad, and log softmax(logits / T)[y] (B, R)
+        of each sampled token (SampledLogProbs' values) or None."""
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        (B, P), R, pad = ids.shape, max_new_tokens, self.tokenizer.pad_token_id
+        warpers = LogitsProcessorList()  # generate's order: temperature, top-k, top-p (each only when it acts)
+        if temperature > 0 and temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if temperature > 0 and top_k:
+            warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+        if temperature > 0 and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+        attn = torch.ones(B, P + R, dtype=mask.dtype, device=mask.device)  # (B, P+R): the prompt's mask, then 1 per step
+        attn[:, :P] = mask
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, P) generate's position ids
+        shared = self.shared_prefill(ids, mask, cache)
+        tokens, pos = (ids[:, -1:], pos[:, -1:]) if shared is not None else (ids, pos)
+        cache = shared if shared is not None else cache
+        eos = torch.tensor(self.eos, dtype=ids.dtype, device=ids.device)
+        responses = torch.full((B, R), pad, dtype=ids.dtype, device=ids.device)  # (B, R)
+        log_probs = torch.zeros(B, R, device=ids.device) if return_log_probs else None
+        t_lp = temperature if temperature > 0 else 1.0
+        unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
+        for t in range(R):
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=attn[:, : P + t],
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (B, V)
+            del out
+            if temperature > 0:
+                y = torch.multinomial(torch.softmax(warpers(tokens, logits), dim=-1), num_samples=1).squeeze(1)
+            else:
+                y = torch.argmax(logits, dim=-1)
+            y = torch.where(unfinished, y, pad)  # (B,)
+            responses[:, t] = y
+            if log_probs is not None:
+                log_probs[:, t] = logprobs_from_logits(logits / t_lp, y)
+            unfinished &= ~torch.isin(y, eos)
+            if not unfinished.any():
+                break
+            tokens, pos = y[:, None], pos[:, -1:] + 1
+        return responses.cpu(), None if log_probs is None else log_probs.cpu()

@@ -44,7 +44,7 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
     if rollout_cfg.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
         model = getattr(engine, "hf_model", engine.model)  # a Megatron engine generates on a gathered HF copy
         kv = engine.dtype if getattr(engine, "master_fp32", False) else None  # the KV cache in the compute dtype, not the masters'
-        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast, kv_dtype=kv)
+        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast, kv_dtype=kv, impl=rollout_cfg.hf_impl)
     if rollout_cfg.name == "vllm":
         if getattr(engine, "vlm", False):
             raise ConfigError(

@@ -439,7 +439,7 @@ def test_hf_rollout_log_probs_are_recorded_step_by_step_without_the_logits_stack
     generate = eng.model.generate
     monkeypatch.setattr(eng.model, "generate", lambda **kw: seen.append(kw) or generate(**kw))
     torch.manual_seed(0)
-    got = HFRollout(eng.model, eng.tokenizer, eng.device).generate(rows, 12, temperature=0.8, return_log_probs=True)
+    got = HFRollout(eng.model, eng.tokenizer, eng.device, impl="generate").generate(rows, 12, temperature=0.8, return_log_probs=True)
     assert not any(kw.get("output_logits") or kw.get("output_scores") for kw in seen)  # no (steps, B, V) stack
     # what the old code computed: every step's logits stacked, then log_softmax(z / T)[y]
     torch.manual_seed(0)
@@ -475,15 +475,15 @@ def test_hf_rollout_log_probs_are_recorded_step_by_step_without_the_logits_stack
     torch.testing.assert_close(got["rollout_log_probs"][:, :width], want, rtol=0, atol=1e-5)
 
 
-def test_hf_generation_kv_cache_is_in_the_compute_dtype_under_autocast(monkeypatch):
+@pytest.mark.parametrize("impl", ["fast", "generate"])
+def test_hf_generation_kv_cache_is_in_the_compute_dtype_under_autocast(impl):
     from rlkit.workers import make_rollout
 
     eng = TorchEngine(ModelConfig(dtype="bfloat16"), ActorConfig(), device="cpu")
     assert eng.master_fp32
-    rollout = make_rollout(eng, RolloutConfig(), DataConfig(), str(embedded.MODEL_DIR), 0)
-    caches = []
-    generate = eng.model.generate
-    monkeypatch.setattr(eng.model, "generate", lambda **kw: caches.append(generate(**kw).past_key_values) or generate(**kw))
+    rollout = make_rollout(eng, RolloutConfig(hf_impl=impl), DataConfig(), str(embedded.MODEL_DIR), 0)
+    caches = []  # the cache every forward of the generation reads and fills
+    eng.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw["past_key_values"]), with_kwargs=True)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(4).repeat(2, 1)})
     rollout.generate(prompts, 4, temperature=0)

@@ -135,9 +135,9 @@ def test_log_prob_micro_batch_follows_the_update_and_generation_is_micro_batched
     worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(ppo_micro_batch_size=4), RolloutConfig(micro_batch_size=3), DataConfig())
     assert worker.log_prob_micro_batch == 4 and worker.gen_micro_batch == 3
     assert "device cpu, params float32, compute float32, attention sdpa, gradient checkpointing off" in worker.describe()
-    calls = []
-    generate = worker.engine.model.generate
-    worker.engine.model.generate = lambda **kw: calls.append(len(kw["input_ids"])) or generate(**kw)
+    calls = []  # rows of each prefill (a forward of more than one position): one per generation micro-batch
+    prefill = lambda m, a, kw: calls.append(len(kw["input_ids"])) if kw["input_ids"].shape[1] > 1 else None  # noqa: E731
+    worker.engine.model.register_forward_pre_hook(prefill, with_kwargs=True)
     out = worker.generate(prompt_set.batch(list(range(B)), worker.tokenizer.pad_token_id), validate=True)
     assert calls == [3, 3, 2] and len(out) == B
     set_ = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(log_prob_micro_batch_size=5), DataConfig())

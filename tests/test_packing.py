@@ -190,7 +190,7 @@ def test_generation_prefills_each_group_once_and_samples_the_same_tokens():
     )
     rows = prompts.repeat(4, interleave=True)
     shared, plain = HFRollout(eng.model, eng.tokenizer, eng.device), HFRollout(eng.model, eng.tokenizer, eng.device)
-    plain.shared_prefill = lambda ids, mask: None
+    plain.shared_prefill = lambda ids, mask, cache=None: None
     calls = []
     eng.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
     for temperature in (1.0, 0.0):

@@ -1,0 +1,165 @@
+"""Generation throughput: transformers' generate vs rlkit's fast decoding loop (--rollout.hf-impl) vs vLLM, one process.
+
+Each round runs every arm once on the same prompt batch (P prompts x n samples, the GRPO layout: each group's prompt
+prefilled once), seeded the same, arms alternated (generate, fast, vllm, generate, ...) so load from other jobs hits
+all alike. Prints per arm the median seconds per batch, generated tokens/s, and the median of per-round ratios to
+generate; checks that fast sampled exactly generate's tokens. vLLM (the CPU build) runs in-process, eager, float32,
+its own sampler (other tokens, same distribution). See bench/README.md and docs/performance.md.
+
+    python bench/gen.py                                          # embedded, random 4.3M, SmolLM2-135M if installed
+    python bench/gen.py --models random --prompts 16 --n 8 --max-new-tokens 32 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import common
+
+WORKLOADS = {  # model -> (prompts, n, max new tokens): the vs_trl.py workloads, and a SmolLM2 row
+    "embedded": (32, 8, 8),
+    "random": (16, 8, 32),
+    "smollm2": (4, 4, 64),
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="embedded,random,smollm2", help="comma-separated: embedded, random, smollm2, or a path")
+    ap.add_argument("--arms", default="generate,fast,vllm", help="comma-separated: generate, fast, vllm")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per batch (0: the model's workload, WORKLOADS)")
+    ap.add_argument("--n", type=int, default=0, help="samples per prompt (0: the workload's)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="response cap (0: the workload's)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after one untimed warm-up round)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=256, help="random model: hidden size")
+    ap.add_argument("--layers", type=int, default=4, help="random model: layers")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def model_path(name: str, work: Path, args) -> str | None:
+    if name == "smollm2":
+        from rlkit.errors import MissingPackage
+        from rlkit.models import resolve_model_path
+
+        try:
+            return resolve_model_path("smollm2-135m-instruct")
+        except MissingPackage as e:
+            print(f"smollm2 skipped: {e}")
+            return None
+    return common.resolve_model(name, work, args.hidden, args.layers)
+
+
+def run_model(name: str, args, work: Path) -> dict | None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.config import DataConfig, RolloutConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import load_tokenizer
+    from rlkit.rollout import HFRollout
+
+    path = model_path(name, work, args)
+    if path is None:
+        return None
+    P, n, R = WORKLOADS.get(name, WORKLOADS["smollm2"])
+    P, n, R = args.prompts or P, args.n or n, args.max_new_tokens or R
+    with common.quiet():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = load_tokenizer(path)
+    data = DataConfig()
+    rows = build_prompts(data.train_files, tok, data, max_samples=P).batch(list(range(P)), tok.pad_token_id).repeat(n, interleave=True)
+    arms = {}
+    for arm in args.arms.split(","):
+        if arm in ("generate", "fast"):
+            arms[arm] = HFRollout(model, tok, torch.device("cpu"), impl=arm)
+        elif arm == "vllm":
+            from rlkit.vllm_rollout import VLLMRollout, vllm_available
+
+            if not vllm_available():
+                print("vllm skipped: not installed")
+                continue
+            with common.quiet():
+                arms[arm] = VLLMRollout(
+                    model,
+                    tok,
+                    path,
+                    torch.float32,
+                    torch.device("cpu"),
+                    RolloutConfig(name="vllm"),
+                    rows["input_ids"].shape[1] + R,
+                    seed=args.seed,
+                )
+            # the random model's EOS lies past its vocabulary (never sampled, bench/common.py), which vLLM refuses as a stop id
+            arms[arm].eos = [e for e in arms[arm].eos if e < model.config.vocab_size]
+            torch.set_num_threads(args.threads)
+        else:
+            raise SystemExit(f"unknown arm {arm!r}: generate, fast, vllm")
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\n== {name}: {params / 1e6:.2f}M params, {P} prompts x {n} samples, prompt width {rows['input_ids'].shape[1]}, <= {R} new tokens"
+    )
+    times = {k: [] for k in arms}
+    tokens = {k: [] for k in arms}
+    same = []
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds + 1):
+        out = {}
+        for k, rollout in arms.items():
+            torch.manual_seed(args.seed + r)
+            start = common.now()
+            out[k] = rollout.generate(rows, R, temperature=args.temperature)
+            if r:  # round 0 warms up
+                times[k].append(common.now() - start)
+                tokens[k].append(int(out[k]["response_mask"].sum()))
+        if "generate" in out and "fast" in out:
+            same.append(torch.equal(out["generate"]["responses"], out["fast"]["responses"]))
+        line = " | ".join(f"{k} {v[-1]:.3f}s {tokens[k][-1]} tok" for k, v in times.items()) if r else "warm-up"
+        print(f"round {r}: {line}", flush=True)
+    load.append(os.getloadavg()[0])
+    base = "generate" if "generate" in arms else next(iter(arms))
+    table = []
+    for k in arms:
+        tps = [t / s for t, s in zip(tokens[k], times[k])]
+        paired = [s / b for s, b in zip(times[k], times[base])]
+        table.append(
+            [
+                k,
+                f"{common.median(times[k]):.3f}",
+                f"{common.median(tokens[k]):.0f}",
+                f"{common.median(tps):.0f}",
+                f"{common.median(paired):.2f}",
+            ]
+        )
+    print(common.fmt_table(table, ["arm", "median s/batch", "tokens/batch", "median tokens/s", f"median paired s / {base}"]))
+    if same:
+        print(f"fast sampled exactly generate's tokens: {sum(same)}/{len(same)} rounds")
+    print(f"load average (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f}, {args.threads} thread(s)")
+    for rollout in arms.values():
+        if hasattr(rollout, "close"):
+            rollout.close()
+    return {"times": times, "tokens": tokens, "same": same}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    common.set_threads(args.threads)
+    import torch
+    import transformers
+
+    print(f"generation throughput, torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s)")
+    work = Path(tempfile.mkdtemp(prefix="rlkit-bench-gen-"))
+    try:
+        return {name: run_model(name, args, work) for name in args.models.split(",")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
