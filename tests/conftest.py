@@ -17,6 +17,9 @@ LONG_FIRST = (  # the files with the longest tests (`pytest --durations=40`), lo
     "test_megatron.py",
     "test_ray_cluster.py",
     "test_reward_model.py",
+    "test_opd.py",
+    "test_vlm.py",
+    "test_sampler.py",
 )
 
 
