@@ -83,35 +83,35 @@ def play(secret: int, midpoint_share: float, rng: random.Random) -> list[int]:
     return guesses
 
 
-def sft_example(tok, secret: int, guesses: list[int]) -> tuple[list[int], list[int]]:
-    """(ids, labels) of one game, with the GuessEnv's own replies: labels -100 on the prompt and the replies."""
-    from rlkit import agent
+def trace(secret: int, guesses: list[int]) -> list[dict]:
+    """One game as a conversation with the GuessEnv's own replies: its first observation, then each guess (the
+    assistant's, trained by recipes/sft.py) and the env's reply (masked), as the turn loop renders an episode."""
     from rlkit.envs import GuessEnv
 
     parquet = guess_row(secret, "", 0)
     row = {"prompt": parquet["prompt"], "ground_truth": str(secret), "extra_info": parquet["extra_info"]}  # as the turn loop has it
     env = GuessEnv()
-    prompt = tok(tok.apply_chat_template(env.reset(row), add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
-    ids, labels = list(prompt), [-100] * len(prompt)
+    conv = list(env.reset(row))
     for k, g in enumerate(guesses):
-        turn = tok(str(g), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids, labels = ids + turn, labels + turn
+        conv.append({"role": "assistant", "content": str(g)})
         obs, _, done = env.step(str(g))
         if done or k == len(guesses) - 1:  # found, or the last guess allowed
             break
-        suffix = agent.tool_suffix_ids(tok, obs, tok.eos_token)
-        ids, labels = ids + suffix, labels + [-100] * len(suffix)
-    return ids, labels
+        conv += obs
+    return conv
 
 
 def build(
     steps: int = 300, midpoint_share: float = 0.3, games: int = 4000, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR
 ) -> Path:
     """Write the task parquet files and train + save the guessing model."""
+    import tempfile
+
     import datasets
     import torch
+    from transformers import AutoModelForCausalLM
 
-    from rlkit.embedded_tools import sft
+    from rlkit.embedded import run_sft, sft_traces
 
     torch.manual_seed(seed)
     train, val = secrets(seed)
@@ -127,12 +127,26 @@ def build(
     tok = build_tokenizer(corpus + ["user assistant system"])
     tok.chat_template = CHAT_TEMPLATE
     model = build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
-    examples = [sft_example(tok, s, play(s, midpoint_share, rng)) for s in (rng.choice(train) for _ in range(games))]
-    sft(model, examples, steps, seed=seed, pad_id=tok.pad_token_id)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    convs = [trace(s, play(s, midpoint_share, rng)) for s in (rng.choice(train) for _ in range(games))]
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
+    with tempfile.TemporaryDirectory() as tmp:  # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
+        model.save_pretrained(Path(tmp) / "init")
+        tok.save_pretrained(Path(tmp) / "init")
+        hf = run_sft(
+            Path(tmp) / "init",
+            sft_traces(convs, steps, 64, seed),
+            steps,
+            64,
+            lr=2e-3,
+            warmup=50,
+            work_dir=Path(tmp),
+            seed=seed,
+            max_response_length=128,
+        )
+        model = AutoModelForCausalLM.from_pretrained(hf)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     (out_dir / "README.md").write_text(

@@ -46,35 +46,38 @@ def wrong_answer(answer: int, rng: random.Random) -> str:
     return str(other if other != answer else other + 1)
 
 
-def examples(tok, pairs, rng: random.Random, judge: Judge) -> list[tuple[list[int], list[int]]]:
-    """(ids, labels) per (a, b): the judge's prompt for a right or a wrong response, the label on the verdict token."""
+def examples(pairs, rng: random.Random) -> list[list[dict]]:
+    """One conversation per (a, b): the judge's prompt (TEMPLATE) for a right or a wrong response, and its verdict
+    (YES / NO) as the assistant's answer: recipes/sft.py trains the verdict and its end-of-turn token."""
     out = []
     for a, b in pairs:
         right = rng.random() < 0.5
         response = str(a + b) if right else wrong_answer(a + b, rng)
-        prompt = tok(judge.render(f"What is {a}+{b}?", response, a + b), add_special_tokens=False)["input_ids"]
-        verdict = tok(YES if right else NO, add_special_tokens=False)["input_ids"]
-        out.append((prompt + verdict, [-100] * len(prompt) + verdict))
+        text = TEMPLATE.format(question=f"What is {a}+{b}?", reference=a + b, response=response)
+        out.append([{"role": "user", "content": text}, {"role": "assistant", "content": YES if right else NO}])
     return out
 
 
 def build(steps: int = 400, seed: int = 0, out_dir: Path = MODEL_DIR) -> dict:
     """Train + save the judge; returns its accuracy (P(y) > 0.5 vs the truth) on held-out problems."""
-    import torch
-    from transformers import AutoTokenizer
+    import tempfile
 
-    from rlkit.embedded_tools import sft
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
-    judge = Judge(str(embedded.MODEL_DIR), TEMPLATE, yes=YES, no=NO)
-    judge.tokenizer = tok
     pairs = [(a, b) for a in range(100) for b in range(100)]
     rng = random.Random(seed)
     rng.shuffle(pairs)
     train, val = pairs[512:], pairs[:512]
     model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
-    sft(model, examples(tok, train, rng, judge), steps, seed=seed, pad_id=tok.pad_token_id)
+    with tempfile.TemporaryDirectory() as tmp:  # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
+        model.save_pretrained(Path(tmp) / "init")
+        tok.save_pretrained(Path(tmp) / "init")
+        convs = embedded.sft_traces(examples(train, rng), steps, 64, seed)
+        hf = embedded.run_sft(Path(tmp) / "init", convs, steps, 64, lr=2e-3, warmup=50, work_dir=Path(tmp), seed=seed)
+        model = AutoModelForCausalLM.from_pretrained(hf)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)

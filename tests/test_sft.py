@@ -164,3 +164,34 @@ def test_the_embedded_builder_trains_with_this_recipe(tmp_path):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_the_guess_builders_games_render_as_the_turn_loop_renders_an_episode():
+    """rlkit/embedded_guess.py trains its games with this recipe: each must be what the turn loop produces for the same
+    guesses (the env's first observation, each guess + eos trained, agent.tool_suffix_ids of the env's reply masked)."""
+    import random
+
+    from rlkit import agent, embedded_guess
+    from rlkit.config import DataConfig
+    from rlkit.envs import GuessEnv
+
+    tok = load_tokenizer(str(embedded_guess.MODEL_DIR))
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rng = random.Random(0)
+    for secret in (3, 11, 15):
+        guesses = embedded_guess.play(secret, 0.3, rng)
+        parquet = embedded_guess.guess_row(secret, "", 0)
+        env = GuessEnv()
+        first = env.reset({"prompt": parquet["prompt"], "ground_truth": str(secret), "extra_info": parquet["extra_info"]})
+        prompt, response, mask = enc(tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False)), [], []
+        for k, g in enumerate(guesses):
+            turn = enc(str(g)) + [tok.eos_token_id]
+            response, mask = response + turn, mask + [1] * len(turn)
+            obs, _, done = env.step(str(g))
+            if done or k == len(guesses) - 1:
+                break
+            suffix = agent.tool_suffix_ids(tok, obs, tok.eos_token)
+            response, mask = response + suffix, mask + [0] * len(suffix)
+        conv = embedded_guess.trace(secret, guesses)
+        ((p, r, m),) = sft.Examples([conv], tok, DataConfig(max_response_length=128)).rows
+        assert (p, r, m) == (prompt, response, mask)
