@@ -179,6 +179,31 @@ def run_sft(
     return work_dir / "run" / "checkpoints" / f"global_step_{steps}" / "hf"
 
 
+def warm_start(model, tokenizer, convs: list, steps: int, lr: float, warmup: int, seed: int = 0, **options):
+    """`model` (in memory, with `tokenizer`) after recipes/sft.py on `convs` (run_sft in batches of 64, in a
+    temporary folder): the asset builders' supervised pass. options: run_sft's tools, max_response_length."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(Path(tmp) / "init")
+        tokenizer.save_pretrained(Path(tmp) / "init")
+        hf = run_sft(Path(tmp) / "init", convs, steps, 64, lr, warmup, work_dir=Path(tmp), seed=seed, **options)
+        return AutoModelForCausalLM.from_pretrained(hf)
+
+
+def save_asset(model, tokenizer, out_dir: Path, readme: str | None = None) -> Path:
+    """Write a built model and its tokenizer as a Hugging Face folder (and its README.md)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    if readme is not None:
+        (out_dir / "README.md").write_text(readme)
+    return out_dir
+
+
 def greedy_accuracy(model, tokenizer, pairs) -> float:
     """Fraction of `pairs` whose greedy answer is exactly a+b (the held-out metric of the default run)."""
     import torch
@@ -197,10 +222,7 @@ def greedy_accuracy(model, tokenizer, pairs) -> float:
 
 def build(steps: int = 300, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
     """Write the task parquet files, then warm-start a fresh model with recipes/sft.py and save it."""
-    import tempfile
-
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     write_arith_parquet(data_dir, seed)
@@ -210,28 +232,20 @@ def build(steps: int = 300, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: 
     model = build_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(Path(tmp) / "init")
-        tokenizer.save_pretrained(Path(tmp) / "init")
-        convs = [
-            arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}] for a, b in sft_traces(train, steps, 64, seed)
-        ]
-        hf = run_sft(Path(tmp) / "init", convs, steps, 64, lr=1e-3, warmup=100, work_dir=Path(tmp), seed=seed)
-        model = AutoModelForCausalLM.from_pretrained(hf)
+    convs = [
+        arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}] for a, b in sft_traces(train, steps, 64, seed)
+    ]
+    model = warm_start(model, tokenizer, convs, steps, lr=1e-3, warmup=100, seed=seed)
     acc = greedy_accuracy(model, tokenizer, val)
     print(f"held-out greedy accuracy after {steps} SFT steps: {acc:.3f}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "README.md").write_text(
+    return save_asset(
+        model,
+        tokenizer,
+        out_dir,
         f"rlkit's embedded starting checkpoint: {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{steps} SFT steps (recipes/sft.py) on two-digit addition (seed {seed}), held-out greedy accuracy {acc:.3f}. "
-        "Rebuild with `python -m rlkit.embedded`.\n"
+        "Rebuild with `python -m rlkit.embedded`.\n",
     )
-    return out_dir
 
 
 if __name__ == "__main__":

@@ -105,13 +105,10 @@ def build(
     steps: int = 300, midpoint_share: float = 0.3, games: int = 4000, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR
 ) -> Path:
     """Write the task parquet files and train + save the guessing model."""
-    import tempfile
-
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from rlkit.embedded import run_sft, sft_traces
+    from rlkit.embedded import save_asset, sft_traces, warm_start
 
     torch.manual_seed(seed)
     train, val = secrets(seed)
@@ -130,31 +127,16 @@ def build(
     convs = [trace(s, play(s, midpoint_share, rng)) for s in (rng.choice(train) for _ in range(games))]
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
-    with tempfile.TemporaryDirectory() as tmp:  # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
-        model.save_pretrained(Path(tmp) / "init")
-        tok.save_pretrained(Path(tmp) / "init")
-        hf = run_sft(
-            Path(tmp) / "init",
-            sft_traces(convs, steps, 64, seed),
-            steps,
-            64,
-            lr=2e-3,
-            warmup=50,
-            work_dir=Path(tmp),
-            seed=seed,
-            max_response_length=128,
-        )
-        model = AutoModelForCausalLM.from_pretrained(hf)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    (out_dir / "README.md").write_text(
+    # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
+    model = warm_start(model, tok, sft_traces(convs, steps, 64, seed), steps, lr=2e-3, warmup=50, seed=seed, max_response_length=128)
+    return save_asset(
+        model,
+        tok,
+        out_dir,
         f"rlkit's embedded guess-the-number model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps on "
         f"{games} games of {LO}..{HI}, {midpoint_share:.0%} of the turns bisecting, the rest scanning up (seed {seed}). "
-        "Rebuild with `python -m rlkit.embedded_guess`.\n"
+        "Rebuild with `python -m rlkit.embedded_guess`.\n",
     )
-    return out_dir
 
 
 if __name__ == "__main__":

@@ -60,10 +60,8 @@ def examples(pairs, rng: random.Random) -> list[list[dict]]:
 
 def build(steps: int = 400, seed: int = 0, out_dir: Path = MODEL_DIR) -> dict:
     """Train + save the judge; returns its accuracy (P(y) > 0.5 vs the truth) on held-out problems."""
-    import tempfile
-
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
@@ -72,16 +70,11 @@ def build(steps: int = 400, seed: int = 0, out_dir: Path = MODEL_DIR) -> dict:
     rng.shuffle(pairs)
     train, val = pairs[512:], pairs[:512]
     model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
-    with tempfile.TemporaryDirectory() as tmp:  # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
-        model.save_pretrained(Path(tmp) / "init")
-        tok.save_pretrained(Path(tmp) / "init")
-        convs = embedded.sft_traces(examples(train, rng), steps, 64, seed)
-        hf = embedded.run_sft(Path(tmp) / "init", convs, steps, 64, lr=2e-3, warmup=50, work_dir=Path(tmp), seed=seed)
-        model = AutoModelForCausalLM.from_pretrained(hf)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
+    # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
+    model = embedded.warm_start(
+        model, tok, embedded.sft_traces(examples(train, rng), steps, 64, seed), steps, lr=2e-3, warmup=50, seed=seed
+    )
+    out_dir = embedded.save_asset(model, tok, out_dir)
     held_out = Judge(str(out_dir), TEMPLATE, yes=YES, no=NO)
     val_ex = [(a, b, rng.random() < 0.5) for a, b in val]
     responses = [str(a + b) if right else wrong_answer(a + b, rng) for a, b, right in val_ex]

@@ -28,7 +28,7 @@ import random
 import re
 from pathlib import Path
 
-from rlkit.embedded import ASSETS, build_model, build_tokenizer, run_sft, sft_traces, write_task_parquet
+from rlkit.embedded import ASSETS, build_model, build_tokenizer, save_asset, sft_traces, warm_start, write_task_parquet
 from rlkit.rewards import register_scorer
 
 MODEL_DIR = ASSETS / "tiny-calc"
@@ -91,10 +91,8 @@ def trace(a: int, b: int, use_tool: bool) -> list[dict]:
 
 def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
     """Write the task parquet files, then warm-start a fresh tool model with recipes/sft.py and save it."""
-    import tempfile
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     train, val = mult_problems(seed)
@@ -108,32 +106,17 @@ def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Pa
     model.generation_config.pad_token_id = tok.pad_token_id
     rng = random.Random(seed)
     convs = [trace(a, b, rng.random() < tool_share) for a, b in train]
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(Path(tmp) / "init")
-        tok.save_pretrained(Path(tmp) / "init")
-        hf = run_sft(
-            Path(tmp) / "init",
-            sft_traces(convs, steps, 64, seed),
-            steps,
-            64,
-            lr=2e-3,
-            warmup=50,
-            work_dir=Path(tmp),
-            seed=seed,
-            tools="calculator",
-            max_response_length=64,
-        )
-        model = AutoModelForCausalLM.from_pretrained(hf)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    (out_dir / "README.md").write_text(
+    model = warm_start(
+        model, tok, sft_traces(convs, steps, 64, seed), steps, lr=2e-3, warmup=50, seed=seed, tools="calculator", max_response_length=64
+    )
+    return save_asset(
+        model,
+        tok,
+        out_dir,
         f"rlkit's embedded tool-use model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps "
         f"(recipes/sft.py) on two-digit multiplication, {tool_share:.0%} of the examples calling the calculator (seed {seed}). "
-        "Rebuild with `python -m rlkit.embedded_tools`.\n"
+        "Rebuild with `python -m rlkit.embedded_tools`.\n",
     )
-    return out_dir
 
 
 if __name__ == "__main__":
