@@ -329,9 +329,7 @@ class DifficultySampler:
     def record(self, index, scores: torch.Tensor) -> dict:
         """Each group's mean score becomes its prompt's pass rate (index: the prompt of each row, rows of a group
         sharing one); returns the sampler/ metrics."""
-        groups: dict[int, list[float]] = {}
-        for i, s in zip(np.asarray(index).tolist(), scores.float().tolist()):
-            groups.setdefault(int(i), []).append(s)
+        groups = group_scores(index, scores)
         for i, g in groups.items():
             self.pass_rate[i] = sum(g) / len(g)
         self.recorded = self.draws
@@ -351,6 +349,14 @@ class DifficultySampler:
     def load_state_dict(self, state: dict) -> None:
         self.pass_rate = {int(k): float(v) for k, v in state["pass_rate"].items()}
         self.draws = self.recorded = state["draws"]
+
+
+def group_scores(index, scores: torch.Tensor) -> dict[int, list[float]]:
+    """The rows' scores by prompt: index[k] is row k's prompt (the rows of a group share one)."""
+    groups: dict[int, list[float]] = {}
+    for i, s in zip(np.asarray(index).tolist(), scores.float().tolist()):
+        groups.setdefault(int(i), []).append(s)
+    return groups
 
 
 def zero_var_share(groups: dict) -> dict:

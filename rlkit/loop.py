@@ -75,16 +75,12 @@ def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
         metrics["reward/env"] = batch["env_reward"].mean().item()
     key = batch.meta.get("sampler")
     if key is not None and "index" in batch:
-        from rlkit.data import SAMPLERS, zero_var_share
+        from rlkit.data import SAMPLERS, group_scores, zero_var_share
 
-        index = batch["index"].tolist()
         if key in SAMPLERS:
-            metrics = {**metrics, **SAMPLERS[key].record(index, scores)}
+            metrics = {**metrics, **SAMPLERS[key].record(batch["index"], scores)}
         else:
-            by_prompt = {}
-            for i, s in zip(index, scores.float().tolist()):
-                by_prompt.setdefault(int(i), []).append(s)
-            metrics = {**metrics, **zero_var_share(by_prompt)}
+            metrics = {**metrics, **zero_var_share(group_scores(batch["index"], scores))}
     return scores, metrics
 
 
