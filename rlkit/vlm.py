@@ -11,7 +11,8 @@ token once per merged patch and returns the pixels::
     image_grid_thw      (k, 3)     (t, h, w) patches of each of the row's k images
 
 The pixels travel with their row: `multi_modal_inputs` is a per-row column of dicts
-{"pixel_values", "image_grid_thw"} (a DataProto non-tensor), so repeat / index / split / shuffle keep
+{"pixel_values", "image_grid_thw", "images"} (a DataProto non-tensor; "images": the row's PIL images, which a
+vLLM rollout hands to its engine), so repeat / index / split / shuffle keep
 every row's images its own. A forward pass concatenates the rows' dicts (`model_inputs`), in row order,
 which is how the model consumes them: pixel rows image after image, grid.prod() rows each.
 
@@ -166,8 +167,8 @@ def render(processor, prompts: list, images: list) -> tuple[list[list[int]], np.
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         enc = processor(text=[text], images=imgs or None, return_tensors="pt")
         ids.append(enc["input_ids"][0].tolist())
-        mm[i] = (
-            {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+        mm[i] = (  # "images": the decoded images themselves, what a vLLM rollout is given (multi_modal_data)
+            {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"], "images": imgs}
             if imgs
             else {"pixel_values": torch.zeros(0), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
         )

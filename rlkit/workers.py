@@ -46,10 +46,6 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
         kv = engine.dtype if getattr(engine, "master_fp32", False) else None  # the KV cache in the compute dtype, not the masters'
         return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast, kv_dtype=kv, impl=rollout_cfg.hf_impl)
     if rollout_cfg.name == "vllm":
-        if getattr(engine, "vlm", False):
-            raise ConfigError(
-                "--rollout.name vllm does not take images yet (docs/vlm.md); use --rollout.name hf for a vision-language model"
-            )
         from rlkit.vllm_rollout import VLLMRollout
 
         return VLLMRollout(
