@@ -159,6 +159,31 @@ def test_weights_and_vision_features_follow_a_sync(worker, prompts):
         worker.rollout.sync_weights()
 
 
+def test_random_tiny_qwen25_vl_log_probs_match_the_trainer(tmp_path):
+    """A random tiny Qwen2.5-VL (window-attention vision tower, vLLM's own Qwen2.5-VL model class): vLLM's sampled-token
+    log-probs equal the trainer's with the images, from the distribution without the vision tokens; against the full
+    vocabulary they differ by -log(1 - p_vision) (~4/288 for a random model: the control that the ban is in effect)."""
+    from rlkit.data import build_prompts
+    from rlkit.workers import ActorRolloutRefWorker
+
+    processor = embedded_vlm.build_processor("qwen2_5_vl")
+    folder = tmp_path / "qwen2_5_vl"
+    embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind="qwen2_5_vl"), seed=0).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    data = DataConfig(task="colour_codeword", task_val_size=8, max_response_length=5)
+    w = ActorRolloutRefWorker(
+        ModelConfig(path=str(folder)), ActorConfig(use_kl_loss=False), RolloutConfig(name="vllm"), data, device="cpu", seed=1
+    )
+    try:
+        rows = build_prompts([], w.tokenizer, data, split="val").batch(list(range(8)), w.tokenizer.pad_token_id)
+        out = w.rollout.generate(rows, max_new_tokens=5, temperature=1.0)
+        mask = out["response_mask"].bool()
+        assert (out["rollout_log_probs"] - trainer_log_probs(w, out, w.rollout.banned))[mask].abs().max() < LOGPROB_ATOL
+        assert (out["rollout_log_probs"] - trainer_log_probs(w, out))[mask].abs().min() > 5e-3
+    finally:
+        w.rollout.close()
+
+
 @pytest.mark.parametrize("kind", ["embedded", "qwen2_5_vl"])
 def test_grpo_step_with_vllm_rollout(tmp_path, kind):
     """One GRPO step with --rollout.name vllm on the embedded tiny Qwen2-VL and on a random tiny Qwen2.5-VL (window
@@ -179,4 +204,6 @@ def test_grpo_step_with_vllm_rollout(tmp_path, kind):
     rows = read_jsonl(tmp_path / "run/metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and np.isfinite(rows[1]["actor/pg_loss"]) and rows[1]["actor/grad_norm"] > 0
     assert rows[1]["timing/weight_sync"] >= 0
+    if kind == "embedded":  # vLLM's log-probs are the trainer's (the vision tokens' mass, ~0 once trained, aside)
+        assert rows[1]["rollout_corr/abs_diff_max"] < 1e-3
     assert (tmp_path / "run/checkpoints/global_step_1/hf/model.safetensors").is_file()

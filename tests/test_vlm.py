@@ -190,13 +190,10 @@ def test_random_tiny_qwen25_and_qwen3_vl_run_a_grpo_step(tmp_path, kind):
 
 def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
     """docs/errors.md's vision-language rows."""
-    from types import SimpleNamespace
-
-    from rlkit.config import DataConfig, RolloutConfig
+    from rlkit.config import DataConfig
     from rlkit.data import build_prompts
     from rlkit.engine import load_tokenizer
     from rlkit.errors import ConfigError
-    from rlkit.workers import make_rollout
 
     rows = rows_with_distinct_images(2)
     with pytest.raises(ConfigError, match=r"row 1: the prompt has 2 <image> placeholder\(s\) but the images column holds 1"):
@@ -204,8 +201,6 @@ def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
     cfg = DataConfig(task="colour_codeword", task_train_size=4, task_val_size=2, truncation="left")
     with pytest.raises(ConfigError, match="--data.truncation left would cut image tokens"):
         build_prompts([], load_tokenizer(str(embedded_vlm.MODEL_DIR)), cfg, split="train")
-    with pytest.raises(ConfigError, match="--rollout.name vllm does not take images yet"):
-        make_rollout(SimpleNamespace(vlm=True), RolloutConfig(name="vllm"), cfg, "embedded-vlm", 0)
 
 
 def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
