@@ -20,6 +20,7 @@ LONG_FIRST = (  # the files with the longest tests (`pytest --durations=40`), lo
     "test_opd.py",
     "test_vlm.py",
     "test_sampler.py",
+    "test_vllm_vlm.py",
 )
 
 
