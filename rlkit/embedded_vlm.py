@@ -300,6 +300,8 @@ def build(steps: int = 70, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: P
     """Write the task parquet files and train + save the embedded starting checkpoint (model + processor)."""
     import torch
 
+    from rlkit.vlm import save_processor
+
     torch.manual_seed(seed)
     write_parquet(data_dir, seed=seed)
     processor = build_processor()
@@ -315,7 +317,7 @@ def build(steps: int = 70, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: P
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
+    save_processor(processor, out_dir)
     (out_dir / "README.md").write_text(
         f"rlkit's embedded vision-language checkpoint (Qwen2-VL-shaped): {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{steps} SFT steps on the colour codeword task (seed {seed}), held-out greedy accuracy {acc:.3f}. "

@@ -767,9 +767,9 @@ class TorchEngine:
             model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         if self.vlm:  # the processor too: AutoProcessor.from_pretrained(path) renders images for the export
-            from rlkit.vlm import load_processor
+            from rlkit.vlm import load_processor, save_processor
 
-            load_processor(self.model_cfg.path, self.model_cfg.trust_remote_code).save_pretrained(path)
+            save_processor(load_processor(self.model_cfg.path, self.model_cfg.trust_remote_code), path)
 
     def in_checkpoint(self, key: str) -> bool:
         """Whether a weight is saved for resumption: all of them, or with LoRA the adapter plus a value model's

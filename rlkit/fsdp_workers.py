@@ -361,9 +361,9 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
             (model.merge_and_unload() if self.engine.lora else model).save_pretrained(path)
             self.tokenizer.save_pretrained(path)
             if getattr(self.engine, "vlm", False):  # the processor too (docs/vlm.md)
-                from rlkit.vlm import load_processor
+                from rlkit.vlm import load_processor, save_processor
 
-                load_processor(cfg.path, cfg.trust_remote_code).save_pretrained(path)
+                save_processor(load_processor(cfg.path, cfg.trust_remote_code), path)
         dist.barrier()
 
 

@@ -208,6 +208,17 @@ def load_processor(path: str, trust_remote_code: bool = False):
         return _image_only(base).from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def save_processor(processor, path) -> None:
+    """processor.save_pretrained(path), so that AutoProcessor.from_pretrained(path) loads the export where torchvision is
+    installed. A processor built without torchvision has no video processor, and its nested processor_config.json
+    then has nothing transformers can build one from; the image processor's own file (preprocessor_config.json, the
+    file hub checkpoints such as Qwen2-VL ship) is written beside it: transformers reads a video processor's settings
+    from there when no other config names them."""
+    processor.save_pretrained(path)
+    if getattr(processor, "video_processor", None) is None and getattr(processor, "image_processor", None) is not None:
+        processor.image_processor.save_pretrained(path)
+
+
 def _processor_class(path: str, trust_remote_code: bool) -> str | None:
     """The processor class a model folder names (processor_config.json, else its model type's default), or None."""
     import json

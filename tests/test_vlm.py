@@ -146,6 +146,7 @@ def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tm
     vision tower does not, and the HF export loads with its processor (images in, the same token count out)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
+    from transformers.video_processing_utils import BaseVideoProcessor
 
     recipe = load_recipe(name)
     cfg = vlm_config(recipe, tmp_path, "embedded-vlm")
@@ -166,6 +167,10 @@ def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tm
         proc, [[{"role": "user", "content": embedded_vlm.QUESTION}]], [[vlm.png_bytes(embedded_vlm.draw("RGB", random.Random(0)))]]
     )
     assert mm[0]["image_grid_thw"].tolist() == [[1, 2, 6]]
+    # Where torchvision is installed AutoProcessor also builds the video processor: transformers must find its
+    # settings in the export (here the image processor's own file, as in hub checkpoints), or it stops with an OSError.
+    video, _ = BaseVideoProcessor.get_video_processor_dict(str(hf))
+    assert video["patch_size"] == 14 and video["merge_size"] == 2
     assert type(AutoModelForImageTextToText.from_pretrained(hf)).__name__ == "Qwen2VLForConditionalGeneration"
 
 
