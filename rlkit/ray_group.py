@@ -45,7 +45,10 @@ def free_port() -> int:
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to a running cluster (address, or RAY_ADDRESS) or start a local one; quiet defaults."""
+    """Connect to a running cluster (address, or RAY_ADDRESS) or start a new local one; quiet defaults.
+
+    Without an address the run gets a cluster of its own (`address="local"`): ray.init's default would join a cluster
+    that `ray start` left on this machine (found through its temp folder) and then refuse `num_cpus`."""
     import ray
 
     if ray.is_initialized():
@@ -56,7 +59,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
 def cluster_gpus() -> float:

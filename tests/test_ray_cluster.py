@@ -1,13 +1,17 @@
 """Ray runs in their own processes: a run joins a Ray cluster started separately with `ray start --head`, and a
 killed worker ends a run cleanly.
 
-Kept apart from the in-process Ray tests: `ray stop` stops every Ray on the machine, and a driver whose
-cluster stops exits."""
+The cluster started here must not touch the Ray of a test running beside it (pytest-xdist): its head keeps its files
+in a temp folder of its own (the default one's `ray_current_cluster` file would be found by other drivers), and it is
+stopped by killing the processes that carry this test's token, not with `ray stop`, which stops every Ray on the
+machine."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -28,7 +32,9 @@ def test_a_run_joins_a_two_node_ray_cluster_started_separately(tmp_path):
     two 1-CPU workers cannot share a node, so its FSDP group spans both (rank 0's node hosts the rendezvous)."""
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    token = f"rlkit-test-{os.getpid()}-{port}"
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "RLKIT_TEST_TOKEN": token}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.run(
         [
@@ -44,6 +50,8 @@ def test_a_run_joins_a_two_node_ray_cluster_started_separately(tmp_path):
             "--include-dashboard",
             "false",
             "--disable-usage-stats",
+            "--temp-dir",
+            temp_dir,
         ],
         capture_output=True,
         text=True,
@@ -116,7 +124,12 @@ def test_a_run_joins_a_two_node_ray_cluster_started_separately(tmp_path):
         assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
         assert (tmp_path / "checkpoints/global_step_2/hf/model.safetensors").is_file()
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        for pid in _processes_with(token):  # this cluster's processes only (they inherit the token)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 KILLER = '''
