@@ -1,8 +1,10 @@
 """SFT -> RM -> RL on the embedded task: preference pairs, a Bradley-Terry reward model, GRPO on it.
 
     python scripts/rm_demo.py pairs            # rlkit/assets/arith-prefs/{train,val}.parquet (~20 s)
+    python scripts/rm_demo.py init             # outputs/rm_demo/rm-init: a stronger policy + 2 fresh layers (~5 min)
     python scripts/rm_demo.py run              # pairs -> recipes/rm.py -> recipes/grpo.py on the RM
                                                # -> held-out accuracy by the exact scorer (~10 min)
+    python scripts/rm_demo.py run --rm-init outputs/rm_demo/rm-init --rm-train-layers 2   # RM from init's output
 
 Pairs: for a prompt "What is a+b?" the chosen response is the right answer; the rejected one is a
 wrong answer the embedded model itself sampled (temperature 1: the mistakes the policy makes), and,
@@ -164,7 +166,7 @@ def run(args) -> None:
             [py, "recipes/rm.py", "--model", str(args.rm_init or embedded.MODEL_DIR), "--data.train-files", str(args.out / "train.parquet"), "--data.val-files", str(args.out / "val.parquet"),
              "--trainer.total-training-steps", str(args.rm_steps), "--trainer.test-freq", str(args.rm_steps // 4),
              "--actor.lr", str(args.rm_lr), "--data.train-batch-size", str(args.rm_batch),
-             "--actor.ppo-mini-batch-size", str(args.rm_batch), "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "rm"],
+             "--actor.ppo-mini-batch-size", str(args.rm_batch), "--train-layers", str(args.rm_train_layers), "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "rm"],
             out / "rm.log",
         )  # fmt: skip
         rm_dir = out / "rm" / "checkpoints" / f"global_step_{args.rm_steps}" / "hf"
@@ -198,6 +200,7 @@ def main() -> None:
     ap.add_argument("--rm-steps", type=int, default=400)
     ap.add_argument("--rm-lr", type=float, default=2e-3)
     ap.add_argument("--rm-batch", type=int, default=64, help="run: pairs per RM step")
+    ap.add_argument("--rm-train-layers", type=int, default=0, help="run: recipes/rm.py --train-layers (0: all)")
     ap.add_argument("--rm-init", type=Path, default=None, help="run: the RM's starting point (init's output; default: the policy)")
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--save-freq", type=int, default=10)
