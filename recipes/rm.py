@@ -83,6 +83,9 @@ class Config:
     """a column of per-pair margins m (how much chosen must win by); empty = no margin"""
     center_coef: float = 0.0
     """eta of the centring term eta * (r_c + r_r)^2 (TRL's center_rewards_coefficient; 0 = off)"""
+    train_layers: int = 0
+    """train only the top N decoder layers and the head, the rest frozen (0 = all; not with LoRA):
+    an RM grown from a policy by fresh layers on top keeps what the policy knows"""
 
 
 # -- the data: preference parquet -> rendered texts -> token ids ----------------------------------
@@ -203,6 +206,8 @@ class RewardTrainer(CheckpointFiles):
             m.path, num_labels=1, trust_remote_code=m.trust_remote_code, dtype=torch.float32
         )
         model.config.pad_token_id = self.tokenizer.pad_token_id  # the last real token is read
+        if cfg.train_layers:
+            freeze_below(model, cfg.train_layers, m.lora_rank)
         self.lora = m.lora_rank > 0
         if self.lora:  # SEQ_CLS: the head ("score") trains in full beside the adapters
             targets = m.target_modules
@@ -279,6 +284,19 @@ class RewardTrainer(CheckpointFiles):
         self.model.load_state_dict(state["model"], strict=not self.lora)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def freeze_below(model, n: int, lora_rank: int) -> None:
+    """requires_grad only for the top n decoder layers and the head (what is not the base model)."""
+    layers = getattr(model.base_model, "layers", None)
+    if lora_rank > 0 or layers is None or not 0 < n <= len(layers):
+        raise ConfigError(
+            f"--train-layers {n}: give 1..{len(layers or [])} decoder layers, without --model.lora-rank"
+        )
+    train = {id(p) for layer in layers[len(layers) - n :] for p in layer.parameters()}
+    prefix = model.base_model_prefix + "."
+    for name, p in model.named_parameters():
+        p.requires_grad_(id(p) in train or not name.startswith(prefix))
 
 
 # ALGO LOGIC: the Bradley-Terry loss of a micro-batch, summed over its pairs / B (the step's pairs)

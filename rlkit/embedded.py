@@ -146,9 +146,10 @@ def run_sft(
     seed: int = 0,
     tools: str = "",
     max_response_length: int = 8,
+    weight_decay: float = 0.0,
 ) -> Path:
     """Warm-start the model saved in `init_dir` with recipes/sft.py on the conversations `convs` (in order, see
-    sft_traces): AdamW, linear warm-up then constant lr, clip 1, no weight decay, loss on the assistant's tokens.
+    sft_traces): AdamW, linear warm-up then constant lr, clip 1, weight decay (0: none), loss on the assistant's tokens.
     Returns the final checkpoint's Hugging Face folder."""
     import importlib.util
 
@@ -171,7 +172,7 @@ def run_sft(
     cfg.data.train_files, cfg.data.val_files, cfg.data.shuffle = [str(work_dir / "sft.parquet")], [], False
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = batch_size
     cfg.data.max_response_length, cfg.trainer.seed = max_response_length, seed
-    cfg.actor.lr, cfg.actor.warmup_steps, cfg.actor.weight_decay, cfg.actor.grad_clip = lr, warmup, 0.0, 1.0
+    cfg.actor.lr, cfg.actor.warmup_steps, cfg.actor.weight_decay, cfg.actor.grad_clip = lr, warmup, weight_decay, 1.0
     t = cfg.trainer
     t.total_training_steps, t.test_freq, t.val_before_train, t.save_freq, t.max_ckpt_to_keep = steps, 0, False, 0, 1
     t.default_local_dir, t.experiment_name = str(work_dir / "run"), "sft"
@@ -181,7 +182,7 @@ def run_sft(
 
 def warm_start(model, tokenizer, convs: list, steps: int, lr: float, warmup: int, seed: int = 0, **options):
     """`model` (in memory, with `tokenizer`) after recipes/sft.py on `convs` (run_sft in batches of 64, in a
-    temporary folder): the asset builders' supervised pass. options: run_sft's tools, max_response_length."""
+    temporary folder): the asset builders' supervised pass. options: run_sft's tools, max_response_length, weight_decay."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -218,6 +219,35 @@ def greedy_accuracy(model, tokenizer, pairs) -> float:
         )
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return sum(t.strip() == str(a + b) for t, (a, b) in zip(texts, pairs)) / len(pairs)
+
+
+def sample_answers(prompts: list[list[dict]], n: int, seed: int, model_dir=MODEL_DIR) -> list[list[str]]:
+    """n responses per prompt from the embedded model at temperature 1, decoded as the RL loop decodes them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.manual_seed(seed)
+    out = []
+    for s in range(0, len(prompts), 256):
+        texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts[s : s + 256]]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=8,
+                num_return_sequences=n,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        dec = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        out += [dec[i * n : (i + 1) * n] for i in range(len(texts))]
+    return out
 
 
 def build(steps: int = 300, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:

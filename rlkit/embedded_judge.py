@@ -1,14 +1,16 @@
-"""The embedded judge demo: a tiny model warm-started to answer "is this response correct? y/n" gives GRPO its reward.
+"""The embedded judge demo: a tiny model trained to answer "is this response correct? y/n" gives GRPO its reward.
 
-    python -m rlkit.embedded_judge                     # build rlkit/assets/tiny-judge (minutes on 2 CPU cores)
+    python -m rlkit.embedded_judge                     # build rlkit/assets/tiny-judge (~30 min on 2 busy CPU cores)
     python recipes/grpo.py --reward.custom-fn rlkit.embedded_judge:judge_score
 
-`tiny-judge/` is the embedded task's tokenizer and a ~0.5M-parameter model trained by a short supervised pass to
-answer "y" or "n" after (question, reference, response) for the embedded addition task (rlkit/embedded.py): half
-the examples correct, half wrong in the ways a policy is (near misses, swapped digits, a digit missing or extra,
-other numbers, empty). `judge_score` is rlkit.judge.Judge on it in mode "p_yes" (the reward is P(y)), a
-@batched("batch") reward function; it also reports the exact scorer's verdict as "acc" (so reward/acc and val/acc
-measure what the policy really learned while the judge's P(y) is what it is trained on).
+`tiny-judge/` is the embedded task's tokenizer and a ~0.5M-parameter model trained by recipes/sft.py to answer "y" or
+"n" after (reference, response) of the embedded addition task (rlkit/embedded.py): half the examples right, half
+wrong, mostly of the reference's length (KINDS: a digit substituted, two swapped, +-1/+-10, the policy's own sampled
+mistakes), so that it must compare the digits; TEMPLATE right-aligns both numbers so equal place values sit at a
+fixed distance. `build` measures its held-out accuracy per kind (held_out_accuracy). `judge_score` is
+rlkit.judge.Judge on it in mode "p_yes" (the reward is P(y)), a @batched("batch") reward function; it also reports
+the exact scorer's verdict as "acc" (so reward/acc and val/acc measure what the policy really learned while the
+judge's P(y) is what it is trained on). docs/judge.md.
 """
 
 from __future__ import annotations
@@ -24,68 +26,126 @@ from rlkit.judge import Judge, question_of
 from rlkit.rewards import batched
 
 MODEL_DIR = embedded.ASSETS / "tiny-judge"
-TEMPLATE = "{question}\n{reference}\n{response}"  # short: the embedded tokenizer knows arithmetic, not English
+TEMPLATE = "{reference:>4}\n{response:>4}"  # right-aligned: equal place values 5 tokens apart; no {question} (see build)
 YES, NO = "y", "n"
 
 
-def wrong_answer(answer: int, rng: random.Random) -> str:
-    """A plausible wrong response to a problem whose answer is `answer`."""
+KINDS = ("substitution", "swap", "near", "policy", "length")
+"""How a wrong response is wrong: substitution (one digit replaced, same length), swap (two different digits
+exchanged, same length), near (the answer +-1 or +-10), policy (a wrong answer the embedded model itself sampled),
+length (a digit missing or extra, another number, empty). The first four are mostly of the reference's length: a
+judge must compare the digits to tell them from the right answer."""
+WEIGHTS = (0.3, 0.15, 0.2, 0.2, 0.15)  # the share of each kind among the wrong training examples
+
+
+def substitute(s: str, rng: random.Random) -> str:
+    """`s` with one digit replaced by another (no leading zero)."""
+    i = rng.randrange(len(s))
+    digits = [d for d in "0123456789" if d != s[i] and not (i == 0 and d == "0" and len(s) > 1)]
+    return s[:i] + rng.choice(digits) + s[i + 1 :]
+
+
+def wrong_answer(answer: int, rng: random.Random, kind: str | None = None, sampled: list[str] = ()) -> str:
+    """A wrong response of `kind` (KINDS; None: drawn by WEIGHTS) to a problem whose answer is `answer`; `sampled`:
+    the policy's wrong answers to this problem (kind "policy"; without one, a substitution)."""
     s = str(answer)
-    kind = rng.randrange(6)
-    if kind == 0:
-        return str(max(answer + rng.choice([-10, -2, -1, 1, 2, 10]), 0))  # near miss
-    if kind == 1 and len(s) > 1 and s[0] != s[-1]:
-        return s[::-1]  # swapped digits
-    if kind == 2:
-        return s[:-1] if len(s) > 1 else s + s  # a digit missing
-    if kind == 3:
-        return s + str(rng.randrange(10))  # a digit extra
-    if kind == 4:
-        return ""
-    other = rng.randrange(199)
-    return str(other if other != answer else other + 1)
+    kind = kind or rng.choices(KINDS, WEIGHTS)[0]
+    if kind == "swap":
+        pos = [(i, j) for i in range(len(s)) for j in range(i + 1, len(s)) if s[i] != s[j] and (i or s[j] != "0")]
+        if pos:
+            i, j = rng.choice(pos)
+            return s[:i] + s[j] + s[i + 1 : j] + s[i] + s[j + 1 :]
+    if kind == "near":
+        return str(rng.choice([d for d in (answer - 10, answer - 1, answer + 1, answer + 10) if d >= 0]))
+    if kind == "policy" and sampled:
+        return rng.choice(list(sampled))
+    if kind == "length":
+        form = rng.randrange(4)
+        if form == 0:
+            return s[:-1] if len(s) > 1 else s + s  # a digit missing
+        if form == 1:
+            return s + str(rng.randrange(10))  # a digit extra
+        if form == 2:
+            return ""
+        other = rng.randrange(199)
+        return str(other if other != answer else other + 1)
+    return substitute(s, rng)  # substitution, and the fallback of swap (no two different digits) and policy
 
 
-def examples(pairs, rng: random.Random) -> list[list[dict]]:
+def policy_mistakes(pairs, samples: int = 4, seed: int = 0) -> dict:
+    """{(a, b): the distinct wrong answers among `samples` of the embedded policy's at temperature 1}."""
+    prompts = [embedded.arith_row(a, b, "", 0)["prompt"] for a, b in pairs]
+    answers = embedded.sample_answers(prompts, samples, seed)
+    return {(a, b): sorted({x.strip() for x in xs} - {str(a + b)}) for (a, b), xs in zip(pairs, answers)}
+
+
+def prompt(a: int, b: int, response: str) -> str:
+    return TEMPLATE.format(question=f"What is {a}+{b}?", reference=str(a + b), response=response)
+
+
+def examples(pairs, rng: random.Random, mistakes: dict) -> list[list[dict]]:
     """One conversation per (a, b): the judge's prompt (TEMPLATE) for a right or a wrong response, and its verdict
     (YES / NO) as the assistant's answer: recipes/sft.py trains the verdict and its end-of-turn token."""
     out = []
     for a, b in pairs:
         right = rng.random() < 0.5
-        response = str(a + b) if right else wrong_answer(a + b, rng)
-        text = TEMPLATE.format(question=f"What is {a}+{b}?", reference=a + b, response=response)
-        out.append([{"role": "user", "content": text}, {"role": "assistant", "content": YES if right else NO}])
+        response = str(a + b) if right else wrong_answer(a + b, rng, sampled=mistakes.get((a, b), ()))
+        out.append([{"role": "user", "content": prompt(a, b, response)}, {"role": "assistant", "content": YES if right else NO}])
     return out
 
 
-def build(steps: int = 400, seed: int = 0, out_dir: Path = MODEL_DIR) -> dict:
-    """Train + save the judge; returns its accuracy (P(y) > 0.5 vs the truth) on held-out problems."""
+def held_out_accuracy(judge: Judge, pairs, seed: int = 1, mistakes: dict | None = None) -> dict:
+    """The judge's verdict accuracy (P(y) > 0.5 on right responses, < 0.5 on wrong ones) on `pairs`, one right
+    response and one wrong response of each kind per problem; a kind's wrong responses that equal the answer (none by
+    construction) or are missing (policy, where the policy sampled no mistake) are left out. Returns
+    {"right": acc, kind: acc, ..., "wrong": mean over the wrong ones, "same_length": over wrong ones of the answer's
+    length, "all": right and wrong weighted equally}."""
+    rng = random.Random(seed)
+    mistakes = mistakes or {}
+    rows = []  # (a, b, response, kind)
+    for a, b in pairs:
+        rows.append((a, b, str(a + b), "right"))
+        for kind in KINDS:
+            if kind != "policy" or mistakes.get((a, b)):
+                rows.append((a, b, wrong_answer(a + b, rng, kind, mistakes.get((a, b), ())), kind))
+    p = judge.score([f"What is {a}+{b}?" for a, b, *_ in rows], [r for *_, r, _ in rows], [a + b for a, b, *_ in rows])
+    hits: dict[str, list[bool]] = {}
+    for q, (a, b, r, kind) in zip(p, rows):
+        ok = (q > 0.5) == (kind == "right")
+        hits.setdefault(kind, []).append(ok)
+        if kind != "right":
+            hits.setdefault("wrong", []).append(ok)
+            if len(r) == len(str(a + b)):
+                hits.setdefault("same_length", []).append(ok)
+    out = {k: round(sum(v) / len(v), 4) for k, v in hits.items()}
+    out["all"] = round((out["right"] + out["wrong"]) / 2, 4)
+    out["counts"] = {k: len(v) for k, v in hits.items()}
+    return out
+
+
+def build(steps: int = 1200, seed: int = 0, out_dir: Path = MODEL_DIR, hidden: int = 128, lr: float = 1e-3, wd: float = 0.1) -> dict:
+    """Train + save the judge; returns its held-out accuracy by kind of response (held_out_accuracy)."""
     import torch
     from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
-    pairs = [(a, b) for a in range(100) for b in range(100)]
+    train, val = embedded.arith_problems(0)  # the task's own split: the judge never trains on a held-out problem
+    mistakes = policy_mistakes(train[:3000] + val, seed=seed)  # the policy kind on 3,000 of the train problems
     rng = random.Random(seed)
-    rng.shuffle(pairs)
-    train, val = pairs[512:], pairs[:512]
-    model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
-    # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
-    model = embedded.warm_start(
-        model, tok, embedded.sft_traces(examples(train, rng), steps, 64, seed), steps, lr=2e-3, warmup=50, seed=seed
-    )
+    model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden=hidden, seed=seed)
+    # the supervised pass is recipes/sft.py (warm-up 50, batch 64)
+    convs = examples(embedded.sft_traces(train, steps, 64, seed), rng, mistakes)
+    model = embedded.warm_start(model, tok, convs, steps, lr=lr, warmup=50, seed=seed, weight_decay=wd)
     out_dir = embedded.save_asset(model, tok, out_dir)
-    held_out = Judge(str(out_dir), TEMPLATE, yes=YES, no=NO)
-    val_ex = [(a, b, rng.random() < 0.5) for a, b in val]
-    responses = [str(a + b) if right else wrong_answer(a + b, rng) for a, b, right in val_ex]
-    p = held_out.score([f"What is {a}+{b}?" for a, b, _ in val_ex], responses, [a + b for a, b, _ in val_ex])
-    acc = sum((q > 0.5) == (r == str(a + b)) for q, r, (a, b, _) in zip(p, responses, val_ex)) / len(val_ex)
+    acc = held_out_accuracy(Judge(str(out_dir), TEMPLATE, yes=YES, no=NO, batch_size=256), val, seed + 1, mistakes)
     (out_dir / "README.md").write_text(
-        f"rlkit's embedded judge: {sum(x.numel() for x in model.parameters()):,} parameters, {steps} SFT steps answering y/n "
-        f"to (question, reference, response) of the embedded addition task (seed {seed}); held-out verdict accuracy {acc:.3f}. "
+        f"rlkit's embedded judge: {sum(x.numel() for x in model.parameters()):,} parameters (hidden {hidden}), {steps} SFT "
+        f"steps (lr {lr}, weight decay {wd}) answering y/n to (reference, response) of the embedded addition task (seed {seed}). "
+        f"Held-out verdict accuracy on the task's 512 held-out problems, by kind of response: {json.dumps(acc)}. "
         "Rebuild with `python -m rlkit.embedded_judge`.\n"
     )
-    return {"saved": str(out_dir), "held_out_accuracy": acc}
+    return {"saved": str(out_dir), "held_out": acc}
 
 
 _JUDGE = Judge(str(MODEL_DIR), TEMPLATE, yes=YES, no=NO, batch_size=64)  # loaded at its first call
@@ -103,11 +163,14 @@ judge_score.in_process = True  # the judge model runs in the trainer; nothing pa
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=400, help="SFT steps")
+    ap.add_argument("--steps", type=int, default=1200, help="SFT steps")
+    ap.add_argument("--hidden", type=int, default=128, help="the model's width")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--wd", type=float, default=0.1, help="AdamW weight decay")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=MODEL_DIR)
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
-    print(json.dumps(build(args.steps, args.seed, args.out)))
+    print(json.dumps(build(args.steps, args.seed, args.out, args.hidden, args.lr, args.wd)))

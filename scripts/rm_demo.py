@@ -1,8 +1,10 @@
 """SFT -> RM -> RL on the embedded task: preference pairs, a Bradley-Terry reward model, GRPO on it.
 
     python scripts/rm_demo.py pairs            # rlkit/assets/arith-prefs/{train,val}.parquet (~20 s)
+    python scripts/rm_demo.py init             # outputs/rm_demo/rm-init: a stronger policy + 2 fresh layers (~5 min)
     python scripts/rm_demo.py run              # pairs -> recipes/rm.py -> recipes/grpo.py on the RM
                                                # -> held-out accuracy by the exact scorer (~10 min)
+    python scripts/rm_demo.py run --rm-init outputs/rm_demo/rm-init --rm-train-layers 2   # RM from init's output
 
 Pairs: for a prompt "What is a+b?" the chosen response is the right answer; the rejected one is a
 wrong answer the embedded model itself sampled (temperature 1: the mistakes the policy makes), and,
@@ -41,40 +43,11 @@ def near_misses(answer: int, rng: random.Random, k: int) -> list[str]:
     return [str(c) for c in cands[:k]]
 
 
-def sample_answers(prompts: list[list[dict]], n: int, seed: int, model_dir=embedded.MODEL_DIR) -> list[list[str]]:
-    """n responses per prompt from the embedded model at temperature 1, decoded as the RL loop decodes them."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    torch.manual_seed(seed)
-    out = []
-    for s in range(0, len(prompts), 256):
-        texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts[s : s + 256]]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            gen = model.generate(
-                **enc,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                max_new_tokens=8,
-                num_return_sequences=n,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-        dec = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        out += [dec[i * n : (i + 1) * n] for i in range(len(texts))]
-    return out
-
-
 def make_pairs(split_rows, samples: int, near_miss: int, seed: int) -> list[dict]:
     """Rows (prompt, chosen, rejected): per problem, each distinct wrong sample (at most 2) and `near_miss` near misses."""
     rng = random.Random(seed)
     prompts = [r["prompt"] for r in split_rows]
-    sampled = sample_answers(prompts, samples, seed)
+    sampled = embedded.sample_answers(prompts, samples, seed)
     rows = []
     for r, answers in zip(split_rows, sampled):
         truth = r["reward_model"]["ground_truth"]
@@ -98,6 +71,55 @@ def write_pairs(out: Path, train_problems: int, val_problems: int, samples: int,
         print(f"{path}: {len(pairs)} pairs from {len(rows)} problems")
         paths.append(path)
     return paths[0], paths[1]
+
+
+def grow(model, extra_layers: int, seed: int):
+    """`model` (a Llama-shaped causal LM) with `extra_layers` fresh decoder layers on top, each the identity at first
+    (its attention and MLP output projections zero: the residual stream passes through unchanged)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers += extra_layers
+    torch.manual_seed(seed)
+    grown = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in k for k in missing), (missing, unexpected)
+    for layer in grown.model.layers[config.num_hidden_layers - extra_layers :]:
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    return grown
+
+
+def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int) -> Path:
+    """The RM's starting point (a causal LM folder that recipes/rm.py loads with --model): the embedded policy after
+    `sft_steps` more SFT steps (recipes/sft.py, lr 1e-3: it then generates the sums ~99 % right), grown by
+    `extra_layers` fresh decoder layers on top, each starting as the identity (output projections zero).
+    Why: in the policy the digit it predicts next is formed by its last layer, so no layer can compare that
+    prediction with the digit that follows; a layer above can (attend to the previous position's prediction,
+    compare with its own token), and one more can gather the mismatches at the last token, where the head reads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
+    train, val = embedded.arith_problems(0)
+    convs = [
+        embedded.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}]
+        for a, b in embedded.sft_traces(train, sft_steps, 64, seed + 1)
+    ]
+    if sft_steps:
+        model = embedded.warm_start(model, tok, convs, sft_steps, lr=1e-3, warmup=10, seed=seed + 1)
+    acc = embedded.greedy_accuracy(model, tok, val[:256])
+    grown = grow(model, extra_layers, seed)
+    readme = (
+        f"The RM demo's starting point (scripts/rm_demo.py init): the embedded policy + {sft_steps} SFT steps "
+        f"(held-out greedy accuracy {acc:.3f} on 256) + {extra_layers} identity-initialised layers.\n"
+    )
+    embedded.save_asset(grown, tok, out, readme)
+    print(readme.strip())
+    return out
 
 
 def greedy_eval(model_dir, rm_dir, n_val: int) -> dict:
@@ -141,9 +163,10 @@ def run(args) -> None:
     rm_dir = args.rm
     if rm_dir is None:
         sh(
-            [py, "recipes/rm.py", "--data.train-files", str(args.out / "train.parquet"), "--data.val-files", str(args.out / "val.parquet"),
+            [py, "recipes/rm.py", "--model", str(args.rm_init or embedded.MODEL_DIR), "--data.train-files", str(args.out / "train.parquet"), "--data.val-files", str(args.out / "val.parquet"),
              "--trainer.total-training-steps", str(args.rm_steps), "--trainer.test-freq", str(args.rm_steps // 4),
-             "--actor.lr", str(args.rm_lr), "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "rm"],
+             "--actor.lr", str(args.rm_lr), "--data.train-batch-size", str(args.rm_batch),
+             "--actor.ppo-mini-batch-size", str(args.rm_batch), "--train-layers", str(args.rm_train_layers), "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "rm"],
             out / "rm.log",
         )  # fmt: skip
         rm_dir = out / "rm" / "checkpoints" / f"global_step_{args.rm_steps}" / "hf"
@@ -165,7 +188,7 @@ def run(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["pairs", "run"])
+    ap.add_argument("stage", choices=["pairs", "init", "run"])
     ap.add_argument("--out", type=Path, default=OUT, help="where the pair parquet files go")
     ap.add_argument("--train-problems", type=int, default=3000)
     ap.add_argument("--val-problems", type=int, default=256)
@@ -176,8 +199,13 @@ def main() -> None:
     ap.add_argument("--rm", type=Path, default=None, help="run: an RM export to use instead of training one")
     ap.add_argument("--rm-steps", type=int, default=400)
     ap.add_argument("--rm-lr", type=float, default=2e-3)
+    ap.add_argument("--rm-batch", type=int, default=64, help="run: pairs per RM step")
+    ap.add_argument("--rm-train-layers", type=int, default=0, help="run: recipes/rm.py --train-layers (0: all)")
+    ap.add_argument("--rm-init", type=Path, default=None, help="run: the RM's starting point (init's output; default: the policy)")
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--save-freq", type=int, default=10)
+    ap.add_argument("--init-sft-steps", type=int, default=300, help="init: SFT steps on the policy before growing it")
+    ap.add_argument("--extra-layers", type=int, default=2, help="init: fresh layers on top of the policy's")
     ap.add_argument("--kl", type=float, default=0.001, help="run: GRPO's --actor.kl-loss-coef")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -187,6 +215,8 @@ def main() -> None:
     start = time.time()
     if args.stage == "pairs":
         write_pairs(args.out, args.train_problems, args.val_problems, args.samples, args.near_miss, args.seed)
+    elif args.stage == "init":
+        rm_init(args.run_dir / "rm-init", args.init_sft_steps, args.extra_layers, args.seed)
     else:
         run(args)
     print(f"done in {time.time() - start:.0f} s")

@@ -164,3 +164,24 @@ def test_messages_pairs_and_implicit_prompts_render_as_the_scorer_renders():
         rm.Pairs([(user, "3", "4", 0.0)], tok, cfg.data).ids[0][0]
         == tok("<|im_start|>user\nWhat is 1+2?<|im_end|>\n<|im_start|>assistant\n3<|im_end|>\n", add_special_tokens=False)["input_ids"]
     )
+
+
+def test_train_layers_trains_the_top_layers_and_the_head_only(tmp_path):
+    """--train-layers 1 on the 2-layer embedded model: after 2 steps the top layer and the head moved, the embeddings and
+    the bottom layer are bit-identical to the start; a bad count or LoRA with it is a one-line error."""
+    from safetensors.torch import load_file
+
+    train, _ = easy_pairs(tmp_path)
+    rm.main(config(tmp_path, train, None, steps=2, train_layers=1))
+    start = load_file(embedded.MODEL_DIR / "model.safetensors")
+    after = load_file(tmp_path / "rm" / "checkpoints" / "global_step_2" / "hf" / "model.safetensors")
+    for key in ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"):
+        assert torch.equal(after[f"model.{key}"], start[f"model.{key}"]), key
+    assert not torch.equal(after["model.layers.1.mlp.down_proj.weight"], start["model.layers.1.mlp.down_proj.weight"])
+    assert "score.weight" in after
+    with pytest.raises(ConfigError, match="--train-layers 3: give 1..2 decoder layers"):
+        rm.main(config(tmp_path, train, None, 1, train_layers=3))
+    cfg = config(tmp_path, train, None, 1, train_layers=1)
+    cfg.model.lora_rank = 4
+    with pytest.raises(ConfigError, match="without --model.lora-rank"):
+        rm.main(cfg)
