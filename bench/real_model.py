@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--side", choices=SIDES, help="internal: run one side in this process")
     p.add_argument("--work", help="internal: the folder holding the prompts")
+    p.add_argument("--report-from", metavar="DIR", help="report the processes' results saved in DIR (a run's work folder)")
     return p.parse_args(argv)
 
 
@@ -125,8 +126,16 @@ def run_side(args) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     if args.side:
-        print("RESULT " + json.dumps(run_side(args)), flush=True)
+        result = json.dumps(run_side(args))
+        (Path(args.work) / f"result-{args.side}-{os.getpid()}.json").write_text(result)  # for --report-from
+        print("RESULT " + result, flush=True)
         return None
+    if args.report_from:  # the processes that finished, e.g. of a run stopped before its last round
+        res = {}
+        for f in sorted(Path(args.report_from).glob("result-*.json"), key=os.path.getmtime):
+            r = json.loads(f.read_text())
+            res.setdefault(r["side"], []).append(r)
+        return report(args, resolve_model_path_lazy(args.model), res, [s for s in args.sides.split(",") if s in res])
     common.set_threads(args.threads)
     import torch
     import transformers
@@ -137,7 +146,7 @@ def main(argv=None):
 
     path = resolve_model_path(args.model)
     sides = args.sides.split(",")
-    work = Path(tempfile.mkdtemp(prefix="rlkit-real-"))
+    work = Path(tempfile.mkdtemp(prefix="rlkit-real-"))  # kept: its result-*.json serve --report-from
     vs_trl.long_prompts(work / "prompts.parquet", transformers.AutoTokenizer.from_pretrained(path), args.prompt_tokens)
     print(
         f"{Path(path).name} vs TRL {trl.__version__}, torch {torch.__version__}, {args.threads} thread(s): {args.prompts} prompts x {args.n}, "
@@ -145,7 +154,8 @@ def main(argv=None):
         f"({', '.join(sides)}), each {args.warmup} warm-up + {args.steps} timed steps; load average {os.getloadavg()}",
         flush=True,
     )
-    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in vars(args) if k not in ("side", "work", "sides", "rounds")]
+    skip = ("side", "work", "sides", "rounds", "report_from")
+    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in vars(args) if k not in skip]
     res = {s: [] for s in sides}
     for rnd in range(args.rounds):
         for side in sides:
@@ -168,6 +178,12 @@ def main(argv=None):
             )  # fmt: skip
     report(args, path, res, sides)
     return res
+
+
+def resolve_model_path_lazy(name: str) -> str:
+    from rlkit.models import resolve_model_path
+
+    return resolve_model_path(name)
 
 
 def report(args, path, res, sides):
