@@ -565,16 +565,17 @@ def metrics_roofline(
     """roofline_table for benchmarks that read only the recipe's metrics.jsonl: sides {side: [metric rows of its
     timed steps]}; each step's groups rebuilt by mean_groups (rows = the step's attention-mask tokens
     perf/throughput x timing/step over the mean prompt + response length; rows / n groups). A phase is charged
-    only where the step ran it: its timing/* is there and over 1 ms (the recipe's timers also wrap passes it skips, and
-    with --trainer.async-steps the reference pass of the generation worker: those read microseconds)."""
+    only where the step ran it: its timing/* is there, over 1 ms and over 2 % of the step (the recipe's timers also
+    wrap passes it skips, and with --trainer.async-steps the reference pass of the generation worker: those read
+    microseconds to a few ms; a pass that ran is a forward or more, far over 2 % of a step)."""
 
     def groups(row):
         p, r = row["prompt_length/mean"], row["response_length/mean"]
         rows = round(row["perf/throughput"] * row["timing/step"] / max(p + r, 1e-9))
         return mean_groups(max(rows // n, 1), n, p, r)
 
-    ran = lambda t: t if t > 1e-3 else 0.0  # noqa: E731
-    timed = {side: [{ph: ran(row.get(f"timing/{ph}", 0.0)) for ph in phases} for row in rs] for side, rs in sides.items()}
+    ran = lambda t, row: t if t > max(1e-3, 0.02 * row["timing/step"]) else 0.0  # noqa: E731
+    timed = {side: [{ph: ran(row.get(f"timing/{ph}", 0.0), row) for ph in phases} for row in rs] for side, rs in sides.items()}
     steps = {side: [groups(row) for row in rs] for side, rs in sides.items()}
     first = next(iter(sides))
     return roofline_table(config, steps[first], timed, ceiling, side_steps=steps) + (

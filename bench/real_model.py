@@ -13,6 +13,7 @@ process samples after every timed step).
 
     python bench/real_model.py                          # SmolLM2-135M, 1 prompt x 4, 150-token prompts, <= 128 tokens
     python bench/real_model.py --rounds 2 --prompts 2 --max-new-tokens 192 --sides trl,hf
+    python bench/real_model.py --report-from /tmp/rlkit-real-XXXX   # the processes of a run that finished (result-*.json)
 """
 
 from __future__ import annotations

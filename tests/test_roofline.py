@@ -88,9 +88,10 @@ def test_metrics_roofline_rebuilds_groups_from_the_logged_means():
     assert common.group_counts(3, [2, 2]) == (5, 3, 14)
     ceiling = common.Ceiling(TINY, decode_rows=0)
     ceiling.passes = [2e6]  # 2 MFLOP/s, so that the pass takes over the 1 ms below which a timer means "skipped"
-    row = {"prompt_length/mean": 3.0, "response_length/mean": 2.0, "perf/throughput": 10.0, "timing/step": 1.0, "timing/ref": 3568e-6}
-    skipped = {**row, "timing/ref": 5e-4}
-    table = common.metrics_roofline(TINY, {"local": [row], "async": [skipped]}, n=2, ceiling=ceiling, phases=("ref",))
-    lines = table.splitlines()
+    row = {"prompt_length/mean": 3.0, "response_length/mean": 2.0, "perf/throughput": 1000.0, "timing/step": 0.01, "timing/ref": 3568e-6}
+    tiny = {**row, "timing/ref": 5e-4}  # under 1 ms
+    small = {**row, "perf/throughput": 100.0, "timing/step": 0.1, "timing/ref": 1.5e-3}  # over 1 ms, under 2 % of the step
+    sides = {"local": [row], "async": [tiny], "ray": [small]}
+    lines = common.metrics_roofline(TINY, sides, n=2, ceiling=ceiling, phases=("ref",)).splitlines()
     assert lines[3].split()[0] == "local" and lines[3].split()[-1] == "50%"
-    assert not any(line.startswith("async") for line in lines)  # a timer under 1 ms wrapped a skipped pass
+    assert not any(line.startswith(("async", "ray")) for line in lines)  # their timers wrapped a skipped pass
