@@ -7,7 +7,8 @@ no FlexAttention backward on CPU.
     python bench/attention.py --flex           # + FlexAttention forward vs sdpa with the dense mask, one layer's shapes
 
 Prints per arm the median seconds of a log-prob pass (no gradient) and of a forward + backward (the update's work),
-and the attention pairs each layout computes against those the tokens need.
+and the attention pairs each layout computes against those the tokens need; then the roofline (bench/common.py:
+"ref" the log-prob pass, "update" forward + backward, % of a matmul ceiling sampled after every round).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main(argv=None):
         eng.model.zero_grad(set_to_none=True)
 
     times = {(arm, what): [] for arm in ("mask", "split") for what in ("log-prob pass", "forward+backward")}
+    ceiling = common.Ceiling(eng.model.config, decode_rows=0)  # the passes' matmul ceiling, sampled every round
     for r in range(args.rounds + 1):  # round 0: warm-up
         for arm in ("mask", "split"):
             eng.split_attention = arm == "split"
@@ -103,11 +105,19 @@ def main(argv=None):
                 fn()
                 if r:
                     times[(arm, what)].append(common.now() - t)
+        if r:
+            ceiling.sample(groups)
     rows = [[arm, what, f"{common.median(v):.3f}", f"{min(v):.3f}"] for (arm, what), v in times.items()]
     print(common.fmt_table(rows, ["attention", "pass", "median s", "min s"]))
     for what in ("log-prob pass", "forward+backward"):
         ratio = common.median([s / m for s, m in zip(times[("split", what)], times[("mask", what)])])
         print(f"{what}: split / mask = {ratio:.2f}x (median of per-round ratios)")
+    # roofline: the log-prob pass is a forward ("ref"), forward + backward the update's 3x (no optimizer step here)
+    sides = {
+        arm: [{"ref": a, "update": b} for a, b in zip(times[(arm, "log-prob pass")], times[(arm, "forward+backward")])]
+        for arm in ("mask", "split")
+    }
+    print(common.roofline_table(eng.model.config, [groups] * args.rounds, sides, ceiling))
     if args.flex:
         flex(pk, eng.model.config, args.rounds)
 

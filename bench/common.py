@@ -135,6 +135,7 @@ class RlkitGRPO:
         padded: bool = False,
         train_files: list[str] | None = None,
         shared_prompt_attention: str | None = None,
+        rollout: str = "hf",
     ):
         from rlkit import loop
         from rlkit.data import PromptLoader, build_prompts
@@ -150,6 +151,7 @@ class RlkitGRPO:
         if train_files:
             cfg.data.train_files = train_files
         cfg.rollout.n = n
+        cfg.rollout.name = rollout  # hf or vllm (--rollout.name)
         cfg.rollout.log_prob_micro_batch_size = micro_batch or prompts * n
         cfg.actor.lr = lr
         cfg.actor.ppo_mini_batch_size = prompts  # one optimizer step per training step (exactly on-policy)
@@ -441,6 +443,13 @@ def phase_flops(config, groups: list[tuple[int, list[int]]], old_log_prob: bool 
     return {"gen": fwd, "ref": fwd, "old_log_prob": fwd if old_log_prob else 0, "update": 3 * fwd}
 
 
+def mean_groups(prompts: int, n: int, prompt_mean: float, response_mean: float) -> list[tuple[int, list[int]]]:
+    """A step's groups rebuilt from its logged means (prompt_length/mean, response_length/mean): `prompts` groups of
+    a prompt of round(prompt_mean) tokens and n responses of round(response_mean), for benchmarks that read only
+    the recipe's metrics. Exact in the linear terms up to rounding; attention's quadratic term is that of the means."""
+    return [(round(prompt_mean), [round(response_mean)] * n) for _ in range(prompts)]
+
+
 def groups_of(prompt_lens: list[int], response_lens: list[int], uids: list) -> list[tuple[int, list[int]]]:
     """Rows -> [(prompt length, [response lengths])] per run of equal uid (GRPO's rows of a group are consecutive)."""
     out, last = [], object()
@@ -479,43 +488,57 @@ def matmul_ceiling(config, rows: int, reps: int = 3, head: bool = True) -> float
 class Ceiling:
     """matmul_ceiling sampled between the timed steps, so that it runs under the same load as they do (a shared
     machine's throughput moves by 2x within minutes): sample(groups) after each step, at the decode step's rows
-    (generation) and at the pass's positions (at most 2048, the others); rates() the medians."""
+    (generation) and at the pass's positions (at most 2048, the others); rates() the medians. decode_rows 0: no
+    generation is timed, only the passes' ceiling is sampled; passes False: only generation's."""
 
-    def __init__(self, config, decode_rows: int):
-        self.config, self.decode_rows, self.pass_rows = config, max(1, decode_rows), None
+    def __init__(self, config, decode_rows: int, passes: bool = True):
+        self.config, self.decode_rows, self.pass_rows, self.with_passes = config, decode_rows, None, passes
         self.gen, self.passes = [], []
 
     def sample(self, groups) -> None:
         if self.pass_rows is None:
             self.pass_rows = max(1, min(sum(group_counts(p, rs)[0] for p, rs in groups), 2048))
-        self.gen.append(matmul_ceiling(self.config, self.decode_rows, reps=2))
-        self.passes.append(matmul_ceiling(self.config, self.pass_rows, reps=2))
+        if self.decode_rows:
+            self.gen.append(matmul_ceiling(self.config, self.decode_rows, reps=2))
+        if self.with_passes:
+            self.passes.append(matmul_ceiling(self.config, self.pass_rows, reps=2))
 
     def rates(self) -> dict[str, float]:
         g, p = median(self.gen), median(self.passes)
         return {"gen": g, "ref": p, "old_log_prob": p, "update": p}
 
     def describe(self) -> str:
-        r = self.rates()
+        r, parts = self.rates(), []
+        if self.gen:
+            parts.append(f"{r['gen'] / 1e9:.1f} GFLOP/s at {self.decode_rows} rows for generation")
+        if self.passes:
+            parts.append(f"{r['ref'] / 1e9:.1f} GFLOP/s at {self.pass_rows} rows for the passes")
         return (
-            f"float32 matmuls of this model's shapes on {threads()} thread(s), sampled after each step (median of {len(self.gen)}): "
-            f"{r['gen'] / 1e9:.1f} GFLOP/s at {self.decode_rows} rows for generation, {r['ref'] / 1e9:.1f} GFLOP/s at {self.pass_rows} rows for the passes"
+            f"float32 matmuls of this model's shapes on {threads()} thread(s), sampled after each step "
+            f"(median of {max(len(self.gen), len(self.passes))}): " + ", ".join(parts)
         )
 
 
 def roofline_table(
-    config, steps: list[list[tuple[int, list[int]]]], sides: dict[str, list[dict]], ceiling: Ceiling, old_log_prob: bool = True
+    config,
+    steps: list[list[tuple[int, list[int]]]],
+    sides: dict[str, list[dict]],
+    ceiling: Ceiling,
+    old_log_prob: bool = True,
+    side_steps: dict[str, list] | None = None,
 ) -> str:
     """The roofline of one workload, one line per (side, phase): the phase's FLOPs (phase_flops: the work the step
     must do, the same for every side), the side's seconds, the achieved GFLOP/s and its % of the matmul ceiling
     (Ceiling, sampled in the same run). steps: each timed step's groups; sides: {side: [{phase: seconds} per step]}
-    (a phase absent or at 0 s is skipped). Medians over the steps: FLOPs, seconds, and the rate (of the per-step rates)."""
+    (a phase absent or at 0 s is skipped); side_steps: {side: its own steps' groups}, for a side that did other
+    tokens (one that samples its own). Medians over the steps: FLOPs, seconds, and the rate (of the per-step rates)."""
     ceilings = ceiling.rates()
     flops = [phase_flops(config, g, old_log_prob) for g in steps]
     rows = []
     for side, per_step in sides.items():
+        own = [phase_flops(config, g, old_log_prob) for g in side_steps[side]] if side in (side_steps or {}) else flops
         for phase in per_step[0]:
-            pairs = [(f[phase], t[phase]) for f, t in zip(flops, per_step) if f.get(phase) and t.get(phase)]
+            pairs = [(f[phase], t[phase]) for f, t in zip(own, per_step) if f.get(phase) and t.get(phase)]
             if not pairs:
                 continue
             rate = median([f / t for f, t in pairs])
@@ -534,6 +557,30 @@ def roofline_table(
         f"q.k and values; ceiling: {ceiling.describe()})"
     )
     return head + "\n" + fmt_table(rows, ["side", "phase", "GFLOP", "median s", "GFLOP/s", "% of ceiling"])
+
+
+def metrics_roofline(
+    config, sides: dict[str, list[dict]], n: int, ceiling: Ceiling, phases=("gen", "ref", "old_log_prob", "update")
+) -> str:
+    """roofline_table for benchmarks that read only the recipe's metrics.jsonl: sides {side: [metric rows of its
+    timed steps]}; each step's groups rebuilt by mean_groups (rows = the step's attention-mask tokens
+    perf/throughput x timing/step over the mean prompt + response length; rows / n groups). A phase is charged
+    only where the step ran it: its timing/* is there, over 1 ms and over 2 % of the step (the recipe's timers also
+    wrap passes it skips, and with --trainer.async-steps the reference pass of the generation worker: those read
+    microseconds to a few ms; a pass that ran is a forward or more, far over 2 % of a step)."""
+
+    def groups(row):
+        p, r = row["prompt_length/mean"], row["response_length/mean"]
+        rows = round(row["perf/throughput"] * row["timing/step"] / max(p + r, 1e-9))
+        return mean_groups(max(rows // n, 1), n, p, r)
+
+    ran = lambda t, row: t if t > max(1e-3, 0.02 * row["timing/step"]) else 0.0  # noqa: E731
+    timed = {side: [{ph: ran(row.get(f"timing/{ph}", 0.0), row) for ph in phases} for row in rs] for side, rs in sides.items()}
+    steps = {side: [groups(row) for row in rs] for side, rs in sides.items()}
+    first = next(iter(sides))
+    return roofline_table(config, steps[first], timed, ceiling, side_steps=steps) + (
+        "\n(FLOPs from each step's logged mean prompt and response lengths, common.mean_groups: attention's quadratic term approximate)"
+    )
 
 
 def threads() -> int:

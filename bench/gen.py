@@ -3,7 +3,8 @@
 Each round runs every arm once on the same prompt batch (P prompts x n samples, the GRPO layout: each group's prompt
 prefilled once), seeded the same, arms alternated (generate, fast, vllm, generate, ...) so load from other jobs hits
 all alike. Prints per arm the median seconds per batch, generated tokens/s, and the median of per-round ratios to
-generate; checks that fast sampled exactly generate's tokens. vLLM (the CPU build) runs in-process, eager, float32,
+generate; checks that fast sampled exactly generate's tokens; ends with the roofline (bench/common.py: each arm's FLOPs
+on its own tokens, % of a matmul ceiling at the decode step's rows, sampled after every round). vLLM (the CPU build) runs in-process, eager, float32,
 its own sampler (other tokens, same distribution). See bench/README.md and docs/performance.md.
 
     python bench/gen.py                                          # embedded, random 4.3M, SmolLM2-135M if installed
@@ -107,6 +108,9 @@ def run_model(name: str, args, work: Path) -> dict | None:
     )
     times = {k: [] for k in arms}
     tokens = {k: [] for k in arms}
+    groups = {k: [] for k in arms}  # each timed round's groups [(P, [R_i])], per arm (vLLM samples its own tokens)
+    ceiling = common.Ceiling(model.config, decode_rows=P * n, passes=False)
+    prompt_lens = rows["attention_mask"].sum(-1).tolist()
     same = []
     load = [os.getloadavg()[0]]
     for r in range(args.rounds + 1):
@@ -118,6 +122,9 @@ def run_model(name: str, args, work: Path) -> dict | None:
             if r:  # round 0 warms up
                 times[k].append(common.now() - start)
                 tokens[k].append(int(out[k]["response_mask"].sum()))
+                groups[k].append(common.groups_of(prompt_lens, out[k]["response_mask"].sum(-1).tolist(), [i // n for i in range(P * n)]))
+        if r:  # the matmul ceiling under the same load as the round's arms
+            ceiling.sample(groups[next(iter(arms))][-1])
         if "generate" in out and "fast" in out:
             same.append(torch.equal(out["generate"]["responses"], out["fast"]["responses"]))
         line = " | ".join(f"{k} {v[-1]:.3f}s {tokens[k][-1]} tok" for k, v in times.items()) if r else "warm-up"
@@ -141,6 +148,8 @@ def run_model(name: str, args, work: Path) -> dict | None:
     if same:
         print(f"fast sampled exactly generate's tokens: {sum(same)}/{len(same)} rounds")
     print(f"load average (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f}, {args.threads} thread(s)")
+    sides = {k: [{"gen": s} for s in times[k]] for k in arms}
+    print(common.roofline_table(model.config, groups[base], sides, ceiling, side_steps=groups))
     for rollout in arms.values():
         if hasattr(rollout, "close"):
             rollout.close()

@@ -6,7 +6,8 @@ One vLLM engine per arm (built one after the other in this process), the trainer
             merged = stream W + scale * B @ A for every weight into vLLM's in-place reload_weights
   next      the next generate (4 prompts, 1 token), where vLLM loads a new adapter from its folder
   after     the generate after that (the same work, nothing to load): sync cost = sync + next - after
-Prints medians over --rounds after one warm-up round.
+Prints medians over --rounds after one warm-up round, then the roofline of "after" (bench/common.py: the prompts'
+forward FLOPs, % of a matmul ceiling at the prompts' positions sampled every round).
 
     python bench/lora_sync.py                          # hidden 512 x 8 layers (~25M), rank 8
     python bench/lora_sync.py --hidden 256 --layers 4  # the 4.3M model of vs_trl.py
@@ -37,6 +38,9 @@ def arm(model_path: str, adapter: bool, rank: int, rounds: int) -> dict:
     tok = w.tokenizer
     prompts = build_prompts(data_cfg.val_files, tok, data_cfg, 4).batch(list(range(4)), tok.pad_token_id)
     sync, first, again = [], [], []
+    # roofline of the plain generate ("after"): 4 prompts x 1 token is the prompts' forward (each its own group)
+    groups = [(p, [1]) for p in prompts["attention_mask"].sum(-1).tolist()]
+    ceiling = common.Ceiling(w.engine.model.config, decode_rows=sum(p for p, _ in groups), passes=False)
     for _ in range(rounds + 1):
         with torch.no_grad():  # move the adapter a little, as an update would
             for name, p in w.engine.model.named_parameters():
@@ -51,6 +55,7 @@ def arm(model_path: str, adapter: bool, rank: int, rounds: int) -> dict:
         sync.append(t1 - t0)
         first.append(t2 - t1)
         again.append(common.now() - t2)
+        ceiling.sample(groups)
     mode = "adapter" if w.rollout.lora_request is not None else "merged"
     params = sum(p.numel() for p in w.engine.model.parameters())
     lora = sum(p.numel() for n, p in w.engine.model.named_parameters() if "lora_" in n)
@@ -62,6 +67,10 @@ def arm(model_path: str, adapter: bool, rank: int, rounds: int) -> dict:
         "again": common.median(again[1:]),
         "params": params,
         "lora": lora,
+        "groups": groups,
+        "after": again[1:],
+        "ceiling": ceiling.gen[1:],
+        "config": w.engine.model.config,
     }
 
 
@@ -76,9 +85,10 @@ def main(argv=None):
     common.set_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="rlkit-bench-"))
     model_path = common.make_random_model(work / "random-llama", args.hidden, args.layers, sampled_eos=True)
-    rows = []
+    rows, runs = [], {}
     for adapter in (True, False):
         r = arm(model_path, adapter, args.rank, args.rounds)
+        runs[r["mode"]] = r
         rows.append(
             [
                 r["mode"],
@@ -96,6 +106,11 @@ def main(argv=None):
             rows, ["sync", "sync_weights ms", "next generate (4 x 1 token) ms", "the one after ms", "sync cost ms (sync + next - after)"]
         )
     )
+    ceiling = common.Ceiling(r["config"], decode_rows=sum(p for p, _ in r["groups"]), passes=False)
+    ceiling.gen = [c for x in runs.values() for c in x["ceiling"]]
+    sides = {mode: [{"gen": t} for t in x["after"]] for mode, x in runs.items()}
+    print("the generate after the sync (the prompts' forward; LoRA's own FLOPs not counted):")
+    print(common.roofline_table(r["config"], [r["groups"]] * args.rounds, sides, ceiling))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ show whether the work stayed identical).
     python bench/overhead.py --model random --max-new-tokens 32 --prompts 16
 
 Prints the median seconds per step of each side, the ratio rlkit/bare (target <= 1.15x), and where each
-side's time goes (rlkit's own timing/* metrics: gen, reward, ref, old_log_prob, update).
+side's time goes (rlkit's own timing/* metrics: gen, reward, ref, old_log_prob, update), then the roofline
+(bench/common.py: each phase's FLOPs, GFLOP/s and % of a matmul ceiling sampled after every step).
 """
 
 from __future__ import annotations
@@ -170,11 +171,14 @@ def main(argv=None):
 
     sides = {"bare": bare, **rl}
     res = {k: [] for k in sides}
+    ceiling = common.Ceiling(first.model.config, decode_rows=args.prompts * args.n)
     for i in range(args.warmup + args.steps):
         for name, side in sides.items():  # bare, rlkit, [variants], bare, rlkit, ...
             torch.set_num_threads(args.threads)
             torch.manual_seed(args.seed * 1000 + i)  # same samples on both sides while their weights agree
             res[name].append(side.step())
+        if i >= args.warmup:  # the matmul ceiling under the same load as the steps (common.Ceiling)
+            ceiling.sample(res["rlkit"][-1]["groups"])
         print(
             f"step {i + 1}{' (warm-up)' if i < args.warmup else ''}: "
             + " | ".join(f"{k} {v[-1]['step']:.3f}s {v[-1]['gen_tokens']} tok" for k, v in res.items()),
@@ -200,6 +204,10 @@ def main(argv=None):
     print(common.fmt_table(rows, ["side", "median s/step", "x bare", "paired", "gen tokens", *[f"{p} s" for p in PHASES]]))
     same = all(a["gen_tokens"] == b["gen_tokens"] for a, b in zip(res["bare"][w:], res["rlkit"][w:]))
     print(f"generated tokens {'identical on every timed step' if same else 'differ on some steps (weights drifted apart; see gen tokens)'}")
+    # the roofline: FLOPs counted on rlkit's batches (the bare loop's are the same while the tokens are)
+    timed = {k: [{p: r[p] for p in ("gen", "ref", "old_log_prob", "update")} for r in v[w:]] for k, v in res.items()}
+    steps = [r["groups"] for r in res["rlkit"][w:]]
+    print("\n" + common.roofline_table(first.model.config, steps, timed, ceiling, old_log_prob=res["rlkit"][w]["ran_old_log_prob"]))
     fastest = {k: min(r["step"] for r in v[w:]) for k, v in res.items()}
     print(
         f"\nrlkit / bare = {med['rlkit'] / med['bare']:.2f}x (ratio of medians; median of per-step ratios {paired['rlkit']:.2f}x; "

@@ -9,6 +9,9 @@ gets exactly the same tokens). Each arm runs in its own process, so its peak RSS
     packed     packed, each group's prompt once (the default)
     budget     packed, micro-batches of at most --budget positions (--actor.max-token-len-per-micro-batch)
 
+Ends with the roofline (bench/common.py): the log-prob pass ("old_log_prob") and the update's FLOPs, GFLOP/s and %
+of a matmul ceiling each arm's process measures right after its passes (the update's AdamW step is not counted).
+
     python bench/packing.py                 # all arms, alternated --rounds times
 """
 
@@ -22,6 +25,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 ARMS = ("padded", "unshared", "packed", "budget")
 
@@ -129,6 +135,14 @@ def run_arm(args) -> dict:
     eng.update(batch, loss_fn, rows, args.micro_batch)
     out["update_s"], out["update_peak"] = time.perf_counter() - t, peak_mib()
     out["lp_sum"] = float((lp * batch["response_mask"]).sum())
+    # the roofline's ceiling, measured in this arm's process right after its passes (bench/common.py)
+    P = batch["prompts"].shape[1]
+    out["groups"] = common.groups_of(
+        batch["attention_mask"][:, :P].sum(-1).tolist(), batch["response_mask"].sum(-1).tolist(), [i // args.n for i in range(rows)]
+    )
+    ceiling = common.Ceiling(eng.model.config, decode_rows=0)
+    ceiling.sample(out["groups"])
+    out["ceiling"], out["ceiling_rows"] = ceiling.passes[0], ceiling.pass_rows
     return out
 
 
@@ -148,7 +162,7 @@ def main(argv=None):
             ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             res[arm].append(json.loads(out))
-            print(res[arm][-1], flush=True)
+            print({k: v for k, v in res[arm][-1].items() if k != "groups"}, flush=True)
     print(
         f"\n{args.prompts} prompts x {args.n}, micro-batches of {args.micro_batch} rows (budget arm: {args.budget} positions), vocab {args.vocab}, hidden {args.hidden} x {args.layers} layers, 1 thread; medians of {args.rounds}"
     )
@@ -159,6 +173,14 @@ def main(argv=None):
         print(
             f"| {arm} | {med('log_prob_s'):.2f} | {med('update_s'):.2f} | {med('log_prob_peak'):.0f}, {med('update_peak'):.0f} | {rs[0]['lp_sum']:.2f} |"
         )
+    # roofline: the same tokens in every arm (one batch), so the same FLOPs; each arm's ceiling from its own process
+    from transformers import AutoConfig
+
+    ceiling = common.Ceiling(AutoConfig.from_pretrained(work), decode_rows=0)
+    ceiling.passes = [r["ceiling"] for rs in res.values() for r in rs]
+    ceiling.pass_rows = res[ARMS[0]][0]["ceiling_rows"]
+    sides = {arm: [{"old_log_prob": r["log_prob_s"], "update": r["update_s"]} for r in rs] for arm, rs in res.items()}
+    print(common.roofline_table(ceiling.config, [res[ARMS[0]][0]["groups"]] * args.rounds, sides, ceiling))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Each arm runs `recipes/grpo.py` in a subprocess for --steps steps (no validation, no checkpoint but the
 final one) and reports the median of its `timing/step` (and per-phase) metrics over the steps after
 --warmup. Arms are run round-robin --rounds times (local, ray x1, ray x2, local, ...) so that load from
-other jobs hits all alike; the ratio to the local backend is printed per arm.
+other jobs hits all alike; the ratio to the local backend is printed per arm, then the roofline
+(bench/common.py's metrics_roofline: FLOPs from the logged mean lengths, % of a matmul ceiling measured after
+the runs on this process's threads).
 
     python bench/scaling.py                                  # embedded model, local vs ray x1 vs ray x2
     python bench/scaling.py --workers 1,2,4,8 --device cuda --extra "--model Qwen/Qwen2.5-0.5B-Instruct"
@@ -25,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402
+
 PHASES = ["gen", "reward", "ref", "update"]
 
 
@@ -78,12 +83,36 @@ def main(argv=None):
         return statistics.median(vals) if vals else float("nan")
 
     base = med(0, "timing/step")
+    roof = roofline(args, rows)
     print(f"{'arm':<10} {'s/step':>8} {'x local':>8} " + " ".join(f"{ph:>8}" for ph in PHASES) + f" {'tok/s':>10}")
     for a in arms:
         name = "local" if a == 0 else f"ray x{a}"
         step = med(a, "timing/step")
         phases = " ".join(f"{med(a, 'timing/' + ph):8.3f}" for ph in PHASES)
         print(f"{name:<10} {step:8.3f} {step / base:8.2f} {phases} {med(a, 'perf/throughput'):10.0f}")
+    print("\n" + roof)
+
+
+def roofline(args, rows: dict[int, list[dict]]) -> str:
+    """common.metrics_roofline of every arm; the ceiling measured here, on this process's threads (the local arm's:
+    a Ray arm with k workers has k x 1 thread, so its % can pass 100), after the runs."""
+    import re
+
+    from transformers import AutoConfig
+
+    common.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = common.load_recipe("grpo").Config()
+    found = re.search(r"--model(?:\.path)?[ =](\S+)", args.extra)
+    n = re.search(r"--rollout\.n[ =](\d+)", args.extra)
+    n = int(n.group(1)) if n else cfg.rollout.n
+    config = AutoConfig.from_pretrained(found.group(1) if found else cfg.model.path)
+    sides = {("local" if a == 0 else f"ray x{a}"): rs for a, rs in rows.items()}
+    local = sides["local"][0]
+    rows_per_step = round(local["perf/throughput"] * local["timing/step"] / (local["prompt_length/mean"] + local["response_length/mean"]))
+    ceiling = common.Ceiling(config, decode_rows=rows_per_step)
+    for r in sides["local"][:5]:
+        ceiling.sample(common.mean_groups(max(rows_per_step // n, 1), n, r["prompt_length/mean"], r["response_length/mean"]))
+    return common.metrics_roofline(config, sides, n, ceiling)
 
 
 if __name__ == "__main__":

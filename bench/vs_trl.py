@@ -100,11 +100,15 @@ def long_prompts(path: Path, tok, prompt_tokens: int, rows: int = 64) -> str:
     prompts = []
     for msgs in df["prompt"]:
         q = msgs[0]["content"]
-        pad = filler * (prompt_tokens // len(filler) + 2)
-        while pad and length(pad + q) > prompt_tokens:  # cut the filler from the front, then top up with spaces
+        pad = filler
+        while length(pad + q) <= prompt_tokens:  # enough filler to cut down to the length, whatever the tokenizer
+            pad += filler
+        while pad and length(pad + q) > prompt_tokens:  # cut the filler from the front, then top up
             pad = pad[1:]
-        while length(pad + q) < prompt_tokens:
-            pad = " " + pad
+        while length(pad + q) < prompt_tokens:  # a space, or (a chat template that strips them: SmolLM2's) a word
+            grown = [x + pad for x in (" ", "so ", "a ") if length(pad + q) < length(x + pad + q) <= prompt_tokens]
+            assert grown, f"cannot top up the prompt to {prompt_tokens} tokens"
+            pad = grown[0]
         assert length(pad + q) == prompt_tokens, (length(pad + q), prompt_tokens)
         prompts.append([{"role": "user", "content": pad + q}])
     df["prompt"] = prompts

@@ -59,3 +59,39 @@ def test_groups_of_consecutive_uids():
 def test_matmul_ceiling_is_a_rate():
     rate = common.matmul_ceiling(TINY, rows=8, reps=1)
     assert 0 < rate < float("inf")
+
+
+def test_mean_groups_by_hand():
+    # 2 prompts of mean 3.4 tokens, n 2 responses of mean 1.6: 2 groups (3, [2, 2])
+    assert common.mean_groups(2, 2, 3.4, 1.6) == [(3, [2, 2]), (3, [2, 2])]
+
+
+def test_roofline_table_percent_by_hand():
+    """% of ceiling = (phase FLOPs / seconds) / ceiling; a side with its own tokens is charged its own FLOPs."""
+    ceiling = common.Ceiling(TINY, decode_rows=0)
+    ceiling.passes = [2e9]  # a pass ceiling of 2 GFLOP/s
+    steps = [[(3, [2, 1])]]  # forward 2784 FLOPs (test_phase_flops_by_hand), update 3 x 2784
+    sides = {"a": [{"ref": 2784e-9, "update": 8352e-9}], "b": [{"ref": 2864e-9}]}
+    table = common.roofline_table(TINY, steps, sides, ceiling, side_steps={"b": [[(2, [3])]]})  # b: forward 2864
+    rows = [line.split() for line in table.splitlines()[3:]]
+    # a: 1 GFLOP/s in each phase, 50 % of 2; b charged its own 2864 FLOPs in 2864 ns: 50 % (2784 would read 49 %)
+    assert [(r[0], r[1], r[-2], r[-1]) for r in rows] == [
+        ("a", "ref", "1.00", "50%"),
+        ("a", "update", "1.00", "50%"),
+        ("b", "ref", "1.00", "50%"),
+    ]
+
+
+def test_metrics_roofline_rebuilds_groups_from_the_logged_means():
+    """A step of 2 rows (n 2) with prompts of 3 and responses of 2 tokens logs 10 tokens: one group (3, [2, 2]),
+    forward = 2 N 5 positions + 2 h V 3 reads + 4 a layers 14 keys = 2880 + 240 + 448 = 3568 FLOPs."""
+    assert common.group_counts(3, [2, 2]) == (5, 3, 14)
+    ceiling = common.Ceiling(TINY, decode_rows=0)
+    ceiling.passes = [2e6]  # 2 MFLOP/s, so that the pass takes over the 1 ms below which a timer means "skipped"
+    row = {"prompt_length/mean": 3.0, "response_length/mean": 2.0, "perf/throughput": 1000.0, "timing/step": 0.01, "timing/ref": 3568e-6}
+    tiny = {**row, "timing/ref": 5e-4}  # under 1 ms
+    small = {**row, "perf/throughput": 100.0, "timing/step": 0.1, "timing/ref": 1.5e-3}  # over 1 ms, under 2 % of the step
+    sides = {"local": [row], "async": [tiny], "ray": [small]}
+    lines = common.metrics_roofline(TINY, sides, n=2, ceiling=ceiling, phases=("ref",)).splitlines()
+    assert lines[3].split()[0] == "local" and lines[3].split()[-1] == "50%"
+    assert not any(line.startswith(("async", "ray")) for line in lines)  # their timers wrapped a skipped pass
