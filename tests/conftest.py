@@ -1,9 +1,9 @@
 """Test-session settings shared by every test file.
 
 The README's test command runs the suite on two processes (pytest-xdist `-n 2 --dist loadfile`: each test file
-runs whole on one process, so a file's module fixtures are built once). Files are handed out in collection order,
-so the long ones go first: a long file started last leaves the other process idle at the end (measured: the
-default-run learning test alone for the last ~80 s).
+runs whole on one process, so a file's module fixtures are built once). Files are handed out in collection order
+(pytest-xdist's own reordering, by test count, is turned off below), so the long ones go first: a long file started
+last leaves the other process idle at the end (measured: the default-run learning test alone for the last ~80 s).
 """
 
 from pathlib import Path
@@ -22,6 +22,13 @@ LONG_FIRST = (  # the files with the longest tests (`pytest --durations=40`), lo
     "test_sampler.py",
     "test_vllm_vlm.py",
 )
+
+
+def pytest_configure(config):
+    # pytest-xdist (>= 3.6) hands out files by their number of tests, most first, unless told to keep this order:
+    # measured, the long Ray files then ran last, one process idle for minutes at the end.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -208,6 +208,7 @@ def test_merged_lora_is_merged_in_float32_and_cast_once(tmp_path):
 
     r = object.__new__(VLLMRollout)
     r.llm, r.sleep_mode, r.sleeping, r.syncs, r.lora_request, r.model, r.dtype = Folder(), False, set(), 0, None, eng.model, torch.bfloat16
+    r.vlm = False
     r._worker = lambda: None
     r.sync_weights()
     synced = r.llm.state[name + ".weight"]

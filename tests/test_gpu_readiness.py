@@ -251,6 +251,7 @@ def test_vllm_sleeps_during_the_trainer_passes_on_cuda_only(cuda):
 
     r = object.__new__(VLLMRollout)  # no engine: the calls it would make
     r.llm, r.sleep_mode, r.sleeping, r.syncs, r.lora_request = FakeLLM(), cuda, set(), 0, None  # merged sync path
+    r.vlm = False  # a text model: no encoder cache to drop
     r.model = TorchEngine(ModelConfig(), None, device="cpu").model
     r.sleep()  # compute_ref_log_prob
     r.sleep()  # compute_log_prob: already asleep
