@@ -91,7 +91,6 @@ def trace(a: int, b: int, use_tool: bool) -> list[dict]:
 
 def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
     """Write the task parquet files, then warm-start a fresh tool model with recipes/sft.py and save it."""
-
     import torch
 
     torch.manual_seed(seed)
