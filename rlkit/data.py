@@ -9,6 +9,7 @@ every generated token is appended at the same position.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,7 +275,11 @@ def build_prompts(
     )
 
 
-SAMPLERS: dict[str, DifficultySampler] = {}  # key (in a training batch's meta["sampler"]) -> the loader's sampler
+# The live samplers by key. A training batch carries its sampler's key in meta["sampler"], not the sampler: the batch
+# may travel to Ray workers and back (a pickled copy would record into a copy), and loop.score must record each
+# batch's pass rates as soon as it is scored (dapo.py draws several batches a step). Weak: a sampler lives as long
+# as its loader.
+SAMPLERS: weakref.WeakValueDictionary[str, DifficultySampler] = weakref.WeakValueDictionary()
 
 
 class DifficultySampler:

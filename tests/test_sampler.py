@@ -82,3 +82,23 @@ def test_async_refuses_the_difficulty_sampler_in_one_line():
 
     with pytest.raises(ConfigError, match="--data.sampler difficulty does not run with --trainer.async-steps 1"):
         check_async(Cfg())
+
+
+def test_a_sampler_is_found_by_its_batches_key_while_its_loader_lives_and_not_after():
+    import gc
+
+    from rlkit import data, loop
+    from rlkit.protocol import DataProto
+
+    s = DifficultySampler(4)
+    key = s.key
+    s.draws = 1
+    batch = DataProto.from_dict(tensors={"index": torch.tensor([2, 2])}, meta={"sampler": key})
+    assert data.SAMPLERS[key] is s
+    m = loop.record_groups(batch, torch.tensor([1.0, 0.0]))
+    assert s.pass_rate == {2: 0.5} and m["sampler/zero_var_share"] == 0.0
+    del s
+    gc.collect()
+    assert key not in data.SAMPLERS  # no leak: the registry does not keep a finished run's sampler
+    m = loop.record_groups(batch, torch.tensor([1.0, 1.0]))  # its key gone: the groups are still reported
+    assert m == {"sampler/zero_var_share": 1.0}
