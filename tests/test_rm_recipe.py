@@ -185,3 +185,23 @@ def test_train_layers_trains_the_top_layers_and_the_head_only(tmp_path):
     cfg.model.lora_rank = 4
     with pytest.raises(ConfigError, match="without --model.lora-rank"):
         rm.main(cfg)
+
+
+def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkeypatch):
+    """scripts/rm_demo.py: each distinct wrong sample (at most 2) is a rejected answer; with mirror, each numeric
+    mistake c + d also appears as c - d, so the direction of an error tells the RM nothing."""
+    import importlib.util
+
+    from test_grpo_recipe import ROOT
+
+    spec = importlib.util.spec_from_file_location("rm_demo", ROOT / "scripts" / "rm_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert [demo.mirrored("67", w) for w in ("70", "60", "67", "200", "7\x1c", "abc")] == ["64", "74", "67", None, None, None]
+    answers = [["70", "67", "70", "64\x1c", "9"], ["5"]]
+    monkeypatch.setattr(demo.embedded, "sample_answers", lambda prompts, n, seed, model_dir: answers[: len(prompts)])
+    rows = [embedded.arith_row(30, 37, "train", 0), embedded.arith_row(2, 3, "train", 1)]
+    plain = demo.make_pairs(rows, 5, 0, 0)
+    assert [(r["chosen"], r["rejected"]) for r in plain] == [("67", "70"), ("67", "64\x1c")]  # the first 2 distinct
+    mirrored = demo.make_pairs(rows, 5, 0, 0, mirror=True)
+    assert [r["rejected"] for r in mirrored] == ["70", "64\x1c", "64"]  # 64 mirrors 70; "64\x1c" is not a number
