@@ -11,7 +11,7 @@ loss sees only differences, so rewards drift; the squared sum keeps them centred
 
 Run it:
 
-    python recipes/rm.py                   # embedded model and pairs, 150 steps, ~3 min on 2 cores
+    python recipes/rm.py                   # embedded model and pairs, 150 steps, ~1.5 min on 2 cores
     python recipes/rm.py --help            # every option, documented
     python recipes/rm.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
         --data.train-files prefs/train.parquet --data.val-files prefs/test.parquet \\

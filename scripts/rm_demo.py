@@ -1,20 +1,21 @@
 """SFT -> RM -> RL on the embedded task: preference pairs, a Bradley-Terry reward model, GRPO on it.
 
-    python scripts/rm_demo.py pairs            # rlkit/assets/arith-prefs/{train,val}.parquet (~20 s)
-    python scripts/rm_demo.py init             # outputs/rm_demo/rm-init: a stronger policy + 2 fresh layers (~5 min)
-    python scripts/rm_demo.py run              # pairs -> recipes/rm.py -> recipes/grpo.py on the RM
-                                               # -> held-out accuracy by the exact scorer (~10 min)
-    python scripts/rm_demo.py run --rm-init outputs/rm_demo/rm-init --rm-train-layers 2   # RM from init's output
+    python scripts/rm_demo.py pairs     # rlkit/assets/arith-prefs/{train,val}.parquet (~90 s)
+    python scripts/rm_demo.py init      # outputs/rm_demo/rm-init: the policy + 300 SFT steps (0.996 greedy; ~1.5 min)
+    python scripts/rm_demo.py run --rm-init outputs/rm_demo/rm-init   # recipes/rm.py from it (1000 steps), then
+                                        # recipes/grpo.py on the RM -> held-out accuracy by the exact scorer (~12 min)
+    python scripts/rm_demo.py iterate --rm outputs/rm_demo/rm/checkpoints/global_step_1000/hf   # online RLHF rounds
 
-Pairs: for a prompt "What is a+b?" the chosen response is the right answer; the rejected one is a
-wrong answer the embedded model itself sampled (temperature 1: the mistakes the policy makes), and,
-with --near-miss, also a near miss (the answer +-1 or +-10: a digit off) as a harder negative.
-Train pairs come from the task's train split, val pairs from its held-out split (disjoint problems).
+Pairs: for a prompt "What is a+b?" the chosen response is the right answer; the rejected ones are the
+distinct wrong answers (at most 2) among 8 the policy itself sampled (temperature 1: the mistakes it
+makes); --near-miss adds near misses (the answer +-1 or +-10), --mirror each mistake mirrored about the
+truth (c + d -> c - d). Train pairs come from the task's train split, val pairs from its held-out split.
 
 `run` trains the RM (held-out pair accuracy), then GRPO with --reward.model-path on its export,
 saving checkpoints along the way; each checkpoint is evaluated greedily on the held-out prompts by
 the exact scorer (true accuracy) and by the RM (its reward): the curve RM reward vs true accuracy
-(docs/rm.md), written to <out>/curve.json.
+(docs/rm.md), written to <out>/curve.json. `iterate` repeats [pairs from the current policy -> the RM
+continues -> GRPO continues] (iterate.json).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def grow(model, extra_layers: int, seed: int):
 def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int) -> Path:
     """The RM's starting point (a causal LM folder that recipes/rm.py loads with --model): the embedded policy after
     `sft_steps` more SFT steps (recipes/sft.py, lr 1e-3: it then generates the sums ~99 % right), grown by
-    `extra_layers` fresh decoder layers on top, each starting as the identity (output projections zero).
-    Why: in the policy the digit it predicts next is formed by its last layer, so no layer can compare that
+    `extra_layers` fresh decoder layers on top (0 by default: grown RMs learned no better, docs/results.md), each
+    starting as the identity (output projections zero). Why grow: in the policy the digit it predicts next is formed by its last layer, so no layer can compare that
     prediction with the digit that follows; a layer above can (attend to the previous position's prediction,
     compare with its own token), and one more can gather the mismatches at the last token, where the head reads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -198,7 +199,7 @@ def run(args) -> None:
     curve = []
     for step in range(0, args.rl_steps + 1, args.save_freq):
         policy = embedded.MODEL_DIR if step == 0 else out / "grpo-rm" / "checkpoints" / f"global_step_{step}" / "hf"
-        point = {"step": step, **greedy_eval(policy, rm_dir, args.val_problems)}
+        point = {"step": step, **greedy_eval(policy, rm_dir, args.eval_problems)}
         print(json.dumps(point), flush=True)
         curve.append(point)
     (out / "curve.json").write_text(json.dumps(curve, indent=1))
@@ -214,11 +215,11 @@ def iterate(args) -> None:
     py, policy, rm = sys.executable, Path(embedded.MODEL_DIR), args.rm
     if rm is None:
         raise SystemExit("iterate: pass --rm, a trained RM export (e.g. from `run`)")
-    curve = [{"round": 0, **greedy_eval(policy, rm, args.val_problems)}]
+    curve = [{"round": 0, **greedy_eval(policy, rm, args.eval_problems)}]
     print(json.dumps(curve[-1]), flush=True)
     for k in range(1, args.rounds + 1):
         pairs = out / f"pairs{k}"
-        write_pairs(pairs, args.train_problems, args.val_problems, args.samples, 0, args.seed + k, args.mirror, policy)
+        write_pairs(pairs, args.iter_problems, args.eval_problems, args.samples, 0, args.seed + k, args.mirror, policy)
         sh(
             [py, "recipes/rm.py", "--model", str(rm), "--data.train-files", str(pairs / "train.parquet"), "--data.val-files", str(pairs / "val.parquet"),
              "--trainer.total-training-steps", str(args.rm_steps), "--trainer.test-freq", str(args.rm_steps),
@@ -237,7 +238,7 @@ def iterate(args) -> None:
         policy = out / f"grpo{k}" / "checkpoints" / f"global_step_{args.rl_steps}" / "hf"
         logged = [json.loads(line) for line in (out / f"rm{k}" / "metrics.jsonl").read_text().splitlines()]
         rm_val = {m["step"]: round(m["val/pair_acc"], 3) for m in logged if "val/pair_acc" in m}  # before and after
-        curve.append({"round": k, **greedy_eval(policy, rm, args.val_problems), "rm_pair_acc": rm_val})
+        curve.append({"round": k, **greedy_eval(policy, rm, args.eval_problems), "rm_pair_acc": rm_val})
         print(json.dumps(curve[-1]), flush=True)
         (out / "iterate.json").write_text(json.dumps(curve, indent=1))
 
@@ -246,24 +247,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["pairs", "init", "run", "iterate"])
     ap.add_argument("--out", type=Path, default=OUT, help="where the pair parquet files go")
-    ap.add_argument("--train-problems", type=int, default=3000)
-    ap.add_argument("--val-problems", type=int, default=256)
-    ap.add_argument("--samples", type=int, default=4, help="samples per problem to find wrong answers in")
-    ap.add_argument("--near-miss", type=int, default=1, help="near-miss negatives per problem")
+    ap.add_argument("--train-problems", type=int, default=9488, help="pairs: train problems (the task has 9,488)")
+    ap.add_argument("--val-problems", type=int, default=512, help="held-out problems for pairs and evaluations")
+    ap.add_argument("--samples", type=int, default=8, help="samples per problem to find wrong answers in")
+    ap.add_argument("--near-miss", type=int, default=0, help="pairs: near-miss negatives (+-1, +-10) per problem")
+    ap.add_argument("--eval-problems", type=int, default=256, help="run, iterate: held-out problems answered greedily")
+    ap.add_argument("--iter-problems", type=int, default=3000, help="iterate: train problems sampled per round")
     ap.add_argument("--mirror", action="store_true", help="pairs: add each numeric mistake mirrored about the truth")
     ap.add_argument("--policy", type=Path, default=None, help="pairs: the policy whose mistakes are sampled (default: the embedded one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", type=Path, default=ROOT / "outputs" / "rm_demo", help="run: where the runs go")
     ap.add_argument("--rm", type=Path, default=None, help="run: an RM export to use instead of training one")
-    ap.add_argument("--rm-steps", type=int, default=400)
-    ap.add_argument("--rm-lr", type=float, default=2e-3)
+    ap.add_argument("--rm-steps", type=int, default=1000, help="run, iterate: RM steps (per round)")
+    ap.add_argument("--rm-lr", type=float, default=1e-3)
     ap.add_argument("--rm-batch", type=int, default=64, help="run: pairs per RM step")
     ap.add_argument("--rm-train-layers", type=int, default=0, help="run: recipes/rm.py --train-layers (0: all)")
     ap.add_argument("--rm-init", type=Path, default=None, help="run: the RM's starting point (init's output; default: the policy)")
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--save-freq", type=int, default=10)
     ap.add_argument("--init-sft-steps", type=int, default=300, help="init: SFT steps on the policy before growing it")
-    ap.add_argument("--extra-layers", type=int, default=2, help="init: fresh layers on top of the policy's")
+    ap.add_argument("--extra-layers", type=int, default=0, help="init: fresh identity layers on top of the policy's")
     ap.add_argument("--rl-args", default="", help="run: more recipes/grpo.py flags, e.g. '--no-norm-adv-by-std-in-grpo'")
     ap.add_argument("--rounds", type=int, default=4, help="iterate: rounds of pairs -> RM -> GRPO")
     ap.add_argument("--kl", type=float, default=0.001, help="run: GRPO's --actor.kl-loss-coef")
