@@ -111,28 +111,34 @@ def grow(model, extra_layers: int, seed: int):
     return grown
 
 
-def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int) -> Path:
+def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int, layers: int = 0, hidden: int = 128) -> Path:
     """The RM's starting point (a causal LM folder that recipes/rm.py loads with --model): the embedded policy after
     `sft_steps` more SFT steps (recipes/sft.py, lr 1e-3: it then generates the sums ~99 % right), grown by
     `extra_layers` fresh decoder layers on top (0 by default: grown RMs learned no better, docs/results.md), each
     starting as the identity (output projections zero). Why grow: in the policy the digit it predicts next is formed by its last layer, so no layer can compare that
     prediction with the digit that follows; a layer above can (attend to the previous position's prediction,
-    compare with its own token), and one more can gather the mismatches at the last token, where the head reads."""
+    compare with its own token), and one more can gather the mismatches at the last token, where the head reads.
+    layers > 0: a fresh model of `layers` x `hidden` instead (embedded.build_model, the embedded tokenizer), trained
+    from scratch by the same SFT: an RM larger than the policy, as RLHF pipelines use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
+    if layers:
+        model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden, layers, seed)
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     train, val = embedded.arith_problems(0)
     convs = [
         embedded.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}]
         for a, b in embedded.sft_traces(train, sft_steps, 64, seed + 1)
     ]
     if sft_steps:
-        model = embedded.warm_start(model, tok, convs, sft_steps, lr=1e-3, warmup=10, seed=seed + 1)
+        model = embedded.warm_start(model, tok, convs, sft_steps, lr=1e-3, warmup=100 if layers else 10, seed=seed + 1)
     acc = embedded.greedy_accuracy(model, tok, val[:256])
     grown = grow(model, extra_layers, seed)
     readme = (
-        f"The RM demo's starting point (scripts/rm_demo.py init): the embedded policy + {sft_steps} SFT steps "
+        f"The RM demo's starting point (scripts/rm_demo.py init): "
+        f"{f'a fresh {layers} x {hidden} model' if layers else 'the embedded policy'} + {sft_steps} SFT steps "
         f"(held-out greedy accuracy {acc:.3f} on 256) + {extra_layers} identity-initialised layers.\n"
     )
     embedded.save_asset(grown, tok, out, readme)
@@ -269,6 +275,8 @@ def main() -> None:
     ap.add_argument("--extra-layers", type=int, default=0, help="init: fresh identity layers on top of the policy's")
     ap.add_argument("--rl-args", default="", help="run: more recipes/grpo.py flags, e.g. '--no-norm-adv-by-std-in-grpo'")
     ap.add_argument("--rounds", type=int, default=4, help="iterate: rounds of pairs -> RM -> GRPO")
+    ap.add_argument("--layers", type=int, default=0, help="init: a fresh model this deep instead of the policy (0: the policy)")
+    ap.add_argument("--hidden", type=int, default=128, help="init: its width, with --layers")
     ap.add_argument("--kl", type=float, default=0.001, help="run: GRPO's --actor.kl-loss-coef")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -279,7 +287,7 @@ def main() -> None:
     if args.stage == "pairs":
         write_pairs(args.out, args.train_problems, args.val_problems, args.samples, args.near_miss, args.seed, args.mirror, args.policy)
     elif args.stage == "init":
-        rm_init(args.run_dir / "rm-init", args.init_sft_steps, args.extra_layers, args.seed)
+        rm_init(args.run_dir / "rm-init", args.init_sft_steps, args.extra_layers, args.seed, args.layers, args.hidden)
     elif args.stage == "iterate":
         iterate(args)
     else:
