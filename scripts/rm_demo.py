@@ -115,18 +115,19 @@ def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int, layers: int
     """The RM's starting point (a causal LM folder that recipes/rm.py loads with --model): the embedded policy after
     `sft_steps` more SFT steps (recipes/sft.py, lr 1e-3: it then generates the sums ~99 % right), grown by
     `extra_layers` fresh decoder layers on top (0 by default: grown RMs learned no better, docs/results.md), each
-    starting as the identity (output projections zero). Why grow: in the policy the digit it predicts next is formed by its last layer, so no layer can compare that
-    prediction with the digit that follows; a layer above can (attend to the previous position's prediction,
+    starting as the identity (output projections zero). Why grow: in the policy the digit it predicts next is formed
+    by its last layer, so no layer can compare that prediction with the digit that follows; a layer above can (attend to the previous position's prediction,
     compare with its own token), and one more can gather the mismatches at the last token, where the head reads.
     layers > 0: a fresh model of `layers` x `hidden` instead (embedded.build_model, the embedded tokenizer), trained
     from scratch by the same SFT: an RM larger than the policy, as RLHF pipelines use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
     if layers:
         model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden, layers, seed)
         model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    else:
+        model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
     train, val = embedded.arith_problems(0)
     convs = [
         embedded.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}]
@@ -179,32 +180,44 @@ def sh(cmd: list[str], log: Path) -> None:
             raise SystemExit(f"failed: see {log}")
 
 
+def train_rm(args, model, pairs: Path, out: Path, name: str, *flags: str) -> Path:
+    """recipes/rm.py from `model` on pairs/{train,val}.parquet for --rm-steps steps; returns its last export."""
+    sh(
+        [sys.executable, "recipes/rm.py", "--model", str(model), "--data.train-files", str(pairs / "train.parquet"),
+         "--data.val-files", str(pairs / "val.parquet"), "--trainer.total-training-steps", str(args.rm_steps),
+         "--actor.lr", str(args.rm_lr), "--data.train-batch-size", str(args.rm_batch), "--actor.ppo-mini-batch-size", str(args.rm_batch),
+         "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", name, *flags],
+        out / f"{name}.log",
+    )  # fmt: skip
+    return out / name / "checkpoints" / f"global_step_{args.rm_steps}" / "hf"
+
+
+def train_grpo(args, rm: Path, out: Path, name: str, *flags: str) -> Path:
+    """recipes/grpo.py on the RM `rm` for --rl-steps steps (then --rl-args); returns its checkpoints folder."""
+    sh(
+        [sys.executable, "recipes/grpo.py", "--reward.model-path", str(rm), "--trainer.total-training-steps", str(args.rl_steps),
+         "--trainer.test-freq", "0", "--trainer.no-val-before-train", "--data.val-max-samples", "64", "--actor.kl-loss-coef", str(args.kl),
+         "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", name, *flags,
+         *shlex.split(args.rl_args)],
+        out / f"{name}.log",
+    )  # fmt: skip
+    return out / name / "checkpoints"
+
+
 def run(args) -> None:
     """RM training, then GRPO on the RM with checkpoints every --save-freq steps, each evaluated (curve.json)."""
     out = args.run_dir
     out.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
     rm_dir = args.rm
     if rm_dir is None:
-        sh(
-            [py, "recipes/rm.py", "--model", str(args.rm_init or embedded.MODEL_DIR), "--data.train-files", str(args.out / "train.parquet"), "--data.val-files", str(args.out / "val.parquet"),
-             "--trainer.total-training-steps", str(args.rm_steps), "--trainer.test-freq", str(args.rm_steps // 4),
-             "--actor.lr", str(args.rm_lr), "--data.train-batch-size", str(args.rm_batch),
-             "--actor.ppo-mini-batch-size", str(args.rm_batch), "--train-layers", str(args.rm_train_layers), "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "rm"],
-            out / "rm.log",
+        rm_dir = train_rm(
+            args, args.rm_init or embedded.MODEL_DIR, args.out, out, "rm",
+            "--trainer.test-freq", str(args.rm_steps // 4), "--train-layers", str(args.rm_train_layers),
         )  # fmt: skip
-        rm_dir = out / "rm" / "checkpoints" / f"global_step_{args.rm_steps}" / "hf"
-    sh(
-        [py, "recipes/grpo.py", "--reward.model-path", str(rm_dir), "--trainer.total-training-steps", str(args.rl_steps),
-         "--trainer.save-freq", str(args.save_freq), "--trainer.max-ckpt-to-keep", "0", "--trainer.test-freq", "0",
-         "--trainer.no-val-before-train", "--data.val-max-samples", "64", "--actor.kl-loss-coef", str(args.kl),
-         "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", "grpo-rm",
-         *shlex.split(args.rl_args)],
-        out / "grpo.log",
-    )  # fmt: skip
+    ckpts = train_grpo(args, rm_dir, out, "grpo-rm", "--trainer.save-freq", str(args.save_freq), "--trainer.max-ckpt-to-keep", "0")
     curve = []
     for step in range(0, args.rl_steps + 1, args.save_freq):
-        policy = embedded.MODEL_DIR if step == 0 else out / "grpo-rm" / "checkpoints" / f"global_step_{step}" / "hf"
+        policy = embedded.MODEL_DIR if step == 0 else ckpts / f"global_step_{step}" / "hf"
         point = {"step": step, **greedy_eval(policy, rm_dir, args.eval_problems)}
         print(json.dumps(point), flush=True)
         curve.append(point)
@@ -218,7 +231,7 @@ def iterate(args) -> None:
     policy, which is also its KL anchor. What a round's pairs catch is what GRPO found in the RM the round before."""
     out = args.run_dir / "iterate"
     out.mkdir(parents=True, exist_ok=True)
-    py, policy, rm = sys.executable, Path(embedded.MODEL_DIR), args.rm
+    policy, rm = Path(embedded.MODEL_DIR), args.rm
     if rm is None:
         raise SystemExit("iterate: pass --rm, a trained RM export (e.g. from `run`)")
     curve = [{"round": 0, **greedy_eval(policy, rm, args.eval_problems)}]
@@ -226,22 +239,11 @@ def iterate(args) -> None:
     for k in range(1, args.rounds + 1):
         pairs = out / f"pairs{k}"
         write_pairs(pairs, args.iter_problems, args.eval_problems, args.samples, 0, args.seed + k, args.mirror, policy)
-        sh(
-            [py, "recipes/rm.py", "--model", str(rm), "--data.train-files", str(pairs / "train.parquet"), "--data.val-files", str(pairs / "val.parquet"),
-             "--trainer.total-training-steps", str(args.rm_steps), "--trainer.test-freq", str(args.rm_steps),
-             "--actor.lr", str(args.rm_lr), "--data.train-batch-size", str(args.rm_batch), "--actor.ppo-mini-batch-size", str(args.rm_batch),
-             "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", f"rm{k}", "--trainer.seed", str(k)],
-            out / f"rm{k}.log",
-        )  # fmt: skip
-        rm = out / f"rm{k}" / "checkpoints" / f"global_step_{args.rm_steps}" / "hf"
-        sh(
-            [py, "recipes/grpo.py", "--model", str(policy), "--reward.model-path", str(rm), "--trainer.total-training-steps", str(args.rl_steps),
-             "--trainer.save-freq", str(args.rl_steps), "--trainer.test-freq", "0", "--trainer.no-val-before-train", "--data.val-max-samples", "64",
-             "--actor.kl-loss-coef", str(args.kl), "--trainer.seed", str(k), "--trainer.default-local-dir", str(out / "{experiment_name}"),
-             "--trainer.experiment-name", f"grpo{k}", *shlex.split(args.rl_args)],
-            out / f"grpo{k}.log",
-        )  # fmt: skip
-        policy = out / f"grpo{k}" / "checkpoints" / f"global_step_{args.rl_steps}" / "hf"
+        rm = train_rm(args, rm, pairs, out, f"rm{k}", "--trainer.test-freq", str(args.rm_steps), "--trainer.seed", str(k))
+        ckpts = train_grpo(
+            args, rm, out, f"grpo{k}", "--model", str(policy), "--trainer.save-freq", str(args.rl_steps), "--trainer.seed", str(k)
+        )
+        policy = ckpts / f"global_step_{args.rl_steps}" / "hf"
         logged = [json.loads(line) for line in (out / f"rm{k}" / "metrics.jsonl").read_text().splitlines()]
         rm_val = {m["step"]: round(m["val/pair_acc"], 3) for m in logged if "val/pair_acc" in m}  # before and after
         curve.append({"round": k, **greedy_eval(policy, rm, args.eval_problems), "rm_pair_acc": rm_val})
@@ -254,7 +256,7 @@ def main() -> None:
     ap.add_argument("stage", choices=["pairs", "init", "run", "iterate"])
     ap.add_argument("--out", type=Path, default=OUT, help="where the pair parquet files go")
     ap.add_argument("--train-problems", type=int, default=9488, help="pairs: train problems (the task has 9,488)")
-    ap.add_argument("--val-problems", type=int, default=512, help="held-out problems for pairs and evaluations")
+    ap.add_argument("--val-problems", type=int, default=512, help="pairs: held-out problems")
     ap.add_argument("--samples", type=int, default=8, help="samples per problem to find wrong answers in")
     ap.add_argument("--near-miss", type=int, default=0, help="pairs: near-miss negatives (+-1, +-10) per problem")
     ap.add_argument("--eval-problems", type=int, default=256, help="run, iterate: held-out problems answered greedily")
@@ -263,21 +265,21 @@ def main() -> None:
     ap.add_argument("--policy", type=Path, default=None, help="pairs: the policy whose mistakes are sampled (default: the embedded one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", type=Path, default=ROOT / "outputs" / "rm_demo", help="run: where the runs go")
-    ap.add_argument("--rm", type=Path, default=None, help="run: an RM export to use instead of training one")
+    ap.add_argument("--rm", type=Path, default=None, help="run: an RM export to use instead of training one; iterate: the RM to start from")
     ap.add_argument("--rm-steps", type=int, default=1000, help="run, iterate: RM steps (per round)")
     ap.add_argument("--rm-lr", type=float, default=1e-3)
-    ap.add_argument("--rm-batch", type=int, default=64, help="run: pairs per RM step")
+    ap.add_argument("--rm-batch", type=int, default=64, help="run, iterate: pairs per RM step")
     ap.add_argument("--rm-train-layers", type=int, default=0, help="run: recipes/rm.py --train-layers (0: all)")
     ap.add_argument("--rm-init", type=Path, default=None, help="run: the RM's starting point (init's output; default: the policy)")
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--save-freq", type=int, default=10)
     ap.add_argument("--init-sft-steps", type=int, default=300, help="init: SFT steps on the policy before growing it")
     ap.add_argument("--extra-layers", type=int, default=0, help="init: fresh identity layers on top of the policy's")
-    ap.add_argument("--rl-args", default="", help="run: more recipes/grpo.py flags, e.g. '--no-norm-adv-by-std-in-grpo'")
+    ap.add_argument("--rl-args", default="", help="run, iterate: more recipes/grpo.py flags, e.g. '--no-norm-adv-by-std-in-grpo'")
     ap.add_argument("--rounds", type=int, default=4, help="iterate: rounds of pairs -> RM -> GRPO")
     ap.add_argument("--layers", type=int, default=0, help="init: a fresh model this deep instead of the policy (0: the policy)")
     ap.add_argument("--hidden", type=int, default=128, help="init: its width, with --layers")
-    ap.add_argument("--kl", type=float, default=0.001, help="run: GRPO's --actor.kl-loss-coef")
+    ap.add_argument("--kl", type=float, default=0.001, help="run, iterate: GRPO's --actor.kl-loss-coef")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
