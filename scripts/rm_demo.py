@@ -1,21 +1,24 @@
 """SFT -> RM -> RL on the embedded task: preference pairs, a Bradley-Terry reward model, GRPO on it.
 
-    python scripts/rm_demo.py pairs     # rlkit/assets/arith-prefs/{train,val}.parquet (~90 s)
+    python scripts/rm_demo.py pairs     # rlkit/assets/arith-prefs/{train,val}.parquet: the policy's mistakes (~90 s)
+    python scripts/rm_demo.py pairs --mirror --near-miss 6 --out outputs/rm_demo/pairs-mix   # stage 2's mix (~90 s)
     python scripts/rm_demo.py init      # outputs/rm_demo/rm-init: the policy + 300 SFT steps (0.996 greedy; ~1.5 min)
-    python scripts/rm_demo.py run --rm-init outputs/rm_demo/rm-init   # recipes/rm.py from it (1000 steps), then
-                                        # recipes/grpo.py on the RM -> held-out accuracy by the exact scorer (~12 min)
-    python scripts/rm_demo.py iterate --rm outputs/rm_demo/rm/checkpoints/global_step_1000/hf   # online RLHF rounds
+    python scripts/rm_demo.py run --rm-init outputs/rm_demo/rm-init   # recipes/rm.py from it: 1500 steps on the
+                                        # mistakes, 6000 on the mix; then recipes/grpo.py on the RM, one epoch, each
+                                        # checkpoint scored by the exact scorer (~50 min)
+    python scripts/rm_demo.py iterate --rm outputs/rm_demo/rm-mix/checkpoints/global_step_6000/hf   # online RLHF
 
 Pairs: for a prompt "What is a+b?" the chosen response is the right answer; the rejected ones are the
 distinct wrong answers (at most 2) among 8 the policy itself sampled (temperature 1: the mistakes it
-makes); --near-miss adds near misses (the answer +-1 or +-10), --mirror each mistake mirrored about the
-truth (c + d -> c - d). Train pairs come from the task's train split, val pairs from its held-out split.
+makes); --near-miss adds near misses (the answer +-1, +-10, +-20: the units digit, and the tens digit where the
+carry lands), --mirror each mistake mirrored about the truth (c + d -> c - d). Train pairs come from the task's
+train split, val pairs from its held-out split.
 
-`run` trains the RM (held-out pair accuracy), then GRPO with --reward.model-path on its export,
-saving checkpoints along the way; each checkpoint is evaluated greedily on the held-out prompts by
-the exact scorer (true accuracy) and by the RM (its reward): the curve RM reward vs true accuracy
-(docs/rm.md), written to <out>/curve.json. `iterate` repeats [pairs from the current policy -> the RM
-continues -> GRPO continues] (iterate.json).
+`run` trains the RM in two stages (the policy's mistakes, lr 1e-3; then the mix, lr 3e-4: docs/rm.md says why),
+then GRPO with --reward.model-path on its export, saving checkpoints along the way; each checkpoint is evaluated
+greedily on the held-out prompts by the exact scorer (true accuracy) and by the RM (its reward): the curve RM
+reward vs true accuracy (docs/rm.md), written to <out>/curve.json. `iterate` repeats [pairs from the current
+policy -> the RM continues -> GRPO continues] (iterate.json).
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ from rlkit import embedded  # noqa: E402
 OUT = embedded.ASSETS / "arith-prefs"
 
 
+NEAR = (-1, 1, -10, 10, -20, 20)  # the units digit, the tens digit (where the carry lands) one and two off
+
+
 def near_misses(answer: int, rng: random.Random, k: int) -> list[str]:
-    """k distinct wrong answers a digit away from `answer`: +-1, +-10 (never negative)."""
-    cands = [answer + d for d in (-1, 1, -10, 10) if answer + d >= 0]
+    """k distinct wrong answers one or two digits' steps away from `answer` (NEAR, never negative; k=6: all)."""
+    cands = [answer + d for d in NEAR if answer + d >= 0]
     rng.shuffle(cands)
     return [str(c) for c in cands[:k]]
 
@@ -180,16 +186,16 @@ def sh(cmd: list[str], log: Path) -> None:
             raise SystemExit(f"failed: see {log}")
 
 
-def train_rm(args, model, pairs: Path, out: Path, name: str, *flags: str) -> Path:
-    """recipes/rm.py from `model` on pairs/{train,val}.parquet for --rm-steps steps; returns its last export."""
+def train_rm(args, model, pairs: Path, out: Path, name: str, steps: int, lr: float, *flags: str) -> Path:
+    """recipes/rm.py from `model` on pairs/{train,val}.parquet for `steps` steps at `lr`; returns its last export."""
     sh(
         [sys.executable, "recipes/rm.py", "--model", str(model), "--data.train-files", str(pairs / "train.parquet"),
-         "--data.val-files", str(pairs / "val.parquet"), "--trainer.total-training-steps", str(args.rm_steps),
-         "--actor.lr", str(args.rm_lr), "--data.train-batch-size", str(args.rm_batch), "--actor.ppo-mini-batch-size", str(args.rm_batch),
+         "--data.val-files", str(pairs / "val.parquet"), "--trainer.total-training-steps", str(steps),
+         "--actor.lr", str(lr), "--data.train-batch-size", str(args.rm_batch), "--actor.ppo-mini-batch-size", str(args.rm_batch),
          "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", name, *flags],
         out / f"{name}.log",
     )  # fmt: skip
-    return out / name / "checkpoints" / f"global_step_{args.rm_steps}" / "hf"
+    return out / name / "checkpoints" / f"global_step_{steps}" / "hf"
 
 
 def train_grpo(args, rm: Path, out: Path, name: str, *flags: str) -> Path:
@@ -209,11 +215,15 @@ def run(args) -> None:
     out = args.run_dir
     out.mkdir(parents=True, exist_ok=True)
     rm_dir = args.rm
-    if rm_dir is None:
+    if rm_dir is None and args.mix_steps and not (args.mix / "train.parquet").exists():  # checked before stage 1 trains
+        raise SystemExit(f"run: no pairs in {args.mix}: write them first with `pairs --mirror --near-miss 6 --out {args.mix}`")
+    if rm_dir is None:  # stage 1: the policy's mistakes (the shipped pairs)
         rm_dir = train_rm(
-            args, args.rm_init or embedded.MODEL_DIR, args.out, out, "rm",
+            args, args.rm_init or embedded.MODEL_DIR, args.out, out, "rm", args.rm_steps, args.rm_lr,
             "--trainer.test-freq", str(args.rm_steps // 4), "--train-layers", str(args.rm_train_layers),
         )  # fmt: skip
+        if args.mix_steps:  # stage 2: the mix (mistakes, their mirror images, near misses), from stage 1's RM
+            rm_dir = train_rm(args, rm_dir, args.mix, out, "rm-mix", args.mix_steps, args.mix_lr, "--trainer.test-freq", "500")
     ckpts = train_grpo(args, rm_dir, out, "grpo-rm", "--trainer.save-freq", str(args.save_freq), "--trainer.max-ckpt-to-keep", "0")
     curve = []
     for step in range(0, args.rl_steps + 1, args.save_freq):
@@ -239,7 +249,9 @@ def iterate(args) -> None:
     for k in range(1, args.rounds + 1):
         pairs = out / f"pairs{k}"
         write_pairs(pairs, args.iter_problems, args.eval_problems, args.samples, 0, args.seed + k, args.mirror, policy)
-        rm = train_rm(args, rm, pairs, out, f"rm{k}", "--trainer.test-freq", str(args.rm_steps), "--trainer.seed", str(k))
+        rm = train_rm(
+            args, rm, pairs, out, f"rm{k}", args.rm_steps, args.rm_lr, "--trainer.test-freq", str(args.rm_steps), "--trainer.seed", str(k)
+        )
         ckpts = train_grpo(
             args, rm, out, f"grpo{k}", "--model", str(policy), "--trainer.save-freq", str(args.rl_steps), "--trainer.seed", str(k)
         )
@@ -258,7 +270,7 @@ def main() -> None:
     ap.add_argument("--train-problems", type=int, default=9488, help="pairs: train problems (the task has 9,488)")
     ap.add_argument("--val-problems", type=int, default=512, help="pairs: held-out problems")
     ap.add_argument("--samples", type=int, default=8, help="samples per problem to find wrong answers in")
-    ap.add_argument("--near-miss", type=int, default=0, help="pairs: near-miss negatives (+-1, +-10) per problem")
+    ap.add_argument("--near-miss", type=int, default=0, help="pairs: near-miss negatives per problem (of +-1, +-10, +-20; 6: all)")
     ap.add_argument("--eval-problems", type=int, default=256, help="run, iterate: held-out problems answered greedily")
     ap.add_argument("--iter-problems", type=int, default=3000, help="iterate: train problems sampled per round")
     ap.add_argument("--mirror", action="store_true", help="pairs: add each numeric mistake mirrored about the truth")
@@ -266,13 +278,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", type=Path, default=ROOT / "outputs" / "rm_demo", help="run: where the runs go")
     ap.add_argument("--rm", type=Path, default=None, help="run: an RM export to use instead of training one; iterate: the RM to start from")
-    ap.add_argument("--rm-steps", type=int, default=1000, help="run, iterate: RM steps (per round)")
+    ap.add_argument("--rm-steps", type=int, default=1500, help="run: RM steps on the policy's mistakes; iterate: per round")
     ap.add_argument("--rm-lr", type=float, default=1e-3)
     ap.add_argument("--rm-batch", type=int, default=64, help="run, iterate: pairs per RM step")
     ap.add_argument("--rm-train-layers", type=int, default=0, help="run: recipes/rm.py --train-layers (0: all)")
     ap.add_argument("--rm-init", type=Path, default=None, help="run: the RM's starting point (init's output; default: the policy)")
-    ap.add_argument("--rl-steps", type=int, default=40)
-    ap.add_argument("--save-freq", type=int, default=10)
+    ap.add_argument("--mix", type=Path, default=None, help="run: the mixed pairs of stage 2 (default: <run-dir>/pairs-mix)")
+    ap.add_argument("--mix-steps", type=int, default=6000, help="run: RM steps on the mix after stage 1 (0: no stage 2)")
+    ap.add_argument("--mix-lr", type=float, default=3e-4)
+    ap.add_argument("--rl-steps", type=int, default=296, help="run: GRPO steps (296: one epoch, as the default run)")
+    ap.add_argument("--save-freq", type=int, default=37, help="run: GRPO checkpoints (each evaluated) every this many steps")
     ap.add_argument("--init-sft-steps", type=int, default=300, help="init: SFT steps on the policy before growing it")
     ap.add_argument("--extra-layers", type=int, default=0, help="init: fresh identity layers on top of the policy's")
     ap.add_argument("--rl-args", default="", help="run, iterate: more recipes/grpo.py flags, e.g. '--no-norm-adv-by-std-in-grpo'")
@@ -281,6 +296,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128, help="init: its width, with --layers")
     ap.add_argument("--kl", type=float, default=0.001, help="run, iterate: GRPO's --actor.kl-loss-coef")
     args = ap.parse_args()
+    args.mix = args.mix or args.run_dir / "pairs-mix"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 

@@ -11,7 +11,7 @@ The conventions a doc follows (each failure message repeats the one it broke):
   lines: a quote sits between `<!-- fmt:off -->` and `<!-- fmt:on -->` lines.
 - A ```bash snippet's `python recipes/X.py` / `python -m rlkit.X` / `bench/X.py` / `scripts/X.sh` paths exist
   (a `cp recipes/A.py recipes/B.py` in the same doc makes B stand for A), and each `--flag` of a recipe command
-  is in that recipe's `--help` (a bench command's in the script's argparse). A `--section.flag` named anywhere in
+  is in that recipe's `--help` (a bench or scripts/ Python command's in the script's argparse). A `--section.flag` named anywhere in
   the docs is in some recipe's `--help`.
 - No "N lines" claim (N >= 2) unless DERIVED_LINE_COUNTS computes it; count words that drift are in COUNT_CLAIMS.
 - Every metric key a recipe logs is named in docs/metrics.md or a doc it links, by its full name (`a/b/c`; in a
@@ -256,7 +256,7 @@ def test_a_shell_snippet_runs_real_files_with_real_flags(doc, start, body):
             if m:
                 path = aliases.get(m[1], m[1])
                 assert (ROOT / path).is_file(), f"{where}: {m[1]} does not exist"
-                if target is None and path.endswith(".py") and path.split("/")[0] in ("recipes", "bench"):
+                if target is None and path.endswith(".py") and path.split("/")[0] in ("recipes", "bench", "scripts"):
                     target = (path, i)
         if target is None:
             continue
@@ -290,6 +290,8 @@ def test_the_shell_checker_sees_a_wrong_flag_and_a_missing_file(tmp_path):
         check(doc, 1, ["python recipes/nope.py"])
     with pytest.raises(AssertionError, match="--nope is not an argument of bench/async.py"):
         check(doc, 1, ["python bench/async.py --steps 2 --nope 1"])
+    with pytest.raises(AssertionError, match="--rm-step is not an argument of scripts/rm_demo.py"):
+        check(doc, 1, ["python scripts/rm_demo.py run --rm-init x --rm-step 3"])
     with pytest.raises(AssertionError, match="no module rlkit.nope"):
         check(doc, 1, ["python -m rlkit.nope"])
 

@@ -4,12 +4,13 @@ RL reward path exactly as the trainer scores, resume, and one-line errors."""
 import json
 import math
 import random
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_grpo_recipe import load_recipe
+from test_grpo_recipe import ROOT, load_recipe
 
 from rlkit import embedded
 from rlkit.config import RewardConfig
@@ -187,16 +188,29 @@ def test_train_layers_trains_the_top_layers_and_the_head_only(tmp_path):
         rm.main(cfg)
 
 
-def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkeypatch):
-    """scripts/rm_demo.py: each distinct wrong sample (at most 2) is a rejected answer; with mirror, each numeric
-    mistake c + d also appears as c - d, so the direction of an error tells the RM nothing."""
-    import importlib.util
+def test_the_demo_run_names_the_missing_mix_before_it_trains_anything(tmp_path, monkeypatch):
+    """`rm_demo.py run` trains its RM in two stages; without stage 2's pairs it stops at once with the command that
+    writes them, not after stage 1's minutes of training."""
+    demo = _demo()
+    monkeypatch.setattr(sys, "argv", ["rm_demo.py", "run", "--run-dir", str(tmp_path)])
+    monkeypatch.setattr(demo, "train_rm", lambda *a, **k: pytest.fail("trained before checking its inputs"))
+    with pytest.raises(SystemExit, match=r"no pairs in .*pairs-mix: write them first with `pairs --mirror --near-miss 6"):
+        demo.main()
 
-    from test_grpo_recipe import ROOT
+
+def _demo():
+    import importlib.util
 
     spec = importlib.util.spec_from_file_location("rm_demo", ROOT / "scripts" / "rm_demo.py")
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
+    return demo
+
+
+def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkeypatch):
+    """scripts/rm_demo.py: each distinct wrong sample (at most 2) is a rejected answer; with mirror, each numeric
+    mistake c + d also appears as c - d, so the direction of an error tells the RM nothing."""
+    demo = _demo()
     assert [demo.mirrored("67", w) for w in ("70", "60", "67", "200", "7\x1c", "abc")] == ["64", "74", "67", None, None, None]
     answers = [["70", "67", "70", "64\x1c", "9"], ["5"]]
     monkeypatch.setattr(demo.embedded, "sample_answers", lambda prompts, n, seed, model_dir: answers[: len(prompts)])
@@ -205,3 +219,8 @@ def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkey
     assert [(r["chosen"], r["rejected"]) for r in plain] == [("67", "70"), ("67", "64\x1c")]  # the first 2 distinct
     mirrored = demo.make_pairs(rows, 5, 0, 0, mirror=True)
     assert [r["rejected"] for r in mirrored] == ["70", "64\x1c", "64"]  # 64 mirrors 70; "64\x1c" is not a number
+    # the mix of the demo's stage 2 (pairs --mirror --near-miss 6): the mistakes, their mirror images, and every near
+    # miss +-1, +-10, +-20 that is not negative (the mirror image of a near miss is a near miss: no duplicates)
+    mix = demo.make_pairs(rows, 5, 6, 0, mirror=True)
+    by_problem = {c: sorted(r["rejected"] for r in mix if r["chosen"] == c) for c in ("67", "5")}
+    assert by_problem == {"67": sorted(["70", "64\x1c", "64", "66", "68", "57", "77", "47", "87"]), "5": ["15", "25", "4", "6"]}
