@@ -122,8 +122,9 @@ def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int, layers: int
     `sft_steps` more SFT steps (recipes/sft.py, lr 1e-3: it then generates the sums ~99 % right), grown by
     `extra_layers` fresh decoder layers on top (0 by default: grown RMs learned no better, docs/results.md), each
     starting as the identity (output projections zero). Why grow: in the policy the digit it predicts next is formed
-    by its last layer, so no layer can compare that prediction with the digit that follows; a layer above can (attend to the previous position's prediction,
-    compare with its own token), and one more can gather the mismatches at the last token, where the head reads.
+    by its last layer, so no layer can compare that prediction with the digit that follows; a layer above can
+    (attend to the previous position's prediction, compare with its own token), and one more can gather the
+    mismatches at the last token, where the head reads.
     layers > 0: a fresh model of `layers` x `hidden` instead (embedded.build_model, the embedded tokenizer), trained
     from scratch by the same SFT: an RM larger than the policy, as RLHF pipelines use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -142,7 +143,7 @@ def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int, layers: int
     if sft_steps:
         model = embedded.warm_start(model, tok, convs, sft_steps, lr=1e-3, warmup=100 if layers else 10, seed=seed + 1)
     acc = embedded.greedy_accuracy(model, tok, val[:256])
-    grown = grow(model, extra_layers, seed)
+    grown = grow(model, extra_layers, seed) if extra_layers else model
     readme = (
         f"The RM demo's starting point (scripts/rm_demo.py init): "
         f"{f'a fresh {layers} x {hidden} model' if layers else 'the embedded policy'} + {sft_steps} SFT steps "
@@ -215,9 +216,10 @@ def run(args) -> None:
     out = args.run_dir
     out.mkdir(parents=True, exist_ok=True)
     rm_dir = args.rm
-    if rm_dir is None and args.mix_steps and not (args.mix / "train.parquet").exists():  # checked before stage 1 trains
-        raise SystemExit(f"run: no pairs in {args.mix}: write them first with `pairs --mirror --near-miss 6 --out {args.mix}`")
-    if rm_dir is None:  # stage 1: the policy's mistakes (the shipped pairs)
+    if rm_dir is None:
+        if args.mix_steps and not (args.mix / "train.parquet").exists():  # checked before stage 1 trains
+            raise SystemExit(f"run: no pairs in {args.mix}: write them first with `pairs --mirror --near-miss 6 --out {args.mix}`")
+        # stage 1: the policy's mistakes (the shipped pairs)
         rm_dir = train_rm(
             args, args.rm_init or embedded.MODEL_DIR, args.out, out, "rm", args.rm_steps, args.rm_lr,
             "--trainer.test-freq", str(args.rm_steps // 4), "--train-layers", str(args.rm_train_layers),

@@ -188,6 +188,16 @@ def test_train_layers_trains_the_top_layers_and_the_head_only(tmp_path):
         rm.main(cfg)
 
 
+def _demo():
+    """scripts/rm_demo.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rm_demo", ROOT / "scripts" / "rm_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
+
+
 def test_the_demo_run_names_the_missing_mix_before_it_trains_anything(tmp_path, monkeypatch):
     """`rm_demo.py run` trains its RM in two stages; without stage 2's pairs it stops at once with the command that
     writes them, not after stage 1's minutes of training."""
@@ -196,15 +206,6 @@ def test_the_demo_run_names_the_missing_mix_before_it_trains_anything(tmp_path, 
     monkeypatch.setattr(demo, "train_rm", lambda *a, **k: pytest.fail("trained before checking its inputs"))
     with pytest.raises(SystemExit, match=r"no pairs in .*pairs-mix: write them first with `pairs --mirror --near-miss 6"):
         demo.main()
-
-
-def _demo():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rm_demo", ROOT / "scripts" / "rm_demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    return demo
 
 
 def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkeypatch):
