@@ -58,6 +58,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(1, str(ROOT))  # rlkit from this checkout: on a loaned GPU machine it is not installed
 
 from common import load_recipe, quiet, set_threads  # noqa: E402
 
@@ -95,6 +97,27 @@ def learnable(data_source, solution_str, ground_truth, extra_info=None):
     """A reward a policy can learn: the share of characters in the first half of the alphabet."""
     return sum(c in "abcdefghijklm" for c in solution_str) / max(len(solution_str), 1)
 '''
+# --loan: the rows that need neither vLLM nor Ray, each with its limit (seconds) on one GPU; they sum to <= 8 min with
+# the set-up (building the 0.5B-shaped model), so a 15-minute loan (start-up included) holds the run and a rerun of
+# what failed (--rows). In --dry the same limits hold on a 2-core CPU.
+LOAN = {
+    "setup": 25,
+    "env": 20,
+    "grpo-full": 80,
+    "grpo-lora": 60,
+    "checkpointing": 20,
+    "logits-memory": 20,
+    "bf16-learning": 35,
+    "critic": 35,
+    "token-budget": 30,
+    "flash-attn": 10,
+    "async": 45,
+    "vlm": 25,
+    "sft": 25,
+    "rm": 25,
+    "judge": 20,
+}
+LOAN_PACKAGES = "torch, transformers, peft, pyarrow, pandas, safetensors (preinstalled) + tyro and datasets with their missing dependencies (wheels)"
 ROW_TIMEOUT = {"env": 120, "bf16-learning": 1200, "megatron": 900, "ray": 900, "ray-vllm": 1200, "async-vllm": 900, "vllm": 900}
 
 
@@ -225,6 +248,8 @@ def grpo_cfg(ctx: dict, name: str, recipe: str = "grpo", **over):
     """recipes/grpo.py's (or another recipe's) Config for a short run of the check's model, bf16 compute."""
     grpo = load_recipe(recipe)
     s = ctx["sizes"]
+    if not over.get("trainer__resume"):  # a fresh run each time the row runs (--rows reruns in the same --out)
+        shutil.rmtree(ctx["out"] / name, ignore_errors=True)
     cfg = grpo.Config()
     cfg.model.path = ctx["model"]
     cfg.data.train_files = [ctx["data"]]
@@ -400,6 +425,7 @@ def check_ray(ctx: dict) -> str:
 def check_async(ctx: dict) -> str:
     """--trainer.async-steps 1 on the check's model: a generation process beside the trainer (on one GPU, sharing it)."""
     grpo, cfg = grpo_cfg(ctx, "async", trainer__async_steps=1, trainer__total_training_steps=3)
+    cfg.data.max_response_length = min(128, ctx["sizes"]["response"])  # three steps inside the loan's limit
     _, rows = run_recipe(grpo, cfg)
     expect([r["async/staleness"] for r in rows] == [0, 1, 1], f"staleness {[r['async/staleness'] for r in rows]}, expected [0, 1, 1]")
     first = rows[0]["rollout_corr/abs_diff_mean"]  # the same weights in both processes: the gap of two bf16 passes
@@ -542,6 +568,7 @@ def check_critic(ctx: dict) -> str:
     """recipes/ppo.py: a value model (the policy's body + a fresh head) trains beside the policy."""
     ppo, cfg = grpo_cfg(ctx, "critic", recipe="ppo")
     cfg.rollout.n = 1
+    cfg.data.max_response_length = min(256, ctx["sizes"]["response"])  # the value model's path, not the shape (grpo-full)
     _, rows = run_recipe(ppo, cfg)
     last = rows[-1]
     for key in ("critic/vf_loss", "critic/grad_norm", "actor/loss"):
@@ -560,6 +587,7 @@ def check_token_budget(ctx: dict) -> str:
     ranks = 1 if ctx["dry"] else min(2, torch.cuda.device_count())
     over = dict(trainer__backend="ray", trainer__n_workers=ranks) if ranks > 1 else {}
     grpo, cfg = grpo_cfg(ctx, "token-budget", actor__max_token_len_per_micro_batch=budget, **over)
+    cfg.data.max_response_length = min(256, s["response"])  # a budget of ~1 prompt's group: 2-3 groups per micro-batch
     _, rows = run_recipe(grpo, cfg)
     expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) for r in rows), "losses missing or not finite")
     return f"budget {budget} tokens, {ranks} rank(s): 2 steps, finite losses"
@@ -662,6 +690,150 @@ def check_megatron(ctx: dict) -> str:
     expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows), "losses or gradients bad")
     return f"TP 2: 2 steps, loss {rows[-1]['actor/loss']:.3f}, grad norm {rows[-1]['actor/grad_norm']:.2f}"
 
+def cuda_peak_since(base: int) -> float:
+    """GiB allocated at the peak since the last reset, above `base` bytes (what was held before the pass)."""
+    import torch
+
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def check_vlm(ctx: dict) -> str:
+    """The shipped tiny Qwen2-VL (embedded-vlm), HF rollout: generation sizes its calls from the VLM's text config (a
+    Qwen2-VL config keeps heads and vocabulary in text_config: reading them from the top crashed the first generate on
+    CUDA), then two GRPO steps with step-0 validation, bf16."""
+    import torch
+    from transformers import AutoConfig
+
+    from rlkit import embedded_vlm
+    from rlkit.engine import vocab_size
+    from rlkit.rollout import generation_rows
+
+    config = AutoConfig.from_pretrained(embedded_vlm.MODEL_DIR)
+    rows = generation_rows(config, 64, 8, torch.bfloat16, 2**30)  # what the CUDA path calls at every generate
+    grpo, cfg = grpo_cfg(ctx, "vlm")
+    cfg.model.path, cfg.data.task = "embedded-vlm", "colour_codeword"
+    cfg.data.train_files, cfg.data.val_files = type(cfg.data)().train_files, type(cfg.data)().val_files  # any: the task makes the rows
+    cfg.data.task_train_size, cfg.data.task_val_size = 16, 8
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 512, 5
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 8, 4, 8, 12
+    cfg.trainer.test_freq, cfg.actor.lr, cfg.reward.custom_fn = 2, 1e-3, None  # the task's own reward; validation at 0 and 2
+    text, metrics = run_recipe(grpo, cfg)
+    train = [r for r in metrics if "actor/loss" in r]
+    expect(len(train) == 2 and all(math.isfinite(r["actor/loss"]) for r in train), "losses missing or not finite")
+    val = [k for r in metrics for k in r if k.startswith("val")]
+    expect(val, "no validation metrics (step-0 validation generates first on CUDA)")
+    with quiet():
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(embedded_vlm.MODEL_DIR)
+    expect(vocab_size(model) == config.get_text_config().vocab_size, f"engine.vocab_size gives {vocab_size(model)} for the VLM")
+    return f"{rows} generation rows a GiB from the VLM config; 2 steps, loss {train[-1]['actor/loss']:.3f}; validated"
+
+
+def check_sft(ctx: dict) -> str:
+    """recipes/sft.py at the check's shape (0.5B on a GPU): two steps of 16 conversations (prompt ~P tokens), bf16 over
+    float32 masters, micro-batches of 8; finite NLL; on a GPU the update's peak within the memory model's full-parameter
+    update at this shape (no reference copy, n = 1) + 30 %."""
+    s = ctx["sizes"]
+    sft = load_recipe("sft")
+    cfg = sft.Config()
+    cfg.model.path, cfg.model.dtype, cfg.data.train_files, cfg.data.val_files = ctx["model"], "bfloat16", [ctx["data"]], []
+    cfg.data.max_prompt_length, cfg.data.max_response_length = s["prompt"], 16
+    cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 2 * s["micro"]
+    cfg.actor.ppo_micro_batch_size, cfg.actor.lr = s["micro"], 1e-5
+    cfg.trainer.total_training_steps, cfg.trainer.logger, cfg.trainer.test_freq = 2, [], 0
+    cfg.trainer.default_local_dir, cfg.trainer.experiment_name = str(ctx["out"] / "sft-run"), "sft"
+    shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
+    _, rows = run_recipe(sft, cfg)
+    expect(len(rows) >= 2 and all(math.isfinite(r["actor/nll"]) for r in rows if "actor/nll" in r), "NLL missing or not finite")
+    detail = f"2 steps, nll {rows[-1]['actor/nll']:.3f}"
+    if not ctx["dry"]:
+        import gpu_memory as gm
+
+        want = gm.predict(gm.Setup(model="0.5B", kl=False, n=1, micro=s["micro"], prompt=s["prompt"], response=16), 24)["update"] / gm.GiB
+        got = max(r.get("memory/update_peak_gb", 0) for r in rows)
+        expect(0 < got <= 1.3 * want, f"update peak {got:.1f} GiB, the memory model's full update at this shape {want:.1f} (+30 %)")
+        detail += f"; update peak {got:.1f} GiB (model {want:.1f})"
+    return detail
+
+
+def make_pairs(folder: Path, prompt_tokens: int, response_chars: int = 16) -> str:
+    """Preference pairs for recipes/rm.py: the check's long prompts, a right and a wrong answer each."""
+    import pandas as pd
+
+    path = folder / "pairs.parquet"
+    if not path.exists():
+        df = pd.read_parquet(make_data(folder, prompt_tokens))
+        truth = [str(r["ground_truth"]) for r in df["reward_model"]]
+        pad = "." * max(response_chars - 8, 0)
+        df = pd.DataFrame({"prompt": df["prompt"], "chosen": [t + pad for t in truth], "rejected": [t + "1" + pad for t in truth]})
+        df.to_parquet(path)
+    return str(path)
+
+
+def check_rm(ctx: dict) -> str:
+    """recipes/rm.py at the check's shape (0.5B on a GPU), its default batch (64 pairs): two steps; on a GPU with 24 GB
+    emulated, the peak within the memory model's full-parameter update (no reference, no LM head) + 30 % (128
+    float32 sequences in one forward without checkpointing needed hundreds of GiB)."""
+    import torch
+
+    s = ctx["sizes"]
+    rm = load_recipe("rm")
+    cap = "" if ctx["dry"] else emulate_24gb()
+    cfg = rm.Config()
+    pairs = make_pairs(ctx["out"] / "rm", s["prompt"])
+    cfg.model.path, cfg.data.train_files, cfg.data.val_files = ctx["model"], [pairs], []
+    cfg.data.max_prompt_length, cfg.data.max_response_length = s["prompt"], 16
+    cfg.actor.lr, cfg.actor.warmup_steps = 1e-5, 0
+    cfg.trainer.total_training_steps, cfg.trainer.logger, cfg.trainer.test_freq = 2, [], 0
+    cfg.trainer.default_local_dir, cfg.trainer.experiment_name = str(ctx["out"] / "rm-run"), "rm"
+    shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
+    if not ctx["dry"]:
+        torch.cuda.reset_peak_memory_stats()
+    _, rows = run_recipe(rm, cfg)
+    losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
+    expect(len(losses) == 2 and all(map(math.isfinite, losses)), f"rm/loss {losses}")
+    detail = f"2 steps of {cfg.data.train_batch_size} pairs, loss {losses[-1]:.3f}"
+    if not ctx["dry"]:
+        import gpu_memory as gm
+
+        want = gm.predict(gm.Setup(model="0.5B", kl=False, n=1, micro=s["micro"], prompt=s["prompt"], response=16), 24)["update"] / gm.GiB
+        got = torch.cuda.max_memory_allocated() / 2**30
+        expect(got <= 1.3 * want, f"peak {got:.1f} GiB, the memory model's full update at this shape {want:.1f} (+30 %)")
+        detail += f"; {cap}; peak {got:.1f} GiB (model {want:.1f})"
+    return detail
+
+
+def check_judge(ctx: dict) -> str:
+    """rlkit.judge.Judge in p_yes mode, 32 prompts of ~1k tokens in one batch: the LM head runs on the last position
+    only ((32, 1, V), not (32, W, V): 19 GiB in float32 at V = 151,936); on a GPU the pass's peak above the weights."""
+    import torch
+
+    from rlkit.judge import Judge
+
+    s = ctx["sizes"]
+    words = 2 * s["prompt"]
+    judge = Judge(ctx["model"], template="{question} {response} {reference} y or n?", yes="y", no="n", device=ctx["device"], chat=False)
+    with quiet():
+        judge.load()
+    shapes = []
+    judge.model.get_output_embeddings().register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+    cuda = ctx["device"] == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    qs = [("abc " * words)[:words] for _ in range(32)]
+    scores = judge.score(qs, ["12"] * 32, ["12"] * 32)
+    expect(len(scores) == 32 and all(0 <= x <= 1 for x in scores), "scores missing or outside [0, 1]")
+    expect(all(sh[1] == 1 for sh in shapes), f"the LM head ran on {shapes[0][1]} positions a row (expected 1): {shapes[0]}")
+    detail = f"LM head output {shapes[0]}"
+    if cuda:
+        got = cuda_peak_since(base)
+        expect(got < 4, f"the judge's pass took {got:.1f} GiB above its weights (32 x {words} tokens)")
+        detail += f"; peak {got:.2f} GiB above the weights"
+    return detail
+
 
 ROWS = {
     "env": (check_env,),
@@ -679,6 +851,10 @@ ROWS = {
     "async-vllm": (check_async_vllm,),
     "vllm": (check_vllm,),
     "megatron": (check_megatron,),
+    "vlm": (check_vlm,),
+    "sft": (check_sft,),
+    "rm": (check_rm,),
+    "judge": (check_judge,),
 }
 
 
@@ -738,9 +914,12 @@ def run_in_subprocess(check: Check, name: str, ctx: dict, limit: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry", action="store_true", help="CPU, the embedded model's size, short lengths (default when CUDA is missing)")
+    p.add_argument("--loan", action="store_true", help=f"the loan profile: rows that need neither vLLM nor Ray, <= 8 min ({LOAN_PACKAGES})")
+    p.add_argument("--rows", default="", help="comma-separated row names: run only these (a rerun of what failed)")
     p.add_argument("--skip", default="", help=f"comma-separated words: rows whose name has one are left out ({', '.join(ROWS)})")
     p.add_argument("--out", default=None, help="work folder (default: a new temporary one)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per row (some rows get more: ROW_TIMEOUT); past it a row FAILs")
+    p.add_argument("--isolate", action="store_true", help="--dry: each row in a process of its own, as on a GPU")
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row (a subprocess of the check)
     p.add_argument("--ctx", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -748,10 +927,15 @@ def main() -> int:
         ctx = json.loads(Path(args.ctx).read_text())
         ctx["out"] = Path(ctx["out"])
         set_threads(8)
+        if ctx.get("loan") and args.row != "grpo-full":  # a 0.5B checkpoint is ~6 GB: grpo-full writes one, the rest skip it
+            from rlkit import loop
+
+            loop.Run.save = lambda self, step: None
         check = Check()
         check.run(args.row, ROWS[args.row][0], ctx, *ROWS[args.row][1:])
         (ctx["out"] / f"{args.row}.json").write_text(json.dumps(check.rows[-1]))
         return 0
+    start = time.perf_counter()
     set_threads(1 if args.dry else 8)
     import tempfile
 
@@ -761,7 +945,7 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="rlkit-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     shape = sizes(dry)
-    ctx = {"dry": dry, "device": "cpu" if dry else "cuda", "sizes": shape, "out": out}
+    ctx = {"dry": dry, "device": "cpu" if dry else "cuda", "sizes": shape, "out": out, "loan": args.loan}
     ctx["model"] = make_model(out / ("model-tiny" if dry else "model-qwen2-0.5b-shape"), shape["model"])
     ctx["data"] = make_data(out, shape["prompt"])
     (out / "reward.py").write_text(REWARD)
@@ -771,19 +955,36 @@ def main() -> int:
     ctx["n_params"] = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     ctx["checkpointing"] = not dry and ctx["n_params"] >= 10_000_000  # what gradient_checkpointing=auto picks
     (out / "ctx.json").write_text(json.dumps({**ctx, "out": str(out)}))
+    setup_s = time.perf_counter() - start
     print(f"[gpu_check] {'dry run on CPU' if dry else 'GPU run'}: model {ctx['model']} ({ctx['n_params'] / 1e6:.1f}M), out {out}")
+    if args.loan:
+        print(f"[gpu_check] loan profile: {len(LOAN) - 1} rows, limits {sum(LOAN.values())} s in all with the set-up ({setup_s:.0f} s)")
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    only = {s.strip() for s in args.rows.split(",") if s.strip()}
+    unknown = only - set(ROWS)
+    if unknown:
+        p.error(f"--rows: no row named {', '.join(sorted(unknown))} (rows: {', '.join(ROWS)})")
     check = Check()
     for name in ROWS:
-        limit = max(args.timeout, ROW_TIMEOUT.get(name, 0)) if not dry else args.timeout
-        if skipped(name, skip):
+        if args.loan:
+            limit = LOAN.get(name)
+        else:
+            limit = max(args.timeout, ROW_TIMEOUT.get(name, 0)) if not dry else args.timeout
+        if only and name not in only:
+            continue
+        if limit is None:
+            check.rows.append((name, "SKIP", "not in the loan profile (needs vLLM or Ray)"))
+        elif skipped(name, skip):
             check.rows.append((name, "SKIP", "--skip"))
-        elif dry:
+        elif dry and not args.isolate:
             run_in_process(check, name, ctx, limit)
         else:
             run_in_subprocess(check, name, ctx, limit)
+            for folder in out.glob("*/checkpoints"):  # the disk: a 0.5B run's checkpoint is ~6 GB
+                shutil.rmtree(folder, ignore_errors=True)
     print("\n" + check.table())
+    print(f"[gpu_check] wall {time.perf_counter() - start:.0f} s")
     return 1 if any(s == "FAIL" for _, s, _ in check.rows) else 0
 
 

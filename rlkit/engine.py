@@ -57,6 +57,7 @@ import torch
 from rlkit import algos, packing
 from rlkit.errors import ConfigError, MissingFile, NonFinite, RunFailed
 from rlkit.protocol import DataProto
+from rlkit.rollout import text_config
 
 # The loss contract. The engine calls loss_fn once per micro-batch:
 #
@@ -277,8 +278,8 @@ def attention(model, name: str | None):
 
 
 def attention_width(model) -> int:
-    """Query heads x head dim of the model's attention (its config)."""
-    c = model.config
+    """Query heads x head dim of the model's attention (its config; a VLM's text_config)."""
+    c = text_config(model.config)
     return c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
 
 
@@ -289,8 +290,9 @@ def accepts_logits_to_keep(model) -> bool:
 
 
 def vocab_size(model) -> int:
-    """The model config's vocabulary size (0 when it has none)."""
-    return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    """The model config's vocabulary size (a VLM's: its text_config's; 0 when it has none)."""
+    config = getattr(model, "config", None)
+    return int(getattr(text_config(config), "vocab_size", 0) or 0) if config is not None else 0
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -124,12 +124,15 @@ class Judge:
         """P(yes) / (P(yes) + P(no)) of the next token after each prompt text, in batches of batch_size."""
         import torch
 
+        from rlkit.engine import accepts_logits_to_keep
+
         self.load()
         out = []
         with torch.no_grad():
             for start in range(0, len(texts), self.batch_size):
                 ids, mask, pos = self._batch(texts[start : start + self.batch_size])
-                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()  # (b, V)
+                last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.model) else {}  # the LM head on the last position only
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **last).logits[:, -1].float()  # (b, V)
                 two = torch.stack([logits[:, self.yes_id], logits[:, self.no_id]], dim=-1)  # (b, 2)
                 out += torch.softmax(two, dim=-1)[:, 0].tolist()
         return out

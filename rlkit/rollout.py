@@ -209,6 +209,7 @@ def generation_rows(config, prompt_len: int, response_len: int, dtype: torch.dty
     validation, n = 1), so with groups of n sharing a prompt it is pessimistic by n.
     Qwen2.5-0.5B in bf16 at P = R = 512: kv 12 KiB, per_row 31.8 MiB: 644 rows in 20 GiB (tests/test_gpu_construction.py).
     """
+    config = text_config(config)  # a VLM (Qwen2-VL) keeps the language model's sizes in text_config
     b = torch.empty((), dtype=dtype).element_size()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -216,6 +217,11 @@ def generation_rows(config, prompt_len: int, response_len: int, dtype: torch.dty
     act = (3 * (getattr(config, "intermediate_size", None) or 4 * config.hidden_size) + 4 * config.hidden_size) * b
     per_row = (prompt_len + response_len) * kv + prompt_len * act + config.vocab_size * (b + 12)
     return max(1, int(budget_bytes // per_row))
+
+
+def text_config(config):
+    """The language model's config: `config` itself, or a VLM's text_config (transformers' get_text_config)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def free_device_memory(device: torch.device) -> int:
