@@ -117,7 +117,9 @@ LOAN = {
     "rm": 25,
     "judge": 20,
 }
-LOAN_PACKAGES = "torch, transformers, peft, pyarrow, pandas, safetensors (preinstalled) + tyro and datasets with their missing dependencies (wheels)"
+LOAN_PACKAGES = (
+    "torch, transformers, peft, pyarrow, pandas, safetensors (preinstalled) + tyro and datasets with their missing dependencies (wheels)"
+)
 ROW_TIMEOUT = {"env": 120, "bf16-learning": 1200, "megatron": 900, "ray": 900, "ray-vllm": 1200, "async-vllm": 900, "vllm": 900}
 
 
@@ -689,6 +691,7 @@ def check_megatron(ctx: dict) -> str:
     _, rows = run_recipe(grpo, cfg)
     expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows), "losses or gradients bad")
     return f"TP 2: 2 steps, loss {rows[-1]['actor/loss']:.3f}, grad norm {rows[-1]['actor/grad_norm']:.2f}"
+
 
 def cuda_peak_since(base: int) -> float:
     """GiB allocated at the peak since the last reset, above `base` bytes (what was held before the pass)."""
