@@ -197,6 +197,7 @@ class Setup:
     tp: int = 1  # --trainer.engine megatron --megatron.tp (float32 throughout, padded layout, vocab-parallel logits)
     gpu_util: float = 0.5  # --rollout.gpu-memory-utilization
     code: str = "chunked"  # LOGITS key
+    first_step: bool = False  # step 1's generation and log-prob passes: AdamW's moments are not allocated yet (lazily, at the first step)
 
 
 def logits_bytes(s: Setup, phase: str, compute: int, positions: int, vocab: int, code: str | None = None) -> float:
@@ -229,15 +230,16 @@ def predict(s: Setup, gpu_gb: float) -> dict:
     else:
         weights, ref, grads, casts, hf_copy = 2 * n + 12 * c["lora"], 0, 4 * c["lora"], 0, 0
     held = weights + ref + hf_copy
+    before = held - (8 * n / tp if full else 8 * c["lora"]) if s.first_step else held  # what the passes before the first step see
     ckpt_dtype = "float32" if megatron else "bfloat16"
     residual = 2 if s.lora else 4  # the residual stream: float32 under autocast over float32 masters; bf16 LoRA base
     cfg = qwen_config(s.model)
     acts_update = activation_bytes(cfg, tokens, ckpt_dtype, residual, True, layer_bytes(s.model, tokens, ckpt_dtype, True)) / tp
     acts_lp = activation_bytes(cfg, tokens, ckpt_dtype, residual, False, layer_bytes(s.model, tokens, ckpt_dtype, False)) / tp
     update = held + grads + casts + acts_update + logits_bytes(s, "update", compute, read, vocab, code)
-    log_prob = held + casts + acts_lp + logits_bytes(s, "log_prob", compute, read, vocab, code)
+    log_prob = before + casts + acts_lp + logits_bytes(s, "log_prob", compute, read, vocab, code)
     kv_bytes = 2  # the KV cache in the compute dtype (bf16) under autocast
-    gen = held + casts + s.gen_rows * (s.prompt + s.response) * c["kv"] * kv_bytes + 3 * s.gen_rows * vocab * 4
+    gen = before + casts + s.gen_rows * (s.prompt + s.response) * c["kv"] * kv_bytes + 3 * s.gen_rows * vocab * 4
     vllm = s.gpu_util * gpu_gb * 1e9 if s.rollout == "vllm" else 0
     if s.rollout == "vllm":  # vLLM sleeps during the passes: its share counts only beside what stays while it generates
         gen = held + vllm
