@@ -134,7 +134,7 @@ class RolloutConfig:
 @dataclass
 class ActorConfig:
     lr: float = 1e-6
-    """AdamW learning rate"""
+    """AdamW learning rate (recipes set their own for the embedded tiny models; a real model: ~1e-5 with LoRA, 1e-6 full)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     warmup_steps: int = 0
