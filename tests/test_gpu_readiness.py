@@ -3,8 +3,8 @@ log-probs, micro-batching, process groups, Ray GPU placement, vLLM sleep mode an
 
 import os
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
