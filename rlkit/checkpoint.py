@@ -546,7 +546,8 @@ def convert(folder: str | Path, trust: bool = False) -> list[Path]:
     """Rewrite the .pt files of a checkpoint written by an older rlkit so that weights_only=True reads them (numpy
     RNG state -> plain values). Unpickles nothing but tensors, plain values and numpy arrays, unless `trust`: then a
     file needing more is loaded with weights_only=False, which runs whatever code the file names (only for files
-    whose origin you trust). A file that cannot be converted is refused with one line and left as is."""
+    whose origin you trust). A file that cannot be converted is refused with one line and left as is. A sharded
+    checkpoint without digests.json (an older rlkit's) gets one, recording its DCP files as they are."""
     converted = []
     for file in sorted(Path(folder).rglob("*.pt")):
         try:
@@ -598,7 +599,11 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m rlkit.checkpoint", description="Rewrite an older rlkit checkpoint for weights-only loading."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    conv = sub.add_parser("convert", help="rewrite FOLDER's .pt files so that torch.load(weights_only=True) reads them")
+    conv = sub.add_parser(
+        "convert",
+        help="rewrite FOLDER's .pt files so that torch.load(weights_only=True) reads them, and record the digests.json a sharded "
+        "checkpoint lacks",
+    )
     conv.add_argument("folder", help="a checkpoint folder (checkpoints/global_step_N)")
     conv.add_argument(
         "--trust-this-file",
