@@ -166,16 +166,16 @@ def parse_fuzz(tmp: Path):
     return None
 
 
-def _checkpoint(tmp: Path) -> Path:
+def _checkpoint(tmp: Path, *args: str) -> Path:
     """A real 1-step checkpoint of the tiny run (its folder)."""
-    out = recipe(tmp, "--trainer.save-freq", "1")
+    out = recipe(tmp, "--trainer.save-freq", "1", *args)
     if out.returncode:
         raise RuntimeError(f"the 1-step run failed: {out.stderr[-300:]}")
     return max((tmp / "out" / "checkpoints").glob("global_step_*"))
 
 
-def _resume(tmp: Path, path: Path) -> subprocess.CompletedProcess:
-    return recipe(tmp, "--trainer.resume", str(path), "--trainer.total-training-steps", "2")
+def _resume(tmp: Path, path: Path, *args: str) -> subprocess.CompletedProcess:
+    return recipe(tmp, "--trainer.resume", str(path), "--trainer.total-training-steps", "2", *args)
 
 
 def checkpoint_bitflip(tmp: Path):
@@ -221,6 +221,41 @@ def checkpoint_pickle(tmp: Path):
     if out.returncode == 0:
         return "resuming from a checkpoint of payloads ended with status 0"
     return None if convert.returncode else "convert accepted the payload file with status 0"
+
+
+def checkpoint_dcp_bytes(tmp: Path):
+    """A Ray/FSDP checkpoint whose optimizer lr (a non-tensor item of the DCP shard, which torch's default planner
+    unpickles) is a pickle running `touch MARKER`, digests.json recomputed as a tamperer would: resuming must run none of
+    it and refuse in one line naming the item; with digests.json deleted, in one line naming it."""
+    import hashlib
+    import io
+    import json
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    ray = ("--trainer.backend", "ray", "--trainer.n-workers", "1")
+    path = _checkpoint(tmp, *ray)
+    marker = tmp / "pwned"
+    meta = pickle.loads((path / "policy" / ".metadata").read_bytes())  # the case's own file: trusted
+    info = meta.storage_data[MetadataIndex("optimizer.param_groups.0.lr")]
+    payload = io.BytesIO()
+    torch.save(_pickle_payload(marker), payload)
+    shard = path / "policy" / info.relative_path
+    info.offset, info.length = shard.stat().st_size, len(payload.getvalue())
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    (path / "policy" / ".metadata").write_bytes(pickle.dumps(meta))
+    digests = {f"policy/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest() for f in (path / "policy").iterdir() if f.suffix != ".pt"}
+    (path / "digests.json").write_text(json.dumps(digests))
+    why = one_line_error(_resume(tmp, path, *ray), "the item optimizer.param_groups.0.lr holds more than tensors")
+    if marker.exists():
+        return "resuming ran the payload in the optimizer's lr"
+    if why:
+        return why
+    (path / "digests.json").unlink()
+    return one_line_error(_resume(tmp, path, *ray), "digests.json is missing", "python -m rlkit.checkpoint convert")
 
 
 def sandbox_environ(tmp: Path):
@@ -401,6 +436,12 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         300,
     ),  # fmt: skip
     "checkpoint_pickle": ("checkpoint files holding a pickle payload: resume and convert run nothing", checkpoint_pickle, 300),
+    "checkpoint_dcp_bytes": (
+        "a Ray/FSDP checkpoint's optimizer lr (a DCP bytes item) holding a pickle payload, digests.json recomputed -> "
+        "one line, nothing runs; digests.json deleted -> one line",
+        checkpoint_dcp_bytes,
+        420,
+    ),
     "sandbox_environ": ("sandboxed code reads its parents' /proc/PID/environ -> no secret printed", sandbox_environ, 120),
     "sandbox_chmod": ("sandboxed code chmods/utimes a file outside its temp dir -> unchanged", sandbox_chmod, 120),
     "owner_sigkill": ("the owner of a running sandbox job is SIGKILLed -> its processes are gone within 10 s", owner_sigkill, 180),

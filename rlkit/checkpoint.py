@@ -9,7 +9,8 @@ Layout of `default_local_dir`::
         critic/          the same for PPO's value model
         state.pt         the rest: RNG states, data-loader position, validation history, KL controller, ...
         config.json      the run's config, checked when resuming
-        digests.json     sha256 of the parts' files that carry no CRC of their own (torch.distributed.checkpoint's), if any
+        digests.json     sha256 of the parts' files that carry no CRC of their own (torch.distributed.checkpoint's), if any:
+                         against damage, not tampering (see below)
     checkpoints/latest   the newest step, a text file
 
 A checkpoint is written into a temporary folder next to its final place, its files and folders are
@@ -18,15 +19,24 @@ full disk mid-save leaves at most a `.tmp-*` folder that resume ignores and the 
 `latest` moves only after the rename.
 
 No load runs code. Every .pt file is read with `torch.load(weights_only=True)`: a checkpoint holds tensors
-and plain Python values only (the RNG states too). The sharded checkpoints' `.metadata` (a pickle that
-torch.distributed.checkpoint writes) is read by an unpickler that builds only DCP's metadata classes,
-torch dtypes and paths. A state.pt written by rlkit before that is refused with the command that converts
+and plain Python values only (the RNG states and the sampler's state too). The sharded checkpoints' `.metadata` (a
+pickle that torch.distributed.checkpoint writes) is read by an unpickler that builds only DCP's metadata classes,
+torch dtypes and paths; their tensors weights-only, as torch reads them, and their non-tensor items (the
+optimizer's lr, betas, ..., which DCP's default planner reads with `weights_only=False`) weights-only too
+(`dcp_load`). A state.pt written by rlkit before that is refused with the command that converts
 it: `python -m rlkit.checkpoint convert FOLDER` (which itself unpickles nothing but an older rlkit's numpy
-RNG state unless given `--trust-this-file`).
+RNG state unless given `--trust-this-file`). The hf/ export is never read on resume (from_pretrained reads its
+safetensors; transformers reads a .bin weights-only).
+
+digests.json catches damage (a flipped bit, a file cut short), not tampering: it sits in the folder it describes, so
+whoever can change a file can rewrite it. What makes a tampered checkpoint harmless is that no load runs code. So that
+deleting it (or an entry) does not turn the check off, every DCP file of a part must be listed: a sharded checkpoint
+without digests.json is refused, and `python -m rlkit.checkpoint convert FOLDER` records them for one written by an
+rlkit before digests.json, or one you take as it is.
 
 A checkpoint is checked before resuming, the same way for `--trainer.resume auto` and an explicit PATH:
 every .pt file's zip CRCs, every other file of a part against digests.json, state.pt and config.json
-parsed, each `.metadata` unpickled safely (`verify`). `auto` skips a newest checkpoint that fails it (with
+parsed, each `.metadata` unpickled safely and each non-tensor item of its shards read weights-only (`verify`). `auto` skips a newest checkpoint that fails it (with
 a warning naming the file); an explicit PATH is refused with one line naming the file. Neither deletes
 or changes anything in the checkpoint.
 Resuming from a step older than the folder's newest moves the later checkpoints into
@@ -43,16 +53,18 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rlkit.errors import ConfigError, MissingFile, RunFailed
+from rlkit.errors import ConfigError, MissingFile, RunFailed, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +218,58 @@ def dcp_reader(folder: str | Path):
     return SafeReader(str(folder))
 
 
+def dcp_load(state: dict, folder: str | Path, no_dist: bool = False) -> None:
+    """dcp.load(state) from `folder` without running code: `.metadata` through read_dcp_metadata, the tensors
+    weights-only (as torch reads them) and the non-tensor "bytes" items (the optimizer's lr, betas, ...) weights-only
+    too, where DCP's DefaultLoadPlanner reads them with torch.load(weights_only=False). An item holding anything else
+    fails with one line naming it; so does any error DCP wraps in its CheckpointException that is the user's to fix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class SafePlanner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):  # torch 2.13's load_bytes with weights_only=True
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:
+                name = re.search(r"GLOBAL (\S+)", str(e))
+                raise ConfigError(
+                    f"{folder}: the item {fqn} holds more than tensors and plain values (it names {name[1] if name else '?'}): "
+                    "it was tampered with, and loading it could run code, so it was not loaded. Resume from another checkpoint"
+                ) from e
+            except (RuntimeError, EOFError, zipfile.BadZipFile) as e:
+                raise ConfigError(
+                    f"cannot read {folder}: the item {fqn} is corrupt ({type(e).__name__}); resume from another checkpoint"
+                ) from e
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    read_dcp_metadata(Path(folder) / ".metadata")  # a tampered one fails here in one line (DCP turns it into an AssertionError)
+    try:
+        dcp.load(state, storage_reader=dcp_reader(folder), planner=SafePlanner(), no_dist=no_dist)
+    except CheckpointException as e:  # each rank's error, wrapped: show the user's one line
+        user = [f[0] for f in e.failures.values() if isinstance(f[0], UserError)]
+        if user:
+            raise user[0] from e
+        raise
+
+
+def check_dcp_items(folder: str | Path) -> None:
+    """Read every non-tensor item of the DCP checkpoint in `folder` as dcp_load does (ConfigError naming one that
+    holds more than plain values); the tensors are not read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta = read_dcp_metadata(Path(folder) / ".metadata")
+    items = {k: None for k, md in meta.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+    if items:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...: assuming ... a single process": it is
+            warnings.simplefilter("ignore")
+            dcp_load(items, folder, no_dist=True)
+
+
 def _fsync_tree(folder: Path) -> None:
     """fsync every file and folder under `folder`, then `folder` itself, so a rename after it publishes data on disk."""
     for dirpath, _, filenames in os.walk(folder, topdown=False):
@@ -254,7 +318,7 @@ def save(ckpt_root: str | Path, step: int, state: dict, config: dict, save_hf=No
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         for name, write in (parts or {}).items():
             write(tmp / name)
-        if digests := _digests(tmp, parts or {}):
+        if digests := _digests(tmp):  # before hf/ is written
             (tmp / DIGESTS).write_text(json.dumps(digests, indent=1))
         if save_hf is not None:
             save_hf(tmp / "hf")
@@ -324,10 +388,11 @@ def _sha256(file: Path) -> str:
     return h.hexdigest()
 
 
-def _digests(folder: Path, parts: dict) -> dict:
-    """{relative path: sha256} of the parts' files that carry no CRC of their own (all but the .pt zip files):
-    torch.distributed.checkpoint's shards and `.metadata`, so a damaged one is caught before it is read."""
-    files = [f for name in parts for f in sorted((folder / name).rglob("*")) if f.is_file() and f.suffix != ".pt"]
+def _digests(folder: Path) -> dict:
+    """{relative path: sha256} of the parts' files (every subfolder but hf/) that carry no CRC of their own (all but the
+    .pt zip files): torch.distributed.checkpoint's shards and `.metadata`, so a damaged one is caught before it is read."""
+    parts = sorted(p for p in folder.iterdir() if p.is_dir() and p.name != "hf")
+    files = [f for part in parts for f in sorted(part.rglob("*")) if f.is_file() and f.suffix != ".pt"]
     return {str(f.relative_to(folder)): _sha256(f) for f in files}
 
 
@@ -344,8 +409,9 @@ def list_checkpoints(ckpt_root: str | Path) -> list[int]:
 def verify(path: str | Path) -> None:
     """Check that checkpoint folder `path` reads back, without loading anything that could run code: the zip CRCs
     of state.pt and of every part's .pt file (torch.load does not check them), digests.json (written at save time)
-    against the other files of the parts, state.pt weights-only, config.json, each part's `.metadata` with
-    read_dcp_metadata. Raises ConfigError/MissingFile naming the first file that fails; changes nothing."""
+    against the other files of the parts (each listed, none missing), state.pt weights-only, config.json, each part's
+    `.metadata` with read_dcp_metadata and its non-tensor items weights-only. Raises ConfigError/MissingFile naming the
+    first file that fails; changes nothing."""
     path = Path(path)
     for file in [path / "state.pt", *sorted(path.glob("*/*.pt"))]:
         try:
@@ -359,18 +425,28 @@ def verify(path: str | Path) -> None:
             raise ConfigError(f"cannot read {file}: its record {bad} fails its CRC (the file is damaged); resume from another checkpoint")
     load_file(path / "state.pt")
     _read_json(path / "config.json")
-    digests = _read_json(path / DIGESTS) if (path / DIGESTS).is_file() else {}  # none before rlkit wrote them, or no DCP part
-    for name, digest in digests.items():
+    now = _digests(path)
+    if now and not (path / DIGESTS).is_file():  # save writes it whenever a part has such files: deleted since
+        raise MissingFile(
+            f"{path / DIGESTS} is missing (rlkit writes it with every sharded checkpoint): resume from another checkpoint, or "
+            f"if it was written by an older rlkit or you trust its files as they are, record them: python -m rlkit.checkpoint convert {path}"
+        )
+    digests = _read_json(path / DIGESTS) if (path / DIGESTS).is_file() else {}
+    for name in sorted(set(digests) | set(now)):
         file = path / name
-        if not file.is_file():
+        if name not in now:
             raise MissingFile(f"{file} is missing (listed in {path / DIGESTS}); resume from another checkpoint")
-        if _sha256(file) != digest:
+        if name not in digests:
+            raise ConfigError(
+                f"{file} is not listed in {path / DIGESTS} (added or unlisted after the save); resume from another checkpoint"
+            )
+        if now[name] != digests[name]:
             raise ConfigError(
                 f"cannot read {file}: its sha256 differs from the one {path / DIGESTS} recorded at save time (the file is damaged "
                 "or was changed); resume from another checkpoint"
             )
     for meta in sorted(path.glob("*/.metadata")):
-        read_dcp_metadata(meta)
+        check_dcp_items(meta.parent)  # .metadata unpickled safely, then every non-tensor item weights-only
 
 
 def _read_json(file: Path) -> dict:
@@ -470,7 +546,8 @@ def convert(folder: str | Path, trust: bool = False) -> list[Path]:
     """Rewrite the .pt files of a checkpoint written by an older rlkit so that weights_only=True reads them (numpy
     RNG state -> plain values). Unpickles nothing but tensors, plain values and numpy arrays, unless `trust`: then a
     file needing more is loaded with weights_only=False, which runs whatever code the file names (only for files
-    whose origin you trust). A file that cannot be converted is refused with one line and left as is."""
+    whose origin you trust). A file that cannot be converted is refused with one line and left as is. A sharded
+    checkpoint without digests.json (an older rlkit's) gets one, recording its DCP files as they are."""
     converted = []
     for file in sorted(Path(folder).rglob("*.pt")):
         try:
@@ -505,6 +582,10 @@ def convert(folder: str | Path, trust: bool = False) -> list[Path]:
             ) from e
         tmp.replace(file)
         converted.append(file)
+    folder = Path(folder)
+    if (folder / "state.pt").is_file() and not (folder / DIGESTS).is_file() and (digests := _digests(folder)):
+        (folder / DIGESTS).write_text(json.dumps(digests, indent=1))  # an older rlkit's DCP checkpoint, or one the user trusts
+        converted.append(folder / DIGESTS)
     return converted
 
 
@@ -518,7 +599,11 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m rlkit.checkpoint", description="Rewrite an older rlkit checkpoint for weights-only loading."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    conv = sub.add_parser("convert", help="rewrite FOLDER's .pt files so that torch.load(weights_only=True) reads them")
+    conv = sub.add_parser(
+        "convert",
+        help="rewrite FOLDER's .pt files so that torch.load(weights_only=True) reads them, and record the digests.json a sharded "
+        "checkpoint lacks",
+    )
     conv.add_argument("folder", help="a checkpoint folder (checkpoints/global_step_N)")
     conv.add_argument(
         "--trust-this-file",

@@ -179,7 +179,6 @@ class FSDPMixin:
 
     def _load_sharded(self, folder) -> dict:
         """Read a DCP checkpoint into this process's shards (any number of processes may have written it)."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         folder = Path(folder)
@@ -188,11 +187,10 @@ class FSDPMixin:
                 f"{folder} holds no sharded checkpoint (.metadata): was it saved with --trainer.backend local? "
                 "Resume with the same --trainer.backend"
             )
-        from rlkit.checkpoint import dcp_reader, load_file, read_dcp_metadata
+        from rlkit.checkpoint import dcp_load, load_file
 
-        read_dcp_metadata(folder / ".metadata")  # a tampered file fails here in one line (inside dcp.load, DCP wraps the error)
         state = self._sharded_state()
-        dcp.load(state, storage_reader=dcp_reader(folder))  # .metadata unpickled safely (DCP pickle.loads it)
+        dcp_load(state, folder)  # no code runs: .metadata unpickled safely, tensors and the non-tensor items weights-only
         set_state_dict(
             self.engine.model,
             self.engine.optimizer,

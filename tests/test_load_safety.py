@@ -2,14 +2,17 @@
 
 Each load path gets a file holding a `__reduce__` payload that would create a marker file: the path must raise a
 one-line user error and the marker must not exist. DCP's `.metadata` (a pickle torch.distributed.checkpoint writes
-and its reader pickle.loads), the Megatron engine's per-rank files, `python -m rlkit.checkpoint convert` and the
-explicit `--trainer.resume PATH` check (bit flips that torch.load reads silently). Disk full: the one-line error on a
+and its reader pickle.loads) and its non-tensor "bytes" items (the optimizer's lr, betas, ...: its default planner
+torch.loads them with weights_only=False), the Megatron engine's per-rank files, `python -m rlkit.checkpoint convert`,
+the explicit `--trainer.resume PATH` check (bit flips that torch.load reads silently) and the digests' trust rule (a
+sharded checkpoint without its digests.json is refused). Disk full: the one-line error on a
 real full filesystem (a 1 MiB tmpfs when this process may mount one) and on the exact exceptions torch and
 safetensors raise there.
 """
 
 import errno
 import gc
+import io
 import json
 import pathlib
 import pickle
@@ -46,14 +49,27 @@ def one_line_user_error(info) -> str:
 
 
 # -- torch.distributed.checkpoint's .metadata ----------------------------------------------------------------------
-def dcp_part(folder):
-    """A part written as the FSDP workers write theirs: DCP shards + .metadata, and extra_state.pt (here in one process)."""
-    import torch.distributed.checkpoint as dcp
+def trained(lr=1e-3):
+    """A model and its AdamW after one step, and their state as the FSDP workers hand it to DCP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return model, {"model": model_sd, "optimizer": optim_sd}
+
+
+def dcp_part(folder):
+    """A part written as the FSDP workers write theirs: DCP shards + .metadata, and extra_state.pt (here in one process).
+    The optimizer's param_groups (lr, betas, ...) are DCP's non-tensor "bytes" items, pickled into the shard."""
+    import torch.distributed.checkpoint as dcp
+
+    model, state = trained()
     folder.mkdir()
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
     torch.save({"scheduler": {"last_epoch": 1}, "updates": 1}, folder / "extra_state.pt")
     return model
 
@@ -65,6 +81,26 @@ def tamper_metadata(folder, marker):
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
 
 
+def tamper_bytes_item(folder, marker, fqn="optimizer.param_groups.0.lr"):
+    """Point DCP's non-tensor item `fqn` at a payload appended to its shard, and re-pickle `.metadata` to say so."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    payload = io.BytesIO()
+    torch.save(Boom(marker), payload)
+    info = meta.storage_data[MetadataIndex(fqn)]
+    shard = folder / info.relative_path
+    info.offset, info.length = shard.stat().st_size, len(payload.getvalue())
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def refresh_digests(path):
+    """As a tamperer would: digests.json sits in the checkpoint, so it can be recomputed (only the safe loads stand)."""
+    (path / ckpt.DIGESTS).write_text(json.dumps(ckpt._digests(path)))
+
+
 def test_dcp_metadata_reads_back_with_the_restricted_unpickler(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -74,6 +110,27 @@ def test_dcp_metadata_reads_back_with_the_restricted_unpickler(tmp_path):
     state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     dcp.load(state, storage_reader=ckpt.dcp_reader(tmp_path / "policy"), no_dist=True)
     assert torch.equal(state["model"]["weight"], model.weight.detach())
+    _, state = trained(lr=0.5)  # another lr, another step: dcp_load puts back the saved ones, the bytes items too
+    ckpt.dcp_load(state, tmp_path / "policy", no_dist=True)
+    group = state["optimizer"]["param_groups"][0]
+    assert group["lr"] == 1e-3 and group["betas"] == (0.9, 0.999) and group["params"] == ["weight", "bias"]
+    assert torch.equal(state["model"]["weight"], model.weight.detach())
+
+
+def test_a_payload_in_a_dcp_bytes_item_is_refused_without_running_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp_part(tmp_path / "policy")
+    marker = tmp_path / "ran.txt"
+    tamper_bytes_item(tmp_path / "policy", marker)
+    for load in (lambda: ckpt.dcp_load(trained()[1], tmp_path / "policy", no_dist=True), lambda: ckpt.check_dcp_items(tmp_path / "policy")):
+        with pytest.raises(ConfigError) as info:
+            load()
+        msg = one_line_user_error(info)
+        assert f"{tmp_path / 'policy'}: the item optimizer.param_groups.0.lr holds more than tensors and plain values" in msg
+        assert "another checkpoint" in msg and not marker.exists()
+    dcp.load(trained()[1], checkpoint_id=str(tmp_path / "policy"), no_dist=True)  # torch's default planner: the payload is live
+    assert marker.read_text() == "ran"
 
 
 def test_a_payload_in_dcp_metadata_is_refused_without_running_it(tmp_path):
@@ -88,14 +145,16 @@ def test_a_payload_in_dcp_metadata_is_refused_without_running_it(tmp_path):
     msg = one_line_user_error(info)
     assert str(tmp_path / "policy" / ".metadata") in msg and "pathlib.Path.write_text" in msg and "another checkpoint" in msg
     state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
-    with pytest.raises((ConfigError, CheckpointException)):  # what the FSDP workers call (DCP wraps a reader's error)
+    with pytest.raises((ConfigError, CheckpointException)):  # DCP wraps a reader's error
         dcp.load(state, storage_reader=ckpt.dcp_reader(tmp_path / "policy"), no_dist=True)
-    assert not marker.exists()
+    with pytest.raises(ConfigError) as info:  # what the FSDP workers call: the one line
+        ckpt.dcp_load(state, tmp_path / "policy", no_dist=True)
+    assert str(tmp_path / "policy" / ".metadata") in one_line_user_error(info) and not marker.exists()
     dcp.FileSystemReader(str(tmp_path / "policy")).read_metadata()  # torch's own reader: the payload is live
     assert marker.read_text() == "ran"
 
 
-def test_a_ray_fsdp_worker_refuses_a_payload_in_its_checkpoints_metadata(tmp_path):
+def test_a_ray_fsdp_worker_refuses_a_payload_in_its_checkpoints_metadata_or_bytes_items(tmp_path):
     pytest.importorskip("ray")
     from test_grpo_recipe import load_recipe, small_config
 
@@ -111,9 +170,13 @@ def test_a_ray_fsdp_worker_refuses_a_payload_in_its_checkpoints_metadata(tmp_pat
         try:
             group.save_checkpoint(tmp_path / "policy")
             group.load_checkpoint(tmp_path / "policy")  # an intact one loads
+            shutil.copytree(tmp_path / "policy", tmp_path / "policy2")
             tamper_metadata(tmp_path / "policy", marker)
             with pytest.raises(ConfigError) as info:
                 group.load_checkpoint(tmp_path / "policy")
+            tamper_bytes_item(tmp_path / "policy2", marker)  # the optimizer's lr: the worker's dcp.load read it unpickled
+            with pytest.raises(ConfigError) as info2:
+                group.load_checkpoint(tmp_path / "policy2")
         finally:
             group.close()
     finally:
@@ -121,30 +184,53 @@ def test_a_ray_fsdp_worker_refuses_a_payload_in_its_checkpoints_metadata(tmp_pat
 
         ray.shutdown()
     assert str(tmp_path / "policy" / ".metadata") in one_line_user_error(info) and not marker.exists()
+    assert "the item optimizer.param_groups.0.lr holds more than tensors" in one_line_user_error(info2)
 
 
 @pytest.mark.parametrize("resume", ["explicit", "auto"])
-def test_resume_refuses_a_checkpoint_whose_dcp_metadata_holds_a_payload(tmp_path, caplog, resume):
+@pytest.mark.parametrize("where", [".metadata", "bytes item"])
+def test_resume_refuses_a_checkpoint_whose_dcp_part_holds_a_payload(tmp_path, caplog, resume, where):
     marker = tmp_path / "ran.txt"
     root = tmp_path / "checkpoints"
     ckpt.save(root, 1, {"loader": {}}, CONFIG, parts={"policy": dcp_part})
     ckpt.save(root, 2, {"loader": {}}, CONFIG, parts={"policy": dcp_part})
-    tamper_metadata(root / "global_step_2" / "policy", marker)
-    digests = root / "global_step_2" / ckpt.DIGESTS  # as a tamperer would: recompute the digest, so only the unpickler stands
-    digests.write_text(
-        json.dumps({**json.loads(digests.read_text()), "policy/.metadata": ckpt._sha256(root / "global_step_2/policy/.metadata")})
-    )
+    (tamper_metadata if where == ".metadata" else tamper_bytes_item)(root / "global_step_2" / "policy", marker)
+    refresh_digests(root / "global_step_2")
+    named = "global_step_2/policy/.metadata" if where == ".metadata" else "global_step_2/policy: the item optimizer.param_groups.0.lr"
     if resume == "auto":
         with caplog.at_level("WARNING"):
             assert ckpt.find_resume_path("auto", root) == root / "global_step_1"
-        assert "global_step_2/policy/.metadata" in caplog.text
+        assert named in caplog.text
     else:
         with pytest.raises(ConfigError) as info:
             ckpt.find_resume_path(str(root / "global_step_2"), root)
         msg = one_line_user_error(info)
-        assert msg.startswith(f"--trainer.resume {root / 'global_step_2'}: ") and str(root / "global_step_2/policy/.metadata") in msg
-        assert "left as is" in msg
+        assert msg.startswith(f"--trainer.resume {root / 'global_step_2'}: ") and named in msg and "left as is" in msg
     assert not marker.exists() and (root / "global_step_2/policy/.metadata").is_file()
+
+
+class TorchSave:
+    """Unpickling this calls torch.save("ran", marker): a torch function writing the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return torch.save, ("ran", self.marker)
+
+
+@pytest.mark.parametrize("module", ["torch", "torch.serialization"])
+def test_dcp_metadata_naming_a_torch_function_is_refused(tmp_path, module):
+    """From torch the unpickler builds dtypes, memory formats and Size only: not torch.save (nor any other function)."""
+    dcp_part(tmp_path / "policy")
+    marker = tmp_path / "ran.txt"
+    meta = pickle.loads((tmp_path / "policy" / ".metadata").read_bytes())
+    meta.planner_data = {"x": TorchSave(marker)}
+    data = pickle.dumps(meta, protocol=2)  # GLOBAL opcodes as text: name torch.save as `module`.save
+    (tmp_path / "policy" / ".metadata").write_bytes(data.replace(b"ctorch.serialization\nsave\n", f"c{module}\nsave\n".encode()))
+    with pytest.raises(ConfigError) as info:
+        ckpt.read_dcp_metadata(tmp_path / "policy" / ".metadata")
+    assert f"it names {module}.save," in one_line_user_error(info) and not marker.exists()
 
 
 def test_a_bit_flip_in_a_dcp_shard_is_caught_by_its_digest_explicit_or_auto(tmp_path, caplog):
@@ -191,10 +277,29 @@ def test_explicit_resume_refuses_a_bit_flipped_state_file_naming_it(tmp_path, da
     assert ckpt.find_resume_path("auto", tmp_path) is None  # auto agrees: nothing intact to resume from
 
 
-def test_explicit_resume_of_an_intact_checkpoint_without_digests_still_works(tmp_path):
+@pytest.mark.parametrize("change", ["deleted", "emptied"])
+def test_a_sharded_checkpoint_without_its_digests_is_refused_until_convert_records_them(tmp_path, caplog, change):
+    """The trust rule: digests.json catches damage, not tampering (it sits in the folder it describes), so deleting it or
+    an entry must not turn the check off: every DCP file must be listed; `convert` records missing digests on request."""
     path = ckpt.save(tmp_path, 1, {"loader": {}}, CONFIG, parts={"policy": dcp_part})
-    (path / ckpt.DIGESTS).unlink()  # written by an rlkit before digests.json: the zip CRCs and the metadata check still apply
-    assert ckpt.find_resume_path(str(path), tmp_path) == path
+    if change == "deleted":
+        (path / ckpt.DIGESTS).unlink()
+    else:
+        (path / ckpt.DIGESTS).write_text("{}")
+    with pytest.raises(UserError) as info:
+        ckpt.find_resume_path(str(path), tmp_path)
+    msg = one_line_user_error(info)
+    if change == "deleted":
+        assert f"{path / ckpt.DIGESTS} is missing" in msg and f"python -m rlkit.checkpoint convert {path}" in msg
+    else:
+        assert f"{path / 'policy/.metadata'} is not listed in {path / ckpt.DIGESTS}" in msg
+    with caplog.at_level("WARNING"):
+        assert ckpt.find_resume_path("auto", tmp_path) is None
+    assert ckpt.DIGESTS in caplog.text
+    if change == "deleted":
+        out = subprocess.run([sys.executable, "-m", "rlkit.checkpoint", "convert", str(path)], capture_output=True, text=True)
+        assert out.returncode == 0 and str(path / ckpt.DIGESTS) in out.stdout, out.stderr  # what the line says to run
+        assert ckpt.find_resume_path(str(path), tmp_path) == path
 
 
 @pytest.mark.parametrize("damage", ["config.json cut short", "config.json missing", "shard missing"])
