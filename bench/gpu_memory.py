@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "gpu.md"
 BEGIN, END = "<!-- gpu_memory.py table: begin -->", "<!-- gpu_memory.py table: end -->"
 GiB = 2**30
-CHUNK = 2**24  # algos.LOGITS_CHUNK_BYTES: the chunked log-sum-exp's float32 buffers, 16 MiB each
+CHUNK = 2**27  # algos.LOGITS_CHUNK_BYTES_CUDA: the chunked log-sum-exp's float32 buffers on a GPU, 128 MiB each
+CHUNK_CPU = 2**24  # algos.LOGITS_CHUNK_BYTES: 16 MiB on CPU (measure_pass's device)
 
 # Qwen2.5-*-Instruct config.json sizes (hidden, MLP, layers, heads, KV heads, vocabulary, tied embeddings)
 QWEN25 = {
@@ -200,11 +201,12 @@ class Setup:
     first_step: bool = False  # step 1's generation and log-prob passes: AdamW's moments are not allocated yet (lazily, at the first step)
 
 
-def logits_bytes(s: Setup, phase: str, compute: int, positions: int, vocab: int, code: str | None = None) -> float:
-    """The logits term of a pass: LOGITS' (a, b, f, k) at `positions` read x `vocab` (this GPU's share)."""
+def logits_bytes(s: Setup, phase: str, compute: int, positions: int, vocab: int, code: str | None = None, chunk: int = CHUNK) -> float:
+    """The logits term of a pass: LOGITS' (a, b, f, k) at `positions` read x `vocab` (this GPU's share); `chunk`: the
+    chunked passes' buffer size (a GPU's by default)."""
     a, b, f, k = LOGITS[code or s.code][(phase, s.entropy)]
     u = positions * vocab * 4
-    return a * u + b * u * compute / 4 + (f * u if compute < 4 else 0) + k * min(CHUNK, u)  # a chunk is at most the logits
+    return a * u + b * u * compute / 4 + (f * u if compute < 4 else 0) + k * min(chunk, u)  # a chunk is at most the logits
 
 
 def predict(s: Setup, gpu_gb: float) -> dict:
@@ -314,7 +316,7 @@ def measure_pass(
     measured = torch.cuda.max_memory_allocated() - base if cuda else counter.peak
     compute = torch.finfo(engine.dtype).bits // 8
     setup = Setup(entropy=entropy)
-    predicted = logits_bytes(setup, phase, compute, rows * response, vocab, engine_code())
+    predicted = logits_bytes(setup, phase, compute, rows * response, vocab, engine_code(), CHUNK if cuda else CHUNK_CPU)
     if phase == "update":
         predicted += 4 * sum(p.numel() for p in engine.model.parameters())  # the weights' float32 gradients
     return measured, predicted

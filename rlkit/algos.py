@@ -820,11 +820,13 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-LOGITS_CHUNK_BYTES = 2**24  # token_logprob_entropy's float32 buffers per chunk: 16 MiB (27 positions at V = 151,936)
+LOGITS_CHUNK_BYTES = 2**24  # token_logprob_entropy's float32 buffers per chunk on CPU: 16 MiB (27 positions at V = 151,936)
+LOGITS_CHUNK_BYTES_CUDA = 2**27  # on CUDA 128 MiB (220 positions): ~10 kernels a chunk, so 16 MiB chunks were launch-bound
 
 
-def _chunk_rows(n: int, vocab: int) -> int:
-    return max(1, min(n, LOGITS_CHUNK_BYTES // (4 * max(vocab, 1))))
+def _chunk_rows(n: int, vocab: int, device: torch.device | None = None) -> int:
+    budget = LOGITS_CHUNK_BYTES_CUDA if device is not None and device.type == "cuda" else LOGITS_CHUNK_BYTES
+    return max(1, min(n, budget // (4 * max(vocab, 1))))
 
 
 class _LogProbEntropy(torch.autograd.Function):
@@ -837,7 +839,7 @@ class _LogProbEntropy(torch.autograd.Function):
         work = torch.promote_types(logits.dtype, torch.float32)
         lse = torch.empty(n, dtype=work, device=logits.device)  # (N,)
         ent = torch.empty(n if with_entropy else 0, dtype=work, device=logits.device)  # (N,)
-        step = _chunk_rows(n, vocab)
+        step = _chunk_rows(n, vocab, logits.device)
         for a in range(0, n, step):
             zm = logits[a : a + step].to(work) / temperature  # (c, V), a new buffer
             m = zm.amax(-1, keepdim=True)  # (c, 1)
@@ -865,8 +867,11 @@ class _LogProbEntropy(torch.autograd.Function):
             g_lse.index_add_(0, pos, -g_lp)
         use_ent = ctx.with_entropy and g_ent is not None
         grad = torch.empty_like(logits)  # (N, V) in the logits' dtype: the pass's one gradient copy
-        step = _chunk_rows(n, vocab)
-        for a in range(0, n, step):
+        step = _chunk_rows(n, vocab, logits.device)
+        if g_lp is not None:  # the tokens read in each chunk, found once (one host sync): their one-hot terms
+            order = torch.argsort(pos)
+            bounds = torch.searchsorted(pos[order], torch.arange(0, n + step, step, device=pos.device)).tolist()
+        for i, a in enumerate(range(0, n, step)):
             b = min(n, a + step)
             logp = (logits[a:b].to(work) / t).sub_(lse[a:b, None])  # (c, V) log p
             if use_ent:  # dz = p * (g_lse - g_H * (log p + H)):  dlse/dz = p,  dH/dz_k = -p_k (log p_k + H)
@@ -875,10 +880,11 @@ class _LogProbEntropy(torch.autograd.Function):
                 del p
             else:
                 g = logp.exp_().mul_(g_lse[a:b, None])
+            if g_lp is not None:  # d z_y / dz = onehot(y), added in the working dtype: one rounding to bf16, not two
+                mine = order[bounds[i] : bounds[i + 1]]
+                g.index_put_((pos[mine] - a, labels[mine]), g_lp[mine].to(work), accumulate=True)
             grad[a:b] = g.div_(t)
             del logp, g
-        if g_lp is not None:  # d z_y / dz = onehot(y)
-            grad.index_put_((pos, labels), (g_lp / t).to(grad.dtype), accumulate=True)
         return grad, None, None, None, None
 
 

@@ -59,3 +59,33 @@ def test_fused_without_entropy_equals_the_gather(monkeypatch):
     assert ent is None
     bound = tol(torch.float32, 1.0, 275) + tol(torch.float32, 2 * z.abs().max().item(), 2)
     assert_within(lp, algos.logprobs_from_logits(z, lab), bound, "log-prob without entropy, fused vs gather")
+
+
+def test_bf16_gradient_of_a_confident_token_is_rounded_once(monkeypatch):
+    """N8 (issue #36): the label's one-hot term used to be added after the chunk's gradient was rounded to bf16, so a
+    token with p ~ 0.99 got bf16(bf16(-g p) + g): the true g (1 - p) ~ 0.01 g off by up to 2^-9 |g| (~40 %). Now the
+    term joins in float32 and the entry is rounded once: within bf16's half-ulp, 2^-9 relative, of the exact value."""
+    monkeypatch.setattr(algos, "LOGITS_CHUNK_BYTES", 4 * 64 * 3)  # 3 positions a chunk: the tokens cross chunks
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(8, 64, generator=g)
+    pos = torch.arange(8)
+    lab = torch.randint(0, 64, (8,), generator=g)
+    z[pos, lab] += 9.0  # p(label) ~ 0.99 at every position
+    z16 = z.to(torch.bfloat16).requires_grad_()
+    g_lp = torch.linspace(1.0, 3.0, 8)
+    lp, _ = algos.token_logprob_entropy(z16, pos, lab)
+    (lp * g_lp).sum().backward()
+    exact = z16.detach().double()
+    exact = (torch.nn.functional.one_hot(lab, 64).double() - torch.softmax(exact, -1)) * g_lp.double()[:, None]  # dlp/dz
+    got = z16.grad.double()[pos, lab]
+    want = exact[pos, lab]
+    assert (want.abs() < 0.05 * g_lp.double()).all()  # the confident case: g (1 - p) is a few % of g
+    assert ((got - want).abs() <= 2**-8 * want.abs()).all(), ((got - want) / want).tolist()  # one rounding (+ float32 slack)
+
+
+def test_cuda_chunks_are_larger_than_cpu_chunks():
+    """N13: at V = 151,936 a 16 MiB chunk holds 27 positions (~150 chunks x ~10 kernels a pass: launch-bound on a GPU);
+    on CUDA chunks are 128 MiB: 220 positions."""
+    assert algos._chunk_rows(10**6, 151936, torch.device("cpu")) == 27
+    assert algos._chunk_rows(10**6, 151936, torch.device("cuda")) == 220
+    assert algos._chunk_rows(5, 151936, torch.device("cuda")) == 5
