@@ -44,7 +44,7 @@ from rlkit.config import (
 )
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
-from rlkit.placement import build_policy, build_reward, build_teacher
+from rlkit.placement import build_policy, build_reward, build_teacher, check_teacher
 
 
 @dataclass
@@ -118,6 +118,7 @@ def main(cfg: Config) -> dict:
             f"--rollout.temperature {cfg.rollout.temperature}: on-policy distillation samples at 1 "
             "(d_t estimates the KL of the distribution the student samples from)"
         )
+    check_teacher(cfg)  # it exists and scores the student's token ids: before either loads
     policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     teacher = build_teacher(cfg, policy)  # ALGO LOGIC: frozen, scores the student's tokens
     tok = policy.tokenizer
