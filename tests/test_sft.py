@@ -43,11 +43,11 @@ def test_assistant_mask_covers_assistant_turns_only_tool_results_masked():
 
 def test_loss_is_token_mean_nll_over_the_mini_batch():
     log_prob = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -9.0]])
-    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
-    # a micro-batch of a mini-batch holding 8 assistant tokens: sum over this micro-batch / 8
+    mask = torch.tensor([[1, 1, 1], [0, 0, 1]])  # rows of 3 and 1 tokens: a per-row mean would weigh them apart
+    # a micro-batch of a mini-batch holding 8 assistant tokens in 4 rows: sum over this micro-batch / 8
     loss, parts, _ = sft.sft_loss({"response_mask": mask}, log_prob, None, global_counts(8, 4))
-    assert abs(loss.item() - (1 + 2 + 4 + 9) / 8) < 1e-6  # float32 sums of 4 small integers: exact
-    assert parts["nll"] is loss
+    assert abs(loss.item() - (1 + 2 + 3 + 9) / 8) < 1e-6  # float32 sums of 4 small integers: exact
+    assert parts["nll"] is loss  # seq-mean-token-mean would give (6/3 + 9/1) / 4 = 2.75, not 1.875
 
 
 def test_a_short_run_from_scratch_learns(tmp_path):
