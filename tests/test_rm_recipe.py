@@ -312,3 +312,6 @@ def test_each_forward_is_one_micro_batch_at_its_own_width_with_checkpointing_and
     assert len(calls) == 4 * 2, calls  # 2 decoder layers, 4 micro-batches
     assert set(dtypes) == {torch.bfloat16} and all(p.dtype == torch.float32 for p in t.model.parameters())
     assert not any(m.training for m in t.model.modules())  # dropout off, the checkpointed layers back to eval after
+    shapes.clear()
+    t.score(batch)  # validation: the same micro-batches of rows, not one forward of the whole batch
+    assert [rows for rows, _ in shapes] == [4, 4, 4, 4]
