@@ -465,7 +465,7 @@ def check_flags(cfg) -> None:
             raise ConfigError(
                 f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)"
             )
-    if r.temperature <= 0:
+    if not r.temperature > 0:  # NaN too
         raise ConfigError(
             f"--rollout.temperature {r.temperature}: training samples responses, which needs a temperature > 0 (1.0 is usual); "
             "greedy decoding (0) is only for --rollout.val-temperature"
