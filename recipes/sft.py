@@ -26,8 +26,9 @@ Batch-size arithmetic, per training step:
     each accumulated over micro-batches of   actor.ppo_micro_batch_size rows
                                              (or actor.max_token_len_per_micro_batch tokens)
 
-Validation: val/loss (the same NLL on the validation conversations) and, when the data has
-reward_model.ground_truth, held-out accuracy by greedy generation (val/acc, loop.Run's validation).
+Validation: val/loss (the same NLL on the validation conversations) and, when the file also
+holds RL rows (chat-message prompts, reward_model), held-out accuracy by greedy generation
+(val/acc, loop.Run's validation). The data is read and checked before the model loads.
 """
 
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ def conversations(files: list[str], cfg: Config, flag: str) -> list[list[dict]]:
     return [list(c) for c in convs]
 
 
-def rl_rows(file: str, prompt_key: str) -> bool:
+def has_rl_rows(file: str, prompt_key: str) -> bool:
     """Whether a file also holds RL rows (chat-message prompts + reward_model): held-out accuracy."""
     schema = pq.read_schema(file)
     prompts = schema.field(prompt_key).type if prompt_key in schema.names else None
@@ -267,7 +268,7 @@ def main(cfg: Config) -> dict:
     if val_files:
         convs = conversations(val_files, cfg, "--data.val-files")
         val_set = Examples(convs, tok, cfg.data, schemas)
-    graded = val_files and rl_rows(val_files[0], cfg.data.prompt_key)
+    graded = val_files and has_rl_rows(val_files[0], cfg.data.prompt_key)
     val = build_prompts(val_files, tok, cfg.data, cfg.data.val_max_samples) if graded else None
 
     policy = build_policy(cfg, need_ref=False)

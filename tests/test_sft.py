@@ -249,10 +249,14 @@ def test_prompt_and_response_strings_train_as_documented(tmp_path):
     """Issue #34 FAIL 5: the documented format (a prompt string + a response string column) trains; the RL data checks
     (data_source, chat-message prompts) are not run on SFT files."""
     rows = [{"prompt": f"What is {a}+1?", "response": str(a + 1)} for a in range(8)]
+    val = [dict(r, reward_model={"ground_truth": r["response"]}) for r in rows[:4]]  # string prompts: no val/acc
     cfg = small(tmp_path, "strings", 1)
     cfg.data.train_files, cfg.response_key, cfg.trainer.resume = [write(tmp_path / "t.parquet", rows)], "response", "disable"
+    cfg.data.val_files = [write(tmp_path / "v.parquet", val)]
     sft.main(cfg)
     assert (tmp_path / "strings" / "checkpoints" / "global_step_1").is_dir()
+    last = json.loads((tmp_path / "strings" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["val/loss"] > 0 and "val/acc" not in last
 
 
 def test_bad_sft_data_stops_in_one_line_before_the_model_loads(tmp_path, monkeypatch):
