@@ -14,6 +14,7 @@ cheap versions); run it before an audit, the next one starts from its table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -378,6 +379,68 @@ def disk_full(tmp: Path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+# ----------------------------------------------------------------------------- SFT, RM, OPD, eval (issue #34 FAILs 5-11)
+
+
+def table(path: Path, rows: list[dict]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows) if rows else pa.table({"messages": pa.array([], pa.list_(pa.string()))}), path)
+    return str(path)
+
+
+def script(tmp: Path, name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """recipes/<name>.py (or a module with -m) for 1 step of 4 rows into tmp/out, plus `args`."""
+    cmd = ["-m", name] if "." in name else [str(ROOT / "recipes" / f"{name}.py")]
+    if "." not in name:
+        cmd += ["--trainer.total-training-steps", "1", "--trainer.default-local-dir", str(tmp / "out")]
+        cmd += ["--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4"]
+    return subprocess.run([PY, *cmd, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def sft_case(rows: list[dict] | None, *args: str, phrases: tuple[str, ...] = (), val: list[dict] | None = None):
+    """recipes/sft.py on `rows` (and a validation file of `val`): a one-line error holding `phrases`, or, without
+    phrases, a run that ends with status 0 and a checkpoint."""
+
+    def case(tmp: Path):
+        files = ["--data.train-files", table(tmp / "train.parquet", rows), "--data.val-files"]
+        files += [table(tmp / "val.parquet", val)] if val is not None else []
+        out = script(tmp, "sft", *files, *args)
+        if phrases:
+            return one_line_error(out, *phrases)
+        done = (tmp / "out" / "checkpoints" / "global_step_1").is_dir()
+        return None if out.returncode == 0 and done else f"status {out.returncode}; stderr tail: {out.stderr[-300:]!r}"
+
+    return case
+
+
+CONV = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}]
+
+
+def small_teacher(tmp: Path):
+    """OPD with a teacher that has the student's tokenizer but 8 fewer embedding rows."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlkit.embedded import MODEL_DIR
+
+    folder = tmp / "teacher"
+    shutil.copytree(MODEL_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    rows = config["vocab_size"] - 8
+    weights = {k: v[:rows] if v.shape[0] == config["vocab_size"] else v for k, v in load_file(folder / "model.safetensors").items()}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))
+    return one_line_error(script(tmp, "opd", "--teacher", str(folder), "--data.val-files"), "embedding rows", "vocab_size")
+
+
+def eval_unwritable(tmp: Path):
+    (tmp / "file").write_text("")
+    return one_line_error(script(tmp, "rlkit.eval", "-n", "2", "--output", str(tmp / "file" / "s.jsonl")), "--output", "cannot write there")
+
+
 CASES = {  # name: (what it does / expects, the case, time limit in s)
     "grad_clip_0": ("--actor.grad-clip 0 -> one line", bad_flag("--actor.grad-clip", "0", phrases=("--actor.grad-clip 0.0",)), 120),
     "grad_clip_negative": (
@@ -456,6 +519,60 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         420,
     ),
     "disk_full": ("the output folder on a full disk -> one line, no .tmp-* left (SKIP without mount rights)", disk_full, 300),
+    "sft_prompt_response_strings": (
+        "recipes/sft.py on its documented format (prompt + response strings) -> trains, status 0",
+        sft_case([{"prompt": "What is 1+1?", "response": "2"}] * 8, "--response-key", "response"),
+        240,
+    ),
+    "sft_empty_val": (
+        "recipes/sft.py with an empty validation file -> one line, before the model loads",
+        sft_case([{"messages": CONV}] * 8, "--messages-key", "messages", val=[], phrases=("val.parquet: no rows",)),
+        120,
+    ),
+    "sft_null_conversation": (
+        "recipes/sft.py with a null conversation row -> one line naming the row",
+        sft_case([{"messages": CONV}] * 3 + [{"messages": None}], "--messages-key", "messages", phrases=("row 3",)),
+        120,
+    ),
+    "sft_json_conversations": (
+        "recipes/sft.py with conversations stored as JSON strings -> one line",
+        sft_case([{"messages": json.dumps(CONV)}] * 8, "--messages-key", "messages", phrases=("json.loads",)),
+        120,
+    ),
+    "sft_missing_dotted_key": (
+        "recipes/sft.py with --response-key reward_model.answer missing -> one line naming the flag",
+        sft_case(
+            [{"prompt": "1+1?", "reward_model": {"ground_truth": "2"}}] * 8,
+            "--response-key",
+            "reward_model.answer",
+            phrases=("no field 'reward_model.answer'", "--response-key"),
+        ),
+        120,
+    ),  # fmt: skip
+    "rm_micro_batch_negative": (
+        "recipes/rm.py --actor.ppo-micro-batch-size -1 -> one line (trained nothing, rc 0)",
+        lambda tmp: one_line_error(script(tmp, "rm", "--actor.ppo-micro-batch-size", "-1"), "--actor.ppo-micro-batch-size -1"),
+        120,
+    ),
+    "rm_lr_negative": (
+        "recipes/rm.py --actor.lr -1 -> one line (was a traceback)",
+        lambda tmp: one_line_error(script(tmp, "rm", "--actor.lr", "-1"), "--actor.lr -1.0"),
+        120,
+    ),
+    "rm_batch_zero": (
+        "recipes/rm.py --data.train-batch-size 0 (and mini-batch 0) -> one line (was a traceback)",
+        lambda tmp: one_line_error(
+            script(tmp, "rm", "--data.train-batch-size", "0", "--actor.ppo-mini-batch-size", "0"), "--data.train-batch-size 0"
+        ),
+        120,
+    ),
+    "opd_missing_teacher": (
+        "recipes/opd.py --teacher <no such folder> -> one line, before the student loads",
+        lambda tmp: one_line_error(script(tmp, "opd", "--teacher", str(tmp / "nope"), "--data.val-files"), "no model there"),
+        120,
+    ),
+    "opd_small_teacher": ("recipes/opd.py with a teacher of fewer embedding rows -> one line (was IndexError)", small_teacher, 120),
+    "eval_unwritable_output": ("python -m rlkit.eval --output <under a file> -> one line before sampling", eval_unwritable, 120),
 }
 
 

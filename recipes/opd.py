@@ -31,6 +31,7 @@ before the update are computed every step (timing/old_log_prob): the advantage n
 docs/opd.md: the formula beside its code line, the flags, the measured demo.
 """
 
+import math
 from dataclasses import dataclass, field
 
 from rlkit import algos, loop
@@ -44,7 +45,7 @@ from rlkit.config import (
 )
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
-from rlkit.placement import build_policy, build_reward, build_teacher
+from rlkit.placement import build_policy, build_reward, build_teacher, check_teacher
 
 
 @dataclass
@@ -108,6 +109,11 @@ def main(cfg: Config) -> dict:
     loop.setup(cfg)  # threads, seed, batch-size checks
     if not cfg.teacher:
         raise ConfigError("recipes/opd.py needs --teacher PATH: the model whose tokens it distills")
+    for flag, v, top in (("--kl-coef", cfg.kl_coef, 1e6), ("--discount", cfg.discount, 1.0)):
+        if not 0 <= v <= top:  # NaN and inf too
+            raise ConfigError(f"{flag} {v}: must be a number from 0 to {top:g}")
+    if not math.isfinite(cfg.task_reward_coef):
+        raise ConfigError(f"--task-reward-coef {cfg.task_reward_coef}: must be a finite number")
     if cfg.task_reward_coef and cfg.rollout.n < 2:
         raise ConfigError(
             "--task-reward-coef needs --rollout.n >= 2: "
@@ -118,6 +124,7 @@ def main(cfg: Config) -> dict:
             f"--rollout.temperature {cfg.rollout.temperature}: on-policy distillation samples at 1 "
             "(d_t estimates the KL of the distribution the student samples from)"
         )
+    check_teacher(cfg)  # it exists and scores the student's token ids: before either loads
     policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     teacher = build_teacher(cfg, policy)  # ALGO LOGIC: frozen, scores the student's tokens
     tok = policy.tokenizer

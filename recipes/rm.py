@@ -30,11 +30,17 @@ a margin column (--margin-key). Each response is rendered as the reward model sc
 Batch-size arithmetic, per training step:
 
     data.train_batch_size pairs              B  = 64      one optimizer step
-    each accumulated over micro-batches of   actor.ppo_micro_batch_size pairs (2 rows each)
+    each accumulated over micro-batches of   actor.ppo_micro_batch_size pairs (2 rows each;
+                                             0 = auto: 64 on CPU, 4 on a GPU), each cut to its
+                                             longest sequence; float32 weights, compute in
+                                             --model.dtype (bf16 on GPU), optional checkpointing
 
 Validation: val/pair_acc (share of held-out pairs with r(x, y_c) > r(x, y_r)) and val/loss.
 """
 
+import math
+import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +89,7 @@ class Config:
     """a column of per-pair margins m (how much chosen must win by); empty = no margin"""
     center_coef: float = 0.0
     """eta of the centring term eta * (r_c + r_r)^2 (TRL's center_rewards_coefficient; 0 = off)"""
+    rl_rows = False  # not a flag: loop.setup skips the RL prompt-row checks (read_pairs checks)
     train_layers: int = 0
     """train only the top N decoder layers and the head, the rest frozen (0 = all; not with LoRA):
     an RM grown from a policy by fresh layers on top keeps what the policy knows"""
@@ -120,14 +127,23 @@ def read_pairs(files: list[str], cfg: Config) -> list[tuple]:
             margins,
         )
     ):
-        if c is None or r is None or not isinstance(m, (int, float)):
+        if c is None or r is None or not isinstance(m, (int, float)) or not math.isfinite(m):
             raise ConfigError(
-                f"{files} row {i}: a null chosen/rejected or a non-number margin {m!r}"
+                f"{files} row {i}: a null chosen/rejected or a margin {m!r} that is not a "
+                "finite number; fix the data's --margin-key column"
             )
         (p1, c), (p2, r) = split_turn(p, c, i, files), split_turn(p, r, i, files)
         if p1 != p2:
             raise ConfigError(f"{files} row {i}: chosen and rejected continue different prompts")
         out.append((p1, c, r, float(m)))
+    same = sum(c == r for _, c, r, _ in out)  # r_c - r_r = 0 whatever the weights: nothing to learn
+    if same == len(out):
+        raise ConfigError(f"{files}: chosen = rejected in every pair; nothing to learn")
+    if same:
+        warnings.warn(
+            f"{files}: {same} of {len(out)} pairs have chosen = rejected (no gradient)",
+            stacklevel=2,
+        )
     return out
 
 
@@ -191,21 +207,27 @@ class RewardTrainer(CheckpointFiles):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForSequenceClassification
 
-        from rlkit.engine import check_grad_clip_value, load_tokenizer, resolve_device
+        from rlkit import engine
         from rlkit.workers import resolved
 
         m, a = resolved(cfg.model), cfg.actor
-        check_grad_clip_value("actor", a.grad_clip)
-        if m.dtype not in ("auto", "float32"):
-            raise ConfigError("recipes/rm.py trains in float32: use --model.dtype float32")
-        self.device, self.actor_cfg = resolve_device(cfg.trainer.device), a
-        self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
+        self.device, self.actor_cfg = engine.resolve_device(cfg.trainer.device), a
+        self.dtype = engine.resolve_dtype(m.dtype, self.device)  # compute: bf16 on GPU, fp32 on CPU
+        self.tokenizer = engine.load_tokenizer(m.path, m.trust_remote_code)
         self.tokenizer.padding_side = "right"  # as rlkit.reward_model.RewardModel reads
         torch.manual_seed(cfg.trainer.seed)  # the fresh head (and LoRA) start the same every run
-        model = AutoModelForSequenceClassification.from_pretrained(
+        model = AutoModelForSequenceClassification.from_pretrained(  # float32 masters (engine.py)
             m.path, num_labels=1, trust_remote_code=m.trust_remote_code, dtype=torch.float32
         )
         model.config.pad_token_id = self.tokenizer.pad_token_id  # the last real token is read
+        n = engine.num_params(model)[1]
+        self.checkpointing = engine.resolve_gradient_checkpointing(
+            m.gradient_checkpointing, self.device, n
+        )
+        if self.checkpointing:  # non-reentrant: gradients reach LoRA adapters behind frozen layers
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         if cfg.train_layers:
             freeze_below(model, cfg.train_layers, m.lora_rank)
         self.lora = m.lora_rank > 0
@@ -227,22 +249,36 @@ class RewardTrainer(CheckpointFiles):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
         )
-        self.micro_batch = a.ppo_micro_batch_size or 64  # pairs per forward/backward
+        auto = 4 if self.device.type == "cuda" else 64  # pairs per forward/backward
+        self.micro_batch = a.ppo_micro_batch_size or auto
 
     def rewards(self, mb: DataProto) -> torch.Tensor:
-        """r(x, y) of every row, (2b,): the head's output at the last non-pad token."""
-        ids, attn = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
-        return self.model(input_ids=ids, attention_mask=attn).logits[:, 0].float()
+        """r(x, y) of every row, (2b,): the head's output at the last non-pad token. The rows are
+        cut to their longest (right padding) and run in the compute dtype over float32 weights."""
+        width = int(mb["attention_mask"].sum(-1).max())
+        ids = mb["input_ids"][:, :width].to(self.device)
+        attn = mb["attention_mask"][:, :width].to(self.device)
+        half = self.dtype != torch.float32
+        with torch.autocast(self.device.type, self.dtype) if half else nullcontext():
+            return self.model(input_ids=ids, attention_mask=attn).logits[:, 0].float()
 
     @torch.no_grad()
     def score(self, batch: DataProto) -> torch.Tensor:
-        return self.rewards(batch).cpu()
+        """r of every row, in forwards of 2 x micro-batch rows (validation: no 1,024-row forward)."""
+        n = 2 * self.micro_batch
+        return torch.cat(
+            [self.rewards(batch.index(slice(s, s + n))).cpu() for s in range(0, len(batch), n)]
+        )
 
     def update(self, pairs: DataProto, loss_fn) -> dict:
         """One optimizer step on B pairs, the gradient accumulated over micro-batches of pairs."""
         b = len(pairs) // 2
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
+        # Hugging Face checkpoints a layer only in training mode: just those modules (no dropout)
+        layers = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False)]
+        for layer in layers:
+            layer.training = True
         for s in range(0, b, self.micro_batch):
             rows = list(range(s, min(s + self.micro_batch, b)))
             mb = pairs.index(rows + [b + i for i in rows])  # its chosen, then its rejected
@@ -252,6 +288,8 @@ class RewardTrainer(CheckpointFiles):
             loss.backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        for layer in layers:
+            layer.training = False
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.actor_cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -331,15 +369,14 @@ def evaluate(rm: RewardTrainer, pairs: Pairs, batch_size: int, center_coef: floa
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, logging, resume
-    from rlkit.engine import set_threads
-
-    set_threads(cfg.trainer.num_threads)
-    torch.manual_seed(cfg.trainer.seed)
+    loop.setup(cfg)  # threads, seed, batch-size and flag checks (the pairs: read_pairs below)
     if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
         raise ConfigError(
             "recipes/rm.py takes one optimizer step per batch: "
             "--actor.ppo-mini-batch-size = --data.train-batch-size, --actor.ppo-epochs 1"
         )
+    if not cfg.center_coef >= 0:  # NaN too
+        raise ConfigError(f"--center-coef {cfg.center_coef}: must be a number >= 0 (0 = off)")
     train_pairs, t = read_pairs(cfg.data.train_files, cfg), cfg.trainer  # file errors first
     val_pairs = read_pairs(cfg.data.val_files, cfg) if cfg.data.val_files else None
     rm = RewardTrainer(cfg)

@@ -5,7 +5,7 @@ Minimise the mean negative log-likelihood of the assistant's tokens (user/tool t
     L = -(1 / N) * sum_{rows} sum_t m_t * log pi(y_t | x, y_<t),     N = sum m_t over the mini-batch
 
 m_t = 1 on tokens the assistant wrote (every assistant turn of a conversation), 0 elsewhere.
-The mask: the conversation rendered prefix by prefix with the chat template (assistant_mask).
+The mask and the ids: each turn tokenized as generation sees it, turn by turn (assistant_mask).
 
 Run it:
 
@@ -26,11 +26,13 @@ Batch-size arithmetic, per training step:
     each accumulated over micro-batches of   actor.ppo_micro_batch_size rows
                                              (or actor.max_token_len_per_micro_batch tokens)
 
-Validation: val/loss (the same NLL on the validation conversations) and, when the data has
-reward_model.ground_truth, held-out accuracy by greedy generation (val/acc, loop.Run's validation).
+Validation: val/loss (the same NLL on the validation conversations) and, when the file also
+holds RL rows (chat-message prompts, reward_model), held-out accuracy by greedy generation
+(val/acc, loop.Run's validation). The data is read and checked before the model loads.
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,10 +48,12 @@ from rlkit.config import (
     TrainerConfig,
 )
 from rlkit.data import PromptLoader, build_prompts
-from rlkit.errors import ConfigError
+from rlkit.engine import load_tokenizer
+from rlkit.errors import ConfigError, MissingFile
 from rlkit.placement import build_policy, build_reward
 from rlkit.protocol import DataProto
 from rlkit.tools import tools_from_names
+from rlkit.workers import resolved
 
 
 @dataclass
@@ -72,63 +76,109 @@ class Config:
     """a column of whole conversations (verl data.multiturn.messages_key); overrides the others"""
     init_from_scratch: bool = False
     """re-initialise the model's weights (seeded) before training: SFT from a fresh model"""
+    rl_rows = False  # not a flag: loop.setup skips the RL prompt-row checks (main checks its data)
     tools: str = ""
     """built-in tools offered to the chat template (as grpo_tools.py's --agent.tools), e.g. calculator"""
 
 
-def column(table, key: str) -> list:
+def column(table, key: str, flag: str, where: str) -> list:
     """A parquet column by name, or a dict column's field by dotted name ('reward_model.x')."""
     head, *rest = key.split(".")
     if head not in table.column_names:
         raise ConfigError(
-            f"the SFT data has no column {head!r} (columns: {table.column_names}); set its key flag"
+            f"{where}: no column {head!r} (columns: {table.column_names}); set {flag}"
         )
     values = table.column(head).to_pylist()
     for k in rest:
+        bad = next((i for i, v in enumerate(values) if not isinstance(v, dict) or k not in v), None)
+        if bad is not None:
+            raise ConfigError(
+                f"{where} row {bad}: no field {key!r} ({values[bad]!r:.60}); set {flag}"
+            )
         values = [v[k] for v in values]
     return values
 
 
-def conversations(files: list[str], cfg: Config) -> list[list[dict]]:
+def conversations(files: list[str], cfg: Config, flag: str) -> list[list[dict]]:
     """Each row as a list of chat messages ending with the assistant's answer(s)."""
-    table = pa.concat_tables([pq.read_table(f) for f in files])
+    where = f"{flag} {', '.join(files)}"
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise MissingFile(f"{flag}: no such file {', '.join(missing)}")
+    try:
+        table = pa.concat_tables([pq.read_table(f) for f in files])
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ConfigError(f"{where}: not a parquet file ({str(e).splitlines()[0][:80]})") from e
+    if table.num_rows == 0:
+        raise ConfigError(f"{where}: no rows; pass a file with conversations")
     if cfg.messages_key:
-        return [list(m) for m in column(table, cfg.messages_key)]
-    out = []
-    for p, r in zip(column(table, cfg.data.prompt_key), column(table, cfg.response_key)):
-        p = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
-        out.append(p + [{"role": "assistant", "content": str(r)}])
-    return out
+        convs = column(table, cfg.messages_key, "--messages-key", where)
+    else:
+        convs = []
+        prompts = column(table, cfg.data.prompt_key, "--data.prompt-key", where)
+        for p, r in zip(prompts, column(table, cfg.response_key, "--response-key", where)):
+            p = [{"role": "user", "content": p}] if isinstance(p, str) else p
+            r = str(r) if isinstance(r, (int, float)) else r  # a number column: its text
+            convs.append(p + [{"role": "assistant", "content": r}] if isinstance(p, list) else p)
+    for i, conv in enumerate(convs):  # every row a list of {role, content: str} messages
+        if not (isinstance(conv, list) and conv and all(map(is_message, conv))):
+            raise ConfigError(
+                f"{where} row {i}: not a list of chat messages with string content ({conv!r:.80}); "
+                "store lists of {role, content} (a JSON string: json.loads it first), no nulls"
+            )
+    return [list(c) for c in convs]
+
+
+def has_rl_rows(file: str, prompt_key: str) -> bool:
+    """Whether a file also holds RL rows (chat-message prompts + reward_model): held-out accuracy."""
+    schema = pq.read_schema(file)
+    prompts = schema.field(prompt_key).type if prompt_key in schema.names else None
+    return "reward_model" in schema.names and prompts is not None and pa.types.is_list(prompts)
+
+
+def is_message(m) -> bool:
+    return (
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    )
 
 
 def assistant_mask(tok, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and a 0/1 mask of the assistant's tokens.
+    """Token ids of the conversation, turn by turn as the turn loop sees it, and a 0/1 mask of the
+    assistant's tokens.
 
-    Assistant turn i spans the characters
-        [len(render(messages[:i], generation prompt)), len(render(messages[:i+1])))
-    -- exact for any template that renders a conversation's prefixes as prefixes of it (checked)
-    -- cut after its last end-of-turn token (eos): text a template adds after it (ChatML's "\n")
-    is not sampled by the model (generation stops at eos), so it is not trained either.
-    A token is the assistant's when it starts inside such a span (the tokenizer's offsets: the
-    text is tokenized once, whole)."""
+    Before assistant turn i the model reads render(messages[:i], generation prompt): its text not
+    yet tokenized (the prompt; after an earlier turn, the tool results and the next generation
+    prompt, as agent.tool_suffix_ids) is tokenized alone, then the turn's text is tokenized alone,
+    as the model sampled it: [len(render(messages[:i], gen)), len(render(messages[:i+1]))), cut
+    after its last end-of-turn token (eos; text a template adds after it, ChatML's "\n", is not
+    sampled). Tokenizing the whole text at once would let BPE merge the generation prompt's last
+    "\n" with a response that starts with whitespace: a token the model never reads there.
+    Exact for any template that renders a conversation's prefixes as prefixes of it (checked)."""
 
     def render(msgs, gen=False):
         return tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
 
-    text, spans = render(messages), []
+    def enc(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    ids, mask, done = [], [], ""  # done: the text tokenized so far
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         start, end = render(messages[:i], gen=True), render(messages[: i + 1])
-        if not (text.startswith(end) and end.startswith(start)):
+        if not (start.startswith(done) and end.startswith(start)):
             raise ConfigError(
                 "the chat template renders a conversation's prefixes differently: no assistant mask"
             )
         stop = end.rfind(tok.eos_token, len(start)) if tok.eos_token else -1
-        spans.append((len(start), stop + len(tok.eos_token) if stop >= 0 else len(end)))
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
-    return enc["input_ids"], mask
+        stop = stop + len(tok.eos_token) if stop >= 0 else len(end)
+        context, turn = enc(start[len(done) :]), enc(end[len(start) : stop])
+        ids, mask, done = (
+            ids + context + turn,
+            mask + [0] * len(context) + [1] * len(turn),
+            end[:stop],
+        )
+    return ids, mask
 
 
 class Examples:
@@ -198,16 +248,30 @@ def val_loss(policy, examples: Examples, batch_size: int) -> float:
 
 
 def main(cfg: Config) -> dict:
-    # TRY NOT TO MODIFY: setup -- threads, seed, model, data, validation, logging, resume
-    loop.setup(cfg)  # threads, seed, batch-size checks
+    # TRY NOT TO MODIFY: setup -- threads, seed, data, model, validation, logging, resume
+    loop.setup(cfg)  # threads, seed, batch-size and flag checks (SFT's data: checked below)
     if cfg.rollout.temperature != 1.0:  # the engine divides the logits by it
         raise ConfigError("SFT trains log pi at temperature 1: use --rollout.temperature 1")
     if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
         raise ConfigError(
             "SFT takes one optimizer step per batch: --actor.ppo-mini-batch-size = train size"
         )
+    # the conversations read and tokenized before the model loads: a bad row stops in seconds
+    tok = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
+    schemas = (
+        tools_from_names(cfg.tools, flag="--tools").schemas if cfg.tools else None
+    )  # rendered by the template
+    convs = conversations(cfg.data.train_files, cfg, "--data.train-files")
+    train_set = Examples(convs, tok, cfg.data, schemas)
+    val_files = cfg.data.val_files
+    val_set = None
+    if val_files:
+        convs = conversations(val_files, cfg, "--data.val-files")
+        val_set = Examples(convs, tok, cfg.data, schemas)
+    graded = val_files and has_rl_rows(val_files[0], cfg.data.prompt_key)
+    val = build_prompts(val_files, tok, cfg.data, cfg.data.val_max_samples) if graded else None
+
     policy = build_policy(cfg, need_ref=False)
-    tok = policy.tokenizer
     if cfg.init_from_scratch:  # a fresh model: the embedded warm start reproduced from nothing
         model = getattr(policy, "worker", policy).engine.model
         torch.manual_seed(cfg.trainer.seed)
@@ -215,17 +279,9 @@ def main(cfg: Config) -> dict:
             next(model.parameters()).dtype
         )  # the config's own init
         model.load_state_dict(fresh.state_dict())
-    schemas = (
-        tools_from_names(cfg.tools, flag="--tools").schemas if cfg.tools else None
-    )  # rendered by the template
-    train_set = Examples(conversations(cfg.data.train_files, cfg), tok, cfg.data, schemas)
     train = PromptLoader(
         train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
     )
-    val_files = cfg.data.val_files
-    val_set = Examples(conversations(val_files, cfg), tok, cfg.data, schemas) if val_files else None
-    graded = val_files and "reward_model" in pq.read_schema(val_files[0]).names
-    val = build_prompts(val_files, tok, cfg.data, cfg.data.val_max_samples) if graded else None
     reward_fn = build_reward(cfg, policy) if graded else None
     run = loop.Run(cfg, policy, train, val, reward_fn)
     t = cfg.trainer

@@ -433,7 +433,8 @@ def check_flags(cfg) -> None:
     """Refuse flag values that cannot train, each with one line naming the flag and the fix (cfg: any recipe's Config)."""
     from rlkit.errors import ConfigError
 
-    d, a, r = cfg.data, cfg.actor, cfg.rollout
+    d, a = cfg.data, cfg.actor
+    r, reward = getattr(cfg, "rollout", RolloutConfig()), getattr(cfg, "reward", RewardConfig())  # rm.py: none
     positive = {
         "--data.max-prompt-length": d.max_prompt_length,
         "--data.max-response-length": d.max_response_length,
@@ -444,7 +445,7 @@ def check_flags(cfg) -> None:
     non_negative = {
         "--actor.ppo-micro-batch-size": a.ppo_micro_batch_size,
         "--rollout.log-prob-micro-batch-size": r.log_prob_micro_batch_size,
-        "--reward.model-micro-batch-size": cfg.reward.model_micro_batch_size,
+        "--reward.model-micro-batch-size": reward.model_micro_batch_size,
         "--actor.max-skipped-steps": a.max_skipped_steps,
     }
     lrs = {"--actor.lr": a.lr}
@@ -464,7 +465,7 @@ def check_flags(cfg) -> None:
             raise ConfigError(
                 f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)"
             )
-    if r.temperature <= 0:
+    if not r.temperature > 0:  # NaN too
         raise ConfigError(
             f"--rollout.temperature {r.temperature}: training samples responses, which needs a temperature > 0 (1.0 is usual); "
             "greedy decoding (0) is only for --rollout.val-temperature"

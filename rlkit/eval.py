@@ -57,6 +57,13 @@ def check(cfg: Config) -> None:
     if cfg.data.val_batch_size < 1:
         raise ConfigError(f"--data.val-batch-size {cfg.data.val_batch_size}: must be at least 1")
     check_files(DataConfig(**{**vars(cfg.data), "train_files": []}))  # only the files evaluated
+    out = Path(cfg.output)
+    try:  # writable before the sampling, not after it (the samples would be lost)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output {cfg.output}: cannot write there ({e.strerror or e}); pass a writable path") from e
 
 
 def main(cfg: Config) -> dict[str, float]:
@@ -85,7 +92,6 @@ def main(cfg: Config) -> dict[str, float]:
         policy.close()
         reward_fn.close()
     out = Path(cfg.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     metrics = {"score": sum(r["score"] for r in records) / len(records), **evaluation.from_records(records, cfg.n)}
     print(f"{cfg.model.path}: {len(prompts)} prompts x {cfg.n} samples at temperature {cfg.rollout.temperature} | samples: {out}")

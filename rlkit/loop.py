@@ -371,9 +371,9 @@ def preflight(cfg) -> None:
     from rlkit.rewards import load_function
 
     check_flags(cfg)
-    if not getattr(cfg, "messages_key", ""):  # recipes/sft.py on a messages column: not prompt rows (sft.column checks it)
+    if getattr(cfg, "rl_rows", True):  # sft.py, rm.py: conversations, pairs -- not RL prompt rows; they check their own
         check_files(cfg.data)
-    if cfg.reward.custom_fn:
+    if getattr(cfg, "reward", None) and cfg.reward.custom_fn:
         load_function(cfg.reward.custom_fn)
     checks.run(cfg)
 

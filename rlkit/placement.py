@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlkit.errors import ConfigError
+from rlkit.errors import ConfigError, MissingFile
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker, LocalWorkerGroup, resolved
 
 
@@ -187,27 +187,52 @@ def build_reward(cfg, policy=None):
     return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))
 
 
-def build_teacher(cfg, policy=None):
-    """On-policy distillation's teacher (recipes/opd.py): --teacher as a frozen model that scores the student's
-    tokens, in this process or, with --trainer.backend ray, as one replica per bundle of the policy's pool (pass
-    the policy group). It must share the student's vocabulary and chat template: the teacher scores the
-    student's token ids, so another tokenizer would score other text (checked here, before its weights load)."""
-    from rlkit.engine import load_tokenizer
-    from rlkit.workers import TeacherWorker
+def check_teacher(cfg) -> None:
+    """--teacher (recipes/opd.py), before any model loads: a readable model that scores the student's token ids -- the
+    same vocabulary and chat template, and an embedding row for every id the student can sample (vocab_size)."""
+    from transformers import AutoConfig
 
-    t = cfg.trainer
-    teacher_cfg = dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0)
-    student = policy.tokenizer if policy is not None else load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
-    teacher = load_tokenizer(resolved(teacher_cfg).path, cfg.model.trust_remote_code)
+    from rlkit.engine import load_tokenizer
+
+    def read(model_cfg):
+        path = resolved(model_cfg).path
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).get_text_config()
+        return load_tokenizer(path, cfg.model.trust_remote_code), config.vocab_size
+
+    try:
+        student = read(cfg.model)
+    except (OSError, ValueError):  # the student's own load says what is wrong with it
+        return
+    try:
+        teacher = read(dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0))
+    except (OSError, ValueError) as e:
+        raise MissingFile(
+            f"--teacher {cfg.teacher}: no model there ({str(e).splitlines()[0][:120]}); pass a model folder or a hub id"
+        ) from e
     for what, a, b in (
-        ("vocabulary", student.get_vocab(), teacher.get_vocab()),
-        ("chat template", student.chat_template, teacher.chat_template),
+        ("vocabulary", student[0].get_vocab(), teacher[0].get_vocab()),
+        ("chat template", student[0].chat_template, teacher[0].chat_template),
     ):
         if a != b:
             raise ConfigError(
                 f"--teacher {cfg.teacher} has another {what} than --model.path {cfg.model.path}: the teacher scores the "
                 "student's token ids, so both must use the same tokenizer and chat template (pick a teacher of the same family)"
             )
+    if teacher[1] < student[1]:
+        raise ConfigError(
+            f"--teacher {cfg.teacher} has {teacher[1]} embedding rows, fewer than the student's {student[1]} (vocab_size): "
+            "it cannot score every token the student samples; pick a teacher with at least as many"
+        )
+
+
+def build_teacher(cfg, policy=None):
+    """On-policy distillation's teacher (recipes/opd.py): --teacher as a frozen model that scores the student's
+    tokens, in this process or, with --trainer.backend ray, as one replica per bundle of the policy's pool (pass
+    the policy group). Call check_teacher(cfg) first, before the student loads."""
+    from rlkit.workers import TeacherWorker
+
+    t = cfg.trainer
+    teacher_cfg = dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0)
     args = (teacher_cfg, cfg.actor, cfg.rollout)
     if t.backend == "local":
         return LocalWorkerGroup(TeacherWorker(*args, device=t.device))

@@ -140,7 +140,7 @@ def check_prompts(cfg) -> None:
     context; with --agent.tools, the prompts offer the tools and the chat template must append tool messages."""
     from rlkit.data import build_prompts
 
-    if getattr(cfg, "messages_key", ""):  # recipes/sft.py on whole conversations: no prompt rows to render
+    if not getattr(cfg, "rl_rows", True):  # sft.py, rm.py: conversations, pairs -- not prompt rows (they check theirs)
         return
     tok = _tokenizer(cfg)
     if tok is None:

@@ -98,6 +98,7 @@ CASES = {
         lambda c, t: setattr(c.rollout, "temperature", 0.0),
         ["--rollout.temperature 0.0", "temperature > 0", "--rollout.val-temperature"],
     ),
+    "temperature_nan": (lambda c, t: setattr(c.rollout, "temperature", float("nan")), ["--rollout.temperature nan"]),
     "reward_file_import_error": (
         lambda c, t: (
             (t / "bad_reward.py").write_text("import no_such_module_xyz\n") and setattr(c.reward, "custom_fn", f"{t}/bad_reward.py:score")

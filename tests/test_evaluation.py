@@ -93,6 +93,8 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     metrics = rlkit_eval.main(cfg)
     rows = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(p, s) for p in range(4) for s in range(4)]
+    truths = [{r["ground_truth"] for r in rows if r["prompt_index"] == p} for p in range(4)]
+    assert all(len(t) == 1 for t in truths) and len(set.union(*truths)) == 4  # each record under its own prompt (interleaved)
     for r in rows:  # the training reward, and its parsed answer
         assert r["score"] == arith_score("rlkit/arith", r["response"], r["ground_truth"])["score"]
         assert r["correct"] == (r["score"] >= 1.0) and r["answer"] == (r["response"].strip() or None)
@@ -157,3 +159,24 @@ def test_resume_accepts_another_val_n_and_checkpoints_saved_before_it():
     check_config(saved, current)
     saved["trainer"]["val_n"] = 8
     check_config(saved, current)
+
+
+def test_an_unwritable_output_stops_before_the_model_loads(tmp_path, monkeypatch):
+    """Issue #34 FAIL 11: --output where no file can be written (a folder, a path under a file) was a traceback after all
+    the sampling, the samples lost; now one line before the model loads (root-proof: no permission bits involved)."""
+    from rlkit import eval as rlkit_eval
+    from rlkit import workers
+    from rlkit.errors import ConfigError
+
+    monkeypatch.setattr(workers, "ActorRolloutRefWorker", lambda *a, **k: pytest.fail("the model loaded before --output was checked"))
+    (tmp_path / "file").write_text("")
+    for bad in (tmp_path, tmp_path / "file" / "s.jsonl"):
+        with pytest.raises(ConfigError, match=rf"--output {bad}: cannot write there"):
+            rlkit_eval.main(rlkit_eval.Config(n=2, output=str(bad), num_threads=1))
+
+
+def test_no_parsed_answer_reports_no_maj_at_k():
+    """maj@k exists only where some sample has a parsed answer: a scorer that parsed nothing is not a maj@k of 0."""
+    correct = [[True, False, False, False], [True, True, False, True]]
+    assert "maj@2" not in estimates(correct, [[None] * 4, [None] * 4])
+    assert estimates(correct, [[None] * 4, ["5", "5", None, "5"]])["maj@4"] == 0.5  # prompt 1 has no answer: wrong

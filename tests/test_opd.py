@@ -84,6 +84,9 @@ def test_the_student_moves_toward_a_different_teacher(tmp_path):
         (lambda c: setattr(c.rollout, "temperature", 0.7), "--rollout.temperature 0.7"),
         (lambda c: (setattr(c, "task_reward_coef", 1.0), setattr(c.rollout, "n", 1)), "--task-reward-coef needs --rollout.n >= 2"),
         (lambda c: setattr(c, "teacher", str(ROOT / "rlkit" / "assets" / "tiny-calc")), "has another vocabulary"),
+        (lambda c: setattr(c, "kl_coef", float("nan")), "--kl-coef nan: must be a number from 0"),
+        (lambda c: setattr(c, "discount", 1.5), "--discount 1.5: must be a number from 0 to 1"),
+        (lambda c: setattr(c, "task_reward_coef", float("inf")), "--task-reward-coef inf: must be a finite number"),
     ],
 )
 def test_bad_teacher_settings_stop_with_one_line(tmp_path, change, words):
@@ -147,3 +150,59 @@ def test_the_teacher_on_ray_scores_as_the_local_teacher_and_a_ray_run_distills(t
         assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # all pools freed
     finally:
         ray.shutdown()
+
+
+def test_a_missing_or_too_small_teacher_stops_in_one_line_before_the_student_loads(tmp_path, monkeypatch):
+    """Issue #34 FAILs 9, 10: a --teacher path that does not exist (was four OSError tracebacks after the student
+    loaded), and a teacher with the student's tokenizer but fewer embedding rows (was an IndexError at its first
+    forward: the student samples ids it has no row for): one line each, before any model loads."""
+    import json
+
+    from rlkit.errors import MissingFile
+
+    opd = load_recipe("opd")
+    monkeypatch.setattr(opd, "build_policy", lambda *a, **k: pytest.fail("the student loaded before the teacher was checked"))
+    with pytest.raises(MissingFile, match=r"--teacher .*nope: no model there"):
+        opd.main(opd_config(opd, tmp_path, tmp_path / "nope"))
+    small = perturbed_teacher(tmp_path / "small")
+    config = json.loads((small / "config.json").read_text())
+    weights = load_file(small / "model.safetensors")
+    rows = config["vocab_size"] - 8
+    weights = {k: v[:rows] if v.shape[0] == config["vocab_size"] else v for k, v in weights.items()}
+    save_file(weights, small / "model.safetensors", metadata={"format": "pt"})
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))
+    with pytest.raises(ConfigError, match=rf"has {rows} embedding rows, fewer than the student's {rows + 8}"):
+        opd.main(opd_config(opd, tmp_path, small))
+
+
+def test_the_task_reward_adds_its_group_advantage_with_its_sign(tmp_path, monkeypatch):
+    """--task-reward-coef c: A_t = -lambda d_t + c * (GRPO advantage of the task score). With the teacher equal to the
+    student d_t = 0 exactly, so the advantages the update sees are c times the group-centred, std-scaled scores: a row
+    scored above its group's mean is pushed up (a wrong sign would push it down)."""
+    from rlkit import loop
+
+    opd = load_recipe("opd")
+    cfg = opd_config(opd, tmp_path, STUDENT)
+    cfg.task_reward_coef = 2.0
+    seen = {}
+    real_score, real_build = loop.score, opd.build_policy
+
+    def score(batch, tok, reward_fn):
+        _, metrics = real_score(batch, tok, reward_fn)
+        seen["scores"] = torch.tensor([0.0, 1.0, 1.0, 3.0] * (len(batch) // 4))  # every group of 4: mean 1.25
+        return seen["scores"], metrics
+
+    def build(*a, **k):
+        policy = real_build(*a, **k)
+        update = policy.update
+        policy.update = lambda batch, loss_fn: seen.setdefault("batch", batch) and update(batch, loss_fn)
+        return policy
+
+    monkeypatch.setattr(loop, "score", score)
+    monkeypatch.setattr(opd, "build_policy", build)
+    opd.main(cfg)
+    batch, mask = seen["batch"], seen["batch"]["response_mask"]
+    want = 2.0 * algos.grpo_advantage(seen["scores"], batch["uid"], True)[:, None] * mask
+    assert batch["uid"][0] == batch["uid"][3] != batch["uid"][4]  # the rows of a group sit together
+    torch.testing.assert_close(batch["advantages"], want)
+    assert (batch["advantages"][3] * mask[3] >= 0).all() and batch["advantages"][3].sum() > 0  # the 3 beats its group

