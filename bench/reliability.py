@@ -166,9 +166,9 @@ def parse_fuzz(tmp: Path):
     return None
 
 
-def _checkpoint(tmp: Path) -> Path:
+def _checkpoint(tmp: Path, *args: str, train: str | None = None) -> Path:
     """A real 1-step checkpoint of the tiny run (its folder)."""
-    out = recipe(tmp, "--trainer.save-freq", "1")
+    out = recipe(tmp, "--trainer.save-freq", "1", *args, train=train)
     if out.returncode:
         raise RuntimeError(f"the 1-step run failed: {out.stderr[-300:]}")
     return max((tmp / "out" / "checkpoints").glob("global_step_*"))
@@ -186,6 +186,15 @@ def checkpoint_bitflip(tmp: Path):
     data[len(data) // 2] ^= 0x10
     state.write_bytes(bytes(data))
     return one_line_error(_resume(tmp, path), state.name)
+
+
+def sampler_data_shrank(tmp: Path):
+    """--data.sampler difficulty: a checkpoint on 8 prompts resumed after the data file shrank to 5 at the same path."""
+    train = write_data(tmp)
+    path = _checkpoint(tmp, "--data.sampler", "difficulty", train=train)
+    write_data(tmp, n=5)
+    args = ("--data.sampler", "difficulty", "--trainer.resume", str(path), "--trainer.total-training-steps", "2")
+    return one_line_error(recipe(tmp, *args, train=train), "the data changed", "--data.train-files")
 
 
 PAYLOAD = """
@@ -401,6 +410,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         300,
     ),  # fmt: skip
     "checkpoint_pickle": ("checkpoint files holding a pickle payload: resume and convert run nothing", checkpoint_pickle, 300),
+    "sampler_data_shrank": ("--data.sampler difficulty resumed on a shrunk data file -> one line", sampler_data_shrank, 300),
     "sandbox_environ": ("sandboxed code reads its parents' /proc/PID/environ -> no secret printed", sandbox_environ, 120),
     "sandbox_chmod": ("sandboxed code chmods/utimes a file outside its temp dir -> unchanged", sandbox_chmod, 120),
     "owner_sigkill": ("the owner of a running sandbox job is SIGKILLed -> its processes are gone within 10 s", owner_sigkill, 180),
