@@ -197,6 +197,34 @@ def sampler_data_shrank(tmp: Path):
     return one_line_error(recipe(tmp, *args, train=train), "the data changed", "--data.train-files")
 
 
+def vlm_data(tmp: Path, image=None, text: str | None = None, column: str = "images") -> str:
+    """8 rows of the embedded vision-language task (verl's format); row 3 gets `image` as its image and/or `text` as its
+    prompt, and the images column is named `column`."""
+    import datasets
+
+    from rlkit import embedded_vlm
+
+    rows = embedded_vlm.task_rows(8, seed=0, split="train")
+    if image is not None:
+        rows[3]["images"] = [image]
+    if text is not None:
+        rows[3]["prompt"] = [{"role": "user", "content": text}]
+    path = tmp / "vlm.parquet"
+    datasets.Dataset.from_list([{(column if k == "images" else k): v for k, v in r.items()} for r in rows]).to_parquet(str(path))
+    return str(path)
+
+
+def vlm_bad(image=None, text=None, column="images", phrases=()):
+    def case(tmp: Path):
+        if isinstance(image, str):  # a file beside the data
+            (tmp / image).write_text("not an image")
+        img = {"bytes": None, "path": str(tmp / image)} if isinstance(image, str) else image
+        train = vlm_data(tmp, img, text, column)
+        return one_line_error(recipe(tmp, "--model", "embedded-vlm", train=train), *phrases)
+
+    return case
+
+
 PAYLOAD = """
 import os
 class Payload:
@@ -411,6 +439,26 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     ),  # fmt: skip
     "checkpoint_pickle": ("checkpoint files holding a pickle payload: resume and convert run nothing", checkpoint_pickle, 300),
     "sampler_data_shrank": ("--data.sampler difficulty resumed on a shrunk data file -> one line", sampler_data_shrank, 300),
+    "vlm_garbage_image": (
+        "a VLM row whose image is garbage bytes -> one line naming the row",
+        vlm_bad({"bytes": b"\x00garbage" * 10}, phrases=("row 3", "80 bytes", "not a readable image")),
+        240,
+    ),
+    "vlm_non_image_path": (
+        "a VLM row whose image path is a text file -> one line naming the row and the file",
+        vlm_bad("notes.txt", phrases=("row 3", "notes.txt", "not a readable image")),
+        240,
+    ),
+    "vlm_literal_pad": (
+        "a VLM prompt holding the literal <|image_pad|> -> one line naming the row",
+        vlm_bad(text="<image>Name the colours.<|image_pad|>", phrases=("row 3", "<|image_pad|>")),
+        240,
+    ),
+    "vlm_image_column": (
+        "VLM data with an 'image' column (not 'images') -> one line with the hint",
+        vlm_bad(column="image", phrases=("column 'image'", "'images'")),
+        240,
+    ),
     "sandbox_environ": ("sandboxed code reads its parents' /proc/PID/environ -> no secret printed", sandbox_environ, 120),
     "sandbox_chmod": ("sandboxed code chmods/utimes a file outside its temp dir -> unchanged", sandbox_chmod, 120),
     "owner_sigkill": ("the owner of a running sandbox job is SIGKILLed -> its processes are gone within 10 s", owner_sigkill, 180),

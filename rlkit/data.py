@@ -235,6 +235,8 @@ def build_prompts(
             '[{"role": "user", "content": "..."}] so that its chat template applies (strings are only for models without one)'
         )
     mm = None
+    if "image" in cols and "images" not in cols:
+        raise ConfigError(f"{where}: column 'image' is not read; name it 'images' (per row a list of images, verl's format)")
     if "images" in cols:  # verl's multimodal rows: the model's processor renders text and pixels (rlkit/vlm.py)
         from rlkit import vlm
 
