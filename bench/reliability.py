@@ -104,9 +104,9 @@ def cmdline(pid: int) -> str:
 # ----------------------------------------------------------------------------- the cases: each returns None (PASS) or why it FAILs
 
 
-def bad_flag(*args: str, phrases: tuple[str, ...]):
+def bad_flag(*args: str, phrases: tuple[str, ...], recipe_name: str = "grpo"):
     def case(tmp: Path):
-        return one_line_error(recipe(tmp, *args), *phrases)
+        return one_line_error(recipe(tmp, *args, recipe_name=recipe_name), *phrases)
 
     return case
 
@@ -422,6 +422,16 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         bad_flag("--trainer.async-steps", "-1", phrases=("--trainer.async-steps -1",)),
         120,
     ),  # fmt: skip
+    "temperature_nan": (
+        "--rollout.temperature nan -> one line (not 'lower --actor.lr' later)",
+        bad_flag("--rollout.temperature", "nan", phrases=("--rollout.temperature nan", "finite")),
+        120,
+    ),
+    "kl_coef_inf_ppo": (
+        "ppo.py --kl-coef inf (a recipe's own flag) -> one line",
+        bad_flag("--kl-coef", "inf", phrases=("--kl-coef inf", "finite"), recipe_name="ppo"),
+        120,
+    ),
     "megatron_tp_mismatch": (
         "--trainer.engine megatron --trainer.tp-size 2 --trainer.n-workers 3 -> one line, before Ray starts",
         bad_flag(
