@@ -255,6 +255,17 @@ def judge_special_tokens(tmp: Path):
     return f"{n} control tokens from the response" if n else None
 
 
+def no_deprecation_warning(tmp: Path):
+    """The default run (2 steps, every warning shown: -W always) prints no DeprecationWarning or FutureWarning (issue 34:
+    transformers 5.24 deprecated forward's `past_key_values` for `cache`, and warned at every generation)."""
+    args = [PY, "-W", "always", str(ROOT / "recipes" / "grpo.py"), "--trainer.total-training-steps", "2"]
+    out = subprocess.run([*args, "--trainer.default-local-dir", str(tmp / "out")], capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        return f"exit status {out.returncode}: {out.stderr[-300:]!r}"
+    lines = [line for line in out.stderr.splitlines() if "Deprecat" in line or "FutureWarning" in line or "deprecated" in line]
+    return f"{len(lines)} warning line(s), first: {lines[0][:200]!r}" if lines else None
+
+
 PAYLOAD = """
 import os
 class Payload:
@@ -505,6 +516,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         judge_special_tokens,
         120,
     ),
+    "no_deprecation_warning": ("the default run (2 steps, -W always) prints no deprecation warning", no_deprecation_warning, 360),
     "sandbox_environ": ("sandboxed code reads its parents' /proc/PID/environ -> no secret printed", sandbox_environ, 120),
     "sandbox_chmod": ("sandboxed code chmods/utimes a file outside its temp dir -> unchanged", sandbox_chmod, 120),
     "owner_sigkill": ("the owner of a running sandbox job is SIGKILLed -> its processes are gone within 10 s", owner_sigkill, 180),
