@@ -429,10 +429,27 @@ def cli_view(config_cls):
     return view_cls, to_config
 
 
+def check_finite(cfg, prefix: str = "--") -> None:
+    """Every float flag of a recipe's Config (its sections' too, and floats in tuple flags) must be finite: a NaN or
+    inf (tyro reads "nan", "inf") would surface steps later as a non-finite loss ("lower --actor.lr")."""
+    import dataclasses
+    import math
+
+    from rlkit.errors import ConfigError
+
+    for f in dataclasses.fields(cfg):
+        value, flag = getattr(cfg, f.name), prefix + f.name.replace("_", "-")
+        if dataclasses.is_dataclass(value):
+            check_finite(value, flag + ".")
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (tuple, list)) else [value])):
+            raise ConfigError(f"{flag} {value}: must be a finite number")
+
+
 def check_flags(cfg) -> None:
     """Refuse flag values that cannot train, each with one line naming the flag and the fix (cfg: any recipe's Config)."""
     from rlkit.errors import ConfigError
 
+    check_finite(cfg)
     d, a = cfg.data, cfg.actor
     r, reward = getattr(cfg, "rollout", RolloutConfig()), getattr(cfg, "reward", RewardConfig())  # rm.py: none
     positive = {

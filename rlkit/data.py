@@ -235,6 +235,8 @@ def build_prompts(
             '[{"role": "user", "content": "..."}] so that its chat template applies (strings are only for models without one)'
         )
     mm = None
+    if "image" in cols and "images" not in cols:
+        raise ConfigError(f"{where}: column 'image' is not read; name it 'images' (per row a list of images, verl's format)")
     if "images" in cols:  # verl's multimodal rows: the model's processor renders text and pixels (rlkit/vlm.py)
         from rlkit import vlm
 
@@ -349,10 +351,18 @@ class DifficultySampler:
         return {**shares, "sampler/seen": seen}
 
     def state_dict(self) -> dict:
-        return {"pass_rate": dict(self.pass_rate), "draws": self.draws}
+        return {"pass_rate": dict(self.pass_rate), "draws": self.draws, "size": self.size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.pass_rate = {int(k): float(v) for k, v in state["pass_rate"].items()}
+        pass_rate = {int(k): float(v) for k, v in state["pass_rate"].items()}
+        outside = [i for i in pass_rate if not 0 <= i < self.size]
+        if state.get("size", self.size) != self.size or outside:  # the data changed: its indices name other prompts, or none
+            saved = f"{state['size']} prompts" if state.get("size", self.size) != self.size else f"a pass rate of prompt {max(outside)}"
+            raise ConfigError(
+                f"cannot resume --data.sampler difficulty: the checkpoint holds {saved}, the training set has {self.size} "
+                "prompts (the data changed since it was saved); resume with the same --data.train-files, or start a new run"
+            )
+        self.pass_rate = pass_rate
         self.draws = self.recorded = state["draws"]
 
 

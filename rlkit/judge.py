@@ -9,13 +9,16 @@ Two ways to read the verdict:
     mode "p_yes":  score = P(yes) / (P(yes) + P(no)) from the logits of the judge's next token after the prompt
                    (one forward pass, no sampling, no text to parse);
     mode "parse":  the judge writes (greedy, max_new_tokens); `parse_score` reads a score from that text in the
-                   sandbox (rlkit/sandbox.py), like every scorer that parses model text: the last number, over
-                   `scale` or its own "/N", clipped to [0, 1], else a leading yes/no; no verdict: NaN (an error
-                   RewardFn counts, or raises on).
+                   sandbox (rlkit/sandbox.py), like every scorer that parses model text, strictly: a leading yes/no,
+                   else the last "x/N" or "x out of N", else the last number over `scale`; a score outside [0, 1]
+                   or no verdict: NaN (an error RewardFn counts, or raises on).
 
 Batches are left-padded with explicit position ids, so a row's score does not depend on its batch (tested:
-batched == one by one). The model runs in the trainer's process (like a reward model): only the text parsing
-is sandboxed. To use it in a recipe, put it in a file and pass that file's function with --reward.custom-fn::
+batched == one by one); only the last position's logits are computed (logits_to_keep=1). The special tokens of
+the judge's tokenizer (<|im_end|>, ...) written in a question, response or reference are broken with a zero-width
+space before templating, so model-written text cannot close the judge's turn. The model runs in the trainer's
+process (like a reward model), on `device` (CPU unless told: said once when it loads); only the text parsing is
+sandboxed. To use it in a recipe, put it in a file and pass that file's function with --reward.custom-fn::
 
     # my_judge.py
     from rlkit.judge import Judge
@@ -31,26 +34,33 @@ from rlkit.errors import ConfigError
 from rlkit.rewards import batched
 
 DEFAULT_TEMPLATE = "Question: {question}\nReference: {reference}\nResponse: {response}\nIs the response correct? yes or no"
-_NUMBER = re.compile(r"(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+(?:\.\d+)?))?")
+_NUMBER = r"-?\d+(?:\.\d+)?"
+_RATING = re.compile(rf"({_NUMBER})\s*(?:/|\bout of\b)\s*({_NUMBER})", re.IGNORECASE)
 _VERDICT = re.compile(r"^\W*(yes|no)\b", re.IGNORECASE)
-MAX_PARSE_CHARS = 2000  # the judge's text is cut to its last 2000 characters before parsing
+MAX_PARSE_CHARS = 2000  # numbers are read from the judge's last 2000 characters, the verdict from its first 100
 
 
 def parse_score(text: str, scale: float = 10.0) -> float:
-    """A judge's text -> a score in [0, 1]: the last number (over its own "/N", else over `scale`), clipped to [0, 1];
-    without a number, a leading "yes" (1.0) or "no" (0.0); ValueError when there is neither.
+    """A judge's text -> a score in [0, 1], strictly: a leading "yes" (1.0) or "no" (0.0); else the last rating
+    "x/N" or "x out of N" (x/N); else the last number over `scale`. ValueError when there is none, or the score
+    is outside [0, 1] (not a score on this scale).
 
-    "Score: 7" -> 0.7, "8/10" -> 0.8, "4 out of 5 ... 3/4" -> 0.75, "Yes." -> 1.0, "12" -> 1.0 (clipped).
+    "Yes." -> 1.0, "No. The correct answer is 42." -> 0.0, "Rating: 2 out of 10" -> 0.2, "8/10" -> 0.8,
+    "4 out of 5 ... 3/4" -> 0.75, "Score: 7" -> 0.7, "12", "-3", "7/0" -> ValueError.
     """
-    text = str(text)[-MAX_PARSE_CHARS:]
-    numbers = _NUMBER.findall(text)
-    if numbers:
-        value, over = numbers[-1]
-        return min(max(float(value) / (float(over) if over and float(over) > 0 else scale), 0.0), 1.0)
-    m = _VERDICT.match(text)
+    text = str(text)
+    m = _VERDICT.match(text[:100])
     if m:
         return 1.0 if m.group(1).lower() == "yes" else 0.0
-    raise ValueError(f"no score in the judge's text {text[:80]!r}")
+    tail = text[-MAX_PARSE_CHARS:]
+    ratings = [(float(x), float(n)) for x, n in _RATING.findall(tail)]
+    numbers = re.findall(_NUMBER, tail)
+    if not ratings and not numbers:
+        raise ValueError(f"no score in the judge's text {text[:80]!r}")
+    value, over = ratings[-1] if ratings else (float(numbers[-1]), scale)
+    if not 0 <= value <= over:
+        raise ValueError(f"no score in the judge's text {text[:80]!r}: {value:g} is outside [0, {over:g}]")
+    return value / over
 
 
 def question_of(prompt) -> str:
@@ -86,7 +96,7 @@ class Judge:
             raise ConfigError(f"Judge batch_size {batch_size}: must be at least 1")
         self.model_path, self.template, self.mode, self.yes, self.no = model_path, template, mode, yes, no
         self.batch_size, self.max_new_tokens, self.scale, self.chat, self.device = batch_size, max_new_tokens, scale, chat, device
-        self.model = self.tokenizer = self.pool = None
+        self.model = self.tokenizer = self.pool = self._special = None
 
     def load(self) -> Judge:
         """Load the model and tokenizer (once)."""
@@ -97,14 +107,23 @@ class Judge:
             if self.tokenizer.pad_token_id is None:
                 self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path).to(self.device).eval()
+            print(f"judge: {self.model_path} on {self.device} (mode {self.mode}; Judge(device=...) to move it)", flush=True)
+            special = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)  # <|im_end|>, <|im_start|>, ...
+            self._special = re.compile("|".join(map(re.escape, special))) if special else None
             ids = [self.tokenizer(w, add_special_tokens=False)["input_ids"] for w in (self.yes, self.no)]
             if self.mode == "p_yes" and any(len(i) != 1 for i in ids):
                 raise ConfigError(f"Judge yes={self.yes!r} / no={self.no!r} must be one token each for this tokenizer, got {ids}")
             self.yes_id, self.no_id = ids[0][0], ids[1][0]
         return self
 
+    def escape(self, text) -> str:
+        """`text` with every special token of the judge's tokenizer broken by a zero-width space after its first
+        character: it reads the same, but tokenizes as text, not as the control token."""
+        return self._special.sub(lambda m: m[0][0] + "\u200b" + m[0][1:], text) if isinstance(text, str) and self._special else text
+
     def render(self, question: str, response: str, reference) -> str:
-        """The judge's prompt text for one response."""
+        """The judge's prompt text for one response (the three fields escaped: `escape`)."""
+        question, response, reference = map(self.escape, (question, response, reference))
         text = self.template.format(question=question, response=response, reference=reference)
         if self.chat and getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)

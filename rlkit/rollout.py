@@ -110,6 +110,13 @@ def cast_cache(dtype: torch.dtype | None, config):
     return CastCache(config=config)
 
 
+def cache_arg(model) -> str:
+    """The forward's keyword (and output key) for the KV cache: `cache` from transformers 5.24 on, where
+    `past_key_values` warns that it is deprecated; `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's forward takes **kwargs
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 @functools.cache
 def growing_layer_class():
     """GrowingLayer: a KV-cache layer (transformers' DynamicLayer, imported lazily as everywhere in rlkit) whose keys and
@@ -250,6 +257,7 @@ class HFRollout:
 
         self.vlm = vlm.is_vlm(model.config)  # images: M-RoPE positions from the model, vision tokens banned
         self.banned = vlm.vision_token_ids(model.config) if self.vlm else []
+        self.cache_arg = cache_arg(model)
 
     def fast_loop_applies(self, capacity: int):
         """A GrowingLayer cache of `capacity` positions when the fast loop can stand in for generate (impl fast, plain
@@ -287,9 +295,9 @@ class HFRollout:
             position_ids=(head_mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
             logits_to_keep=1,
-            past_key_values=cache if cache is not None else cast_cache(self.kv_dtype, self.model.config),
+            **{self.cache_arg: cache if cache is not None else cast_cache(self.kv_dtype, self.model.config)},
         )
-        cache = out.past_key_values
+        cache = out.get(self.cache_arg)
         if not hasattr(cache, "batch_repeat_interleave"):
             if not self._warned:
                 self._warned = True
@@ -361,7 +369,7 @@ class HFRollout:
         cache = None if self.vlm else self.shared_prefill(ids, mask)  # a VLM: 1-D prefill positions would be wrong
         if cache is None:
             cache = cast_cache(self.kv_dtype, self.model.config)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, return_dict_in_generate=True, **kwargs)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **{self.cache_arg: cache}, return_dict_in_generate=True, **kwargs)
         resp = out.sequences[:, ids.shape[1] :].cpu()
         width = resp.shape[1]
         if width < max_new_tokens:  # every row stopped early: pad to a fixed width
@@ -410,7 +418,7 @@ class HFRollout:
                 input_ids=tokens,
                 attention_mask=attn[:, : P + t],
                 position_ids=pos,
-                past_key_values=cache,
+                **{self.cache_arg: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )

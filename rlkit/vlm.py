@@ -26,6 +26,7 @@ sequences out with 1-D positions, so they are off for these models (said once at
 from __future__ import annotations
 
 import io
+import os
 import re
 import warnings
 
@@ -53,15 +54,22 @@ def vision_token_ids(config) -> list[int]:
 
 
 def decode_image(value):
-    """A PIL RGB image from PNG/JPEG bytes, {"bytes": ...} (datasets' Image feature), a path, or a PIL image."""
+    """A PIL RGB image from PNG/JPEG bytes, {"bytes": ...} (datasets' Image feature), a path, or a PIL image.
+
+    A path is opened as given (relative to the working directory) and must be a regular file. PIL's decompression-bomb
+    warning (over Image.MAX_IMAGE_PIXELS, 89M pixels) is an error here: the processor would resize it in memory."""
     from PIL import Image
 
     if isinstance(value, dict):
         value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return Image.open(io.BytesIO(value)).convert("RGB")
-    if isinstance(value, str):
-        return Image.open(value).convert("RGB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        if isinstance(value, (bytes, bytearray)):
+            return Image.open(io.BytesIO(value)).convert("RGB")
+        if isinstance(value, str):
+            if not os.path.isfile(value):
+                raise FileNotFoundError("no such file")
+            return Image.open(value).convert("RGB")
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     raise TypeError(f"cannot read an image from a {type(value).__name__}; store PNG bytes or {{'bytes': ...}}")
@@ -155,15 +163,21 @@ def render(processor, prompts: list, images: list) -> tuple[list[list[int]], np.
 
     prompts: chat messages with `<image>` placeholders (or typed parts); images: per row a list of images (bytes,
     {"bytes": ...}, PIL) in placeholder order."""
+    from rlkit.errors import ConfigError
+
     ids, mm = [], np.empty(len(prompts), dtype=object)
+    tokens = [t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t]
     for i, (messages, imgs) in enumerate(zip(prompts, images)):
         messages = image_messages(list(messages))
-        imgs = [decode_image(x) for x in (imgs if imgs is not None else [])]
+        imgs = [_read(x, i, j) for j, x in enumerate(imgs if imgs is not None else [])]
         want = count_images(messages)
         if want != len(imgs):
-            from rlkit.errors import ConfigError
-
             raise ConfigError(f"row {i}: the prompt has {want} {PLACEHOLDER} placeholder(s) but the images column holds {len(imgs)}")
+        literal = next((t for t in tokens if t in str(messages)), None)
+        if literal:  # the processor would expand it as an image with no pixels (StopIteration), or the model fail later
+            raise ConfigError(
+                f"row {i}: the prompt's text holds the model's vision token {literal}; remove it (mark an image with {PLACEHOLDER})"
+            )
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         enc = processor(text=[text], images=imgs or None, return_tensors="pt")
         ids.append(enc["input_ids"][0].tolist())
@@ -173,6 +187,20 @@ def render(processor, prompts: list, images: list) -> tuple[list[list[int]], np.
             else {"pixel_values": torch.zeros(0), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
         )
     return ids, mm
+
+
+def _read(value, row: int, index: int):
+    """decode_image, with a one-line error naming the row, the image and the file (or the bytes' size)."""
+    from rlkit.errors import ConfigError
+
+    try:
+        return decode_image(value)
+    except Exception as e:  # noqa: BLE001 - PIL raises many types on bad data; every one is the data's problem
+        v = value.get("bytes") if isinstance(value, dict) and value.get("bytes") is not None else value
+        v = v.get("path") if isinstance(v, dict) else v
+        what = f"{len(v)} bytes" if isinstance(v, (bytes, bytearray)) else str(v)[:200]
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise ConfigError(f"row {row}: image {index} ({what}) is not a readable image ({why}); store PNG or JPEG bytes") from None
 
 
 def _image_only(cls):

@@ -182,6 +182,21 @@ def test_hf_backend_rollout_log_probs_match_a_forward_pass_across_holes(tok):
     assert (out["rollout_log_probs"][~mask] == 0).all()
 
 
+def test_hf_sampler_keeps_each_rows_own_budget(tok):
+    """One generate call for rows with budgets 2 and 9 (the longest): each row gets at most its own (a model pushed
+    never to stop, so the cut is the sampler's), ids and log-probs alike."""
+    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    hook = model.lm_head.register_forward_hook(
+        lambda m, i, out: out.index_add(-1, torch.tensor([5]), torch.full((*out.shape[:-1], 1), 100.0))
+    )
+    try:
+        sample = agent.hf_sampler(HFRollout(model, tok, "cpu"), temperature=1.0)
+        (ids_a, lp_a), (ids_b, lp_b) = sample([[7, 8, 9], [6]], [2, 9])
+    finally:
+        hook.remove()
+    assert (ids_a, ids_b) == ([5] * 2, [5] * 9) and (len(lp_a), len(lp_b)) == (2, 9)
+
+
 @pytest.mark.parametrize(
     "expr, expected", [("123*456", "56088"), ("(2+3)**2", "25"), ("-7//2", "-4"), ("1/4", "0.25"), (" 10 % 3 ", "1"), ("6/3", "2")]
 )

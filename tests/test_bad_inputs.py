@@ -6,6 +6,7 @@ unbounded work), the async generation worker's hang/stop/kill messages, and the 
 """
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import random
@@ -23,7 +24,7 @@ from test_grpo_recipe import ROOT, _row, _write_parquet, load_recipe
 from rlkit import agent, checkpoint, tools
 from rlkit.async_rollout import Rollouts
 from rlkit.config import RewardConfig
-from rlkit.errors import RunFailed, UserError
+from rlkit.errors import ConfigError, RunFailed, UserError
 from rlkit.rewards import RewardFn, time_limit
 
 FIXTURE = ROOT / "tests" / "fixtures" / "my_reward.py"
@@ -98,7 +99,6 @@ CASES = {
         lambda c, t: setattr(c.rollout, "temperature", 0.0),
         ["--rollout.temperature 0.0", "temperature > 0", "--rollout.val-temperature"],
     ),
-    "temperature_nan": (lambda c, t: setattr(c.rollout, "temperature", float("nan")), ["--rollout.temperature nan"]),
     "reward_file_import_error": (
         lambda c, t: (
             (t / "bad_reward.py").write_text("import no_such_module_xyz\n") and setattr(c.reward, "custom_fn", f"{t}/bad_reward.py:score")
@@ -122,6 +122,12 @@ CASES = {
     # issue #21: before the model loads (and before Ray starts)
     "grad_clip_0": (lambda c, t: setattr(c.actor, "grad_clip", 0.0), ["--actor.grad-clip 0.0", "must be > 0", "zero every update"]),
     "grad_clip_negative": (lambda c, t: setattr(c.actor, "grad_clip", -1.0), ["--actor.grad-clip -1.0", "reverse it"]),
+    "temperature_nan": (lambda c, t: setattr(c.rollout, "temperature", math.nan), ["--rollout.temperature nan", "finite"]),
+    "kl_loss_coef_inf": (lambda c, t: setattr(c.actor, "kl_loss_coef", math.inf), ["--actor.kl-loss-coef inf", "finite"]),
+    "sampler_weights_nan": (
+        lambda c, t: setattr(c.data, "sampler_weights", (0.2, math.nan, 0.2)),
+        ["--data.sampler-weights (0.2, nan, 0.2)", "finite"],
+    ),
     "async_steps_negative": (lambda c, t: setattr(c.trainer, "async_steps", -1), ["--trainer.async-steps -1", ">= 0"]),
     "async_workers_0": (
         lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "async_workers", 0)),
@@ -192,6 +198,29 @@ def test_bad_input_stops_with_one_line_naming_flag_or_file(tmp_path, case, monke
     assert "\n" not in message, message
     for phrase in phrases:
         assert phrase in message, (phrase, message)
+
+
+@pytest.mark.parametrize("recipe, field", [("ppo", "kl_coef"), ("opd", "kl_coef"), ("rm", "center_coef")])
+def test_a_nan_or_inf_in_a_recipes_own_float_flag_is_refused_in_one_line(recipe, field):
+    """Not only the shared sections: every float of a recipe's Config (issue 34: --kl-coef / --center-coef nan stopped
+    later with "lower --actor.lr")."""
+    from rlkit.config import check_finite
+
+    for bad in (math.nan, math.inf, -math.inf):
+        cfg = load_recipe(recipe).Config()
+        setattr(cfg, field, bad)
+        with pytest.raises(ConfigError, match=f"^--{field.replace('_', '-')} {bad}: must be a finite number$"):
+            check_finite(cfg)
+    check_finite(load_recipe(recipe).Config())  # the defaults pass
+
+
+def test_the_critics_grad_clip_is_checked_too():
+    from rlkit import preflight
+
+    cfg = load_recipe("ppo").Config()
+    cfg.critic.grad_clip = 0.0
+    with pytest.raises(ConfigError, match=r"--critic.grad-clip 0.0"):
+        preflight.check_grad_clip(cfg)
 
 
 def test_nan_policy_skip_stops_after_k_skipped_steps(tmp_path, monkeypatch):

@@ -146,3 +146,37 @@ def test_fast_equals_generate_on_a_lora_model(tok, prompt_set):
                 p.normal_(0, 0.1)
     rows = prompt_set.batch([0, 1, 2, 3], tok.pad_token_id).repeat(3, interleave=True)
     assert_same(*both(eng.model, eng.tokenizer, rows, temperature=1.5, autocast=eng.autocast))
+
+
+def test_the_kv_cache_goes_by_the_name_the_models_forward_takes(tiny, tok, prompt_set):
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns on every call: issue 34's
+    deprecation warning on the default run). A model whose forward takes `cache` only (refusing the old name) samples
+    what the plain model does, with the fast loop and each group's shared prefill, so the cache reached it by its name."""
+    from dataclasses import dataclass
+
+    from transformers.utils import ModelOutput
+
+    from rlkit.rollout import cache_arg
+
+    @dataclass
+    class Out(ModelOutput):
+        logits: torch.Tensor | None = None
+        cache: object = None
+
+    class NewNames(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, logits_to_keep=0, **kwargs):
+            assert "past_key_values" not in kwargs, "the deprecated name was passed"
+            kwargs.update(attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, logits_to_keep=logits_to_keep)
+            out = super().forward(input_ids=input_ids, past_key_values=cache, **kwargs)
+            return Out(logits=out.logits, cache=out.past_key_values)
+
+    new = NewNames(tiny.config).eval()
+    new.load_state_dict(tiny.state_dict())
+    assert (cache_arg(tiny), cache_arg(new)) == ("past_key_values", "cache")
+    rows = prompt_set.batch([0, 1, 2, 3], tok.pad_token_id).repeat(4, interleave=True)
+    torch.manual_seed(3)
+    a = HFRollout(tiny, tok, "cpu").generate(rows, 10, temperature=1.0, return_log_probs=True)
+    torch.manual_seed(3)
+    b = HFRollout(new, tok, "cpu").generate(rows, 10, temperature=1.0, return_log_probs=True)
+    for k in (*KEYS, "rollout_log_probs"):
+        assert torch.equal(a[k], b[k]), k

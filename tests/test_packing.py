@@ -70,13 +70,18 @@ def test_pack_lays_out_a_shared_prompt_once_and_masks_other_responses():
 def test_split_by_tokens_counts_real_tokens_and_a_prompt_once_per_micro_batch():
     b = make_batch(50)
     costs_resp = b["attention_mask"][:, P:].sum(-1).tolist()
-    spans = packing.split_by_tokens(b["input_ids"], b["attention_mask"], P, True, budget=20)
-    assert spans[0][0] == 0 and spans[-1][1] == len(b) and all(a < c for a, c in spans)
     plen = b["attention_mask"][:, :P].sum(-1).tolist()
-    for a, c in spans:  # every micro-batch within the budget, the shared prompt counted once per group present
-        groups = {i // N for i in range(a, c)}
-        cost = sum(costs_resp[a:c]) + sum(plen[g * N] for g in groups)
-        assert cost <= 20 or c - a == 1
+    cut_mid_group = 0
+    for budget in range(4, 40):  # every budget: some cut a group, and the next micro-batch pays its prompt again
+        spans = packing.split_by_tokens(b["input_ids"], b["attention_mask"], P, True, budget=budget)
+        assert spans[0][0] == 0 and spans[-1][1] == len(b) and all(a < c for a, c in spans)
+        assert all(c == a2 for (_, c), (a2, _) in zip(spans, spans[1:]))
+        for a, c in spans:  # every micro-batch within the budget, the shared prompt counted once per group present
+            groups = {i // N for i in range(a, c)}
+            cost = sum(costs_resp[a:c]) + sum(plen[g * N] for g in groups)
+            assert cost <= budget or c - a == 1, (budget, a, c, cost)
+            cut_mid_group += a % N != 0
+    assert cut_mid_group > 10
     assert packing.split_by_tokens(b["input_ids"], b["attention_mask"], P, True, budget=10**6) == [(0, len(b))]
 
 

@@ -102,3 +102,38 @@ def test_a_sampler_is_found_by_its_batches_key_while_its_loader_lives_and_not_af
     assert key not in data.SAMPLERS  # no leak: the registry does not keep a finished run's sampler
     m = loop.record_groups(batch, torch.tensor([1.0, 1.0]))  # its key gone: the groups are still reported
     assert m == {"sampler/zero_var_share": 1.0}
+
+
+def test_a_resume_on_changed_data_is_refused_in_one_line():
+    """The data file shrank (or grew) at the same path, or the state names a prompt the set lacks: a ConfigError, not an
+    IndexError at the first draw."""
+    a = DifficultySampler(50, seed=1)
+    a.draws = 1
+    a.record([3, 3, 49, 49], torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    for size in (40, 60):  # shrank (prompt 49 gone) / grew (the indices name other prompts)
+        with pytest.raises(ConfigError, match=f"the checkpoint holds 50 prompts, the training set has {size} prompts"):
+            DifficultySampler(size, seed=1).load_state_dict(a.state_dict())
+    old = {"pass_rate": {"3": 0.5, "70": 1.0}, "draws": 1}  # no size saved (an earlier checkpoint), a key out of range
+    with pytest.raises(ConfigError, match="a pass rate of prompt 70, the training set has 50 prompts"):
+        DifficultySampler(50).load_state_dict(old)
+    with pytest.raises(ConfigError, match="a pass rate of prompt -1"):
+        DifficultySampler(50).load_state_dict({"pass_rate": {-1: 0.5}, "draws": 1, "size": 50})
+
+
+def test_hard_and_easy_weights_apply_to_their_pools_and_too_few_weighted_prompts_are_topped_up():
+    s = DifficultySampler(4, weights=(1.0, 0.0, 0.0), seed=0)  # only the hard pool is drawn
+    s.pass_rate = {0: 0.0, 1: 1.0, 2: 0.5}  # hard, easy, normal; 3 unseen (normal)
+    for _ in range(10):
+        assert s.draw(1) == [0]
+        s.recorded = s.draws
+    s = DifficultySampler(5, weights=(0.0, 0.0, 1.0), seed=0)
+    s.pass_rate = {0: 0.0, 1: 1.0, 2: 0.5}  # 3, 4 unseen
+    assert s.draw(1) == [1]
+    s.recorded = s.draws
+    seen = set()
+    for _ in range(100):  # one prompt keeps a weight, three are asked for: the rest are topped up uniformly
+        drawn = s.draw(3)
+        s.recorded = s.draws
+        assert 1 in drawn and len(set(drawn)) == 3
+        seen.update(drawn)
+    assert seen == {0, 1, 2, 3, 4}  # (torch alone fills with the same zero-weight prompts every time: the highest indices)

@@ -43,6 +43,16 @@ def test_split_pays_counts_pairs_and_calls_by_hand():
     assert not packing.split_pays(packing.Spans([runs], {}), 275, 256)
 
 
+def test_split_pays_charges_each_response_its_prompt_keys(monkeypatch):
+    """The by-hand row above at a threshold between its true saving (15 pairs computed: 320 FLOPs over 3 calls) and the
+    saving with the responses' prompt keys forgotten (9 pairs: 512 FLOPs)."""
+    s = packing.Spans([[("prompt", 0, 2), ("response", 2, 4, 0, 2), ("response", 4, 5, 0, 2)]], {})
+    monkeypatch.setattr(packing, "SPLIT_MIN_FLOPS_PER_CALL", 100)  # 300 to beat: 320 does
+    assert packing.split_pays(s, 5, 8)
+    monkeypatch.setattr(packing, "SPLIT_MIN_FLOPS_PER_CALL", 110)  # 330 to beat: 320 does not (512 would)
+    assert not packing.split_pays(s, 5, 8)
+
+
 @pytest.fixture(scope="module")
 def engine():
     torch.manual_seed(0)

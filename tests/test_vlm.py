@@ -75,8 +75,10 @@ def test_rollout_never_samples_a_vision_token(processor, model):
     )
     try:
         out = HFRollout(model, tok, torch.device("cpu")).generate(prompts.repeat(2), max_new_tokens=4, temperature=1.0)
-        banned = torch.tensor(vlm.vision_token_ids(model.config))
-        assert not torch.isin(out["responses"], banned).any()
+        vision = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # from the tokenizer, not vlm.py
+        banned = torch.tensor(tok.convert_tokens_to_ids(vision))
+        assert pad in banned.tolist() and not torch.isin(out["responses"], banned).any()
+        assert vlm.vision_token_ids(model.config) == sorted(banned.tolist())
         extra = vlm.model_inputs(prompts, input_ids, model.config, "cpu")
         free = model.generate(
             input_ids=input_ids, attention_mask=attn, **extra, max_new_tokens=1, do_sample=True, pad_token_id=tok.pad_token_id
@@ -270,3 +272,55 @@ def test_rows_with_two_one_and_no_images_collate_and_split_back(processor):
     back = vlm.split_by_image(cat["pixel_values"], cat["image_grid_thw"], [2, 0, 1])
     for b, m in zip(back, mm):
         assert torch.equal(b["pixel_values"], m["pixel_values"].reshape(-1, cat["pixel_values"].shape[1]))
+
+
+def test_undecodable_images_and_literal_vision_tokens_are_one_line_errors_naming_the_row(processor, tmp_path):
+    """FAIL 13/14 of issue 34: garbage bytes, a decompression-bomb header, a path to a non-image or to no file, and a
+    prompt holding the literal <|image_pad|> end in a ConfigError naming the row (and the file), not a PIL traceback
+    or a bare StopIteration from the processor."""
+    import struct
+    import zlib
+
+    from rlkit.errors import ConfigError
+
+    rows = rows_with_distinct_images(2)
+    prompts, good = [r["prompt"] for r in rows], [r["images"] for r in rows]
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not an image")
+    ihdr = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)  # a PNG header claiming 20000 x 20000 = 400M pixels
+    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))  # noqa: E731
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+    cases = [
+        (b"\x00garbage" * 10, r"image 0 \(80 bytes\) is not a readable image"),
+        ({"bytes": bomb}, r"image 0 \(\d+ bytes\) is not a readable image \(DecompressionBomb"),
+        (str(text_file), rf"image 0 \({text_file}\) is not a readable image"),
+        (
+            {"bytes": None, "path": str(tmp_path / "gone.png")},
+            r"image 0 \(.*gone.png\) is not a readable image \(FileNotFoundError: no such file\)",
+        ),
+    ]
+    for bad, match in cases:
+        with pytest.raises(ConfigError, match=rf"^row 1: {match}"):
+            vlm.render(processor, prompts, [good[0], [bad]])
+    pad = [{"role": "user", "content": "<image>Name the colours.<|image_pad|>"}]
+    with pytest.raises(ConfigError, match=r"^row 1: the prompt's text holds the model's vision token <\|image_pad\|>"):
+        vlm.render(processor, [prompts[0], pad], good)
+    with pytest.raises(ConfigError, match=r"^row 0: the prompt's text holds .*<\|video_pad\|>"):
+        vlm.render(processor, [[{"role": "user", "content": "What is <|video_pad|>?"}]], [[]])
+
+
+def test_an_image_column_not_named_images_is_refused_with_a_hint(tmp_path):
+    import datasets
+
+    from rlkit.config import DataConfig
+    from rlkit.data import build_prompts
+    from rlkit.engine import load_tokenizer
+    from rlkit.errors import ConfigError
+
+    rows = rows_with_distinct_images(2)
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list([{**{k: v for k, v in r.items() if k != "images"}, "image": r["images"][0]} for r in rows]).to_parquet(
+        str(path)
+    )
+    with pytest.raises(ConfigError, match="column 'image' is not read; name it 'images'"):
+        build_prompts([str(path)], load_tokenizer(str(embedded_vlm.MODEL_DIR)), DataConfig(train_files=[str(path)], val_files=[]))
