@@ -201,12 +201,14 @@ class Setup:
     first_step: bool = False  # step 1's generation and log-prob passes: AdamW's moments are not allocated yet (lazily, at the first step)
 
 
-def logits_bytes(s: Setup, phase: str, compute: int, positions: int, vocab: int, code: str | None = None, chunk: int = CHUNK) -> float:
+def logits_bytes(
+    s: Setup, phase: str, compute: int, positions: int, vocab: int, code: str | None = None, chunk: int | None = None
+) -> float:
     """The logits term of a pass: LOGITS' (a, b, f, k) at `positions` read x `vocab` (this GPU's share); `chunk`: the
     chunked passes' buffer size (a GPU's by default)."""
     a, b, f, k = LOGITS[code or s.code][(phase, s.entropy)]
     u = positions * vocab * 4
-    return a * u + b * u * compute / 4 + (f * u if compute < 4 else 0) + k * min(chunk, u)  # a chunk is at most the logits
+    return a * u + b * u * compute / 4 + (f * u if compute < 4 else 0) + k * min(chunk or CHUNK, u)  # a chunk is at most the logits
 
 
 def predict(s: Setup, gpu_gb: float) -> dict:
