@@ -109,12 +109,13 @@ def flash_attn_problem() -> str | None:
     return None
 
 
-def resolve_attn_implementation(name: str, device: torch.device) -> str:
-    """'auto' -> flash_attention_2 on CUDA when flash-attn imports with its kernel (flash_attn_problem), else sdpa (with one
-    line saying why when flash-attn is installed but broken); otherwise as given."""
+def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """'auto' -> flash_attention_2 on CUDA with 16-bit compute when flash-attn imports with its kernel (flash_attn_problem),
+    else sdpa (with one line saying why when flash-attn is installed but broken); otherwise as given. FlashAttention
+    refuses float32 inputs: float32 compute (--model.dtype float32, the Megatron engine's HF generation copy) gets sdpa."""
     if name != "auto":
         return name
-    if device.type != "cuda":
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
     why = flash_attn_problem()
     if why is None:
@@ -400,7 +401,7 @@ class TorchEngine:
         # FSDP (wrap) has its own mixed precision policy, LoRA trains float32 adapters on a frozen base
         self.master_fp32 = actor_cfg is not None and not self.lora and wrap is None and self.dtype in (torch.bfloat16, torch.float16)
         self.param_dtype = torch.float32 if self.master_fp32 else self.dtype
-        self.attn_implementation = resolve_attn_implementation(model_cfg.attn_implementation, self.device)
+        self.attn_implementation = resolve_attn_implementation(model_cfg.attn_implementation, self.device, self.dtype)
         # FSDP: load in CPU memory; sharding moves each process's 1/N to its GPU (no full copy, no reference copy on the GPU)
         load_on = torch.device("cpu") if wrap is not None else self.device
         model = load_model(

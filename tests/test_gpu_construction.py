@@ -559,3 +559,18 @@ def test_hf_generation_rows_come_from_free_memory_on_cuda_and_stay_on_cpu(monkey
     worker.rollout_cfg = RolloutConfig(micro_batch_size=16)
     worker.gen_micro_batch = 16
     assert worker.generation_rows(prompts) == 16 and len(asked) == 1
+
+
+def test_flash_attn_is_not_chosen_for_float32_compute(tmp_path, monkeypatch):
+    """N4 (issue #36): FlashAttention refuses float32 inputs, so with flash-attn importable, float32 compute on CUDA
+    (--model.dtype float32; the Megatron engine's HF generation copy, float32 throughout) must get sdpa; bf16 and fp16
+    get flash_attention_2."""
+    from rlkit.engine import resolve_attn_implementation
+
+    monkeypatch.syspath_prepend(_fake_flash_attn(tmp_path, "def flash_attn_varlen_func(*a, **k):\n    pass\n"))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    cuda = torch.device("cuda")
+    assert resolve_attn_implementation("auto", cuda, torch.float32) == "sdpa"
+    assert resolve_attn_implementation("auto", cuda, torch.bfloat16) == "flash_attention_2"
+    assert resolve_attn_implementation("auto", cuda, torch.float16) == "flash_attention_2"
+    assert resolve_attn_implementation("flash_attention_2", cuda, torch.float32) == "flash_attention_2"  # as asked
