@@ -54,6 +54,9 @@ from rlkit.errors import ConfigError, RunFailed
 from rlkit.protocol import DataProto
 
 
+ASYNC_KV_BUDGET_FRACTION = 0.25  # the generation worker's share of the free GPU memory for HF generation (the trainer's: 0.5)
+
+
 class Generator:
     """The generation worker: the trainer's rollout worker (ActorRolloutRefWorker: the same rollout, turn loop,
     micro-batches and reference pass) as a generation-only copy, loaded with the trainer's weights job by job."""
@@ -67,6 +70,9 @@ class Generator:
         rollout_cfg = dataclasses.replace(rollout_cfg, log_probs=True)  # every batch carries mu, rollout_log_probs
         device = trainer_cfg.device
         self.worker = ActorRolloutRefWorker(model_cfg, actor_cfg, rollout_cfg, data_cfg, device, seed, need_ref, trains=False)
+        # Beside the trainer on one GPU, HF generation sizes its calls from a quarter of the free memory, not half: it
+        # measures "free" while the trainer may be between passes, and the trainer's next update needs its peak back.
+        self.worker.kv_budget_fraction = ASYNC_KV_BUDGET_FRACTION
         if agent is not None:  # grpo_tools: the multi-turn turn loop, on this worker's rollout
             self.worker.set_agent(agent)
         torch.manual_seed(seed)

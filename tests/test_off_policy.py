@@ -511,3 +511,26 @@ def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction
     weights, got_mask, metrics = algos.rollout_weights(mb, a)
     assert torch.allclose(weights[0, :2], torch.tensor([2.0, math.exp(-0.5)])) and got_mask is mask  # min(e, 2) = 2
     assert metrics["rollout_corr/abs_diff_max"] == pytest.approx(1.0)
+
+
+def test_the_async_generation_worker_sizes_hf_generation_from_a_quarter_of_free_memory(monkeypatch):
+    """N15 (issue #36): on one GPU the trainer and the async generation worker both sized HF generation from half of the
+    memory free at that moment, so the worker could take what the trainer's next update needs. The worker now takes a
+    quarter: at the same free memory it generates half the rows per call the trainer's own worker would (CUDA emulated:
+    generation_rows reads only the device type and the free memory)."""
+    from rlkit import workers
+    from rlkit.async_rollout import Generator
+    from rlkit.config import TrainerConfig
+    from rlkit.data import build_prompts
+    from rlkit.workers import ActorRolloutRefWorker
+
+    data = DataConfig(max_prompt_length=64, max_response_length=64)
+    gen = Generator(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, TrainerConfig(device="cpu"), need_ref=False)
+    trainer = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, device="cpu")
+    monkeypatch.setattr(workers, "free_device_memory", lambda device: 2**30)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data, max_samples=4).batch(list(range(4)), trainer.tokenizer.pad_token_id)
+    rows = {}
+    for name, w in (("worker", gen.worker), ("trainer", trainer)):
+        w.engine.device = torch.device("cuda")  # the sizing path only
+        rows[name] = w.generation_rows(prompts)
+    assert rows["trainer"] > 100 and abs(rows["worker"] - rows["trainer"] / 2) <= 1, rows
