@@ -53,7 +53,6 @@ import torch
 from rlkit.errors import ConfigError, RunFailed
 from rlkit.protocol import DataProto
 
-
 ASYNC_KV_BUDGET_FRACTION = 0.25  # the generation worker's share of the free GPU memory for HF generation (the trainer's: 0.5)
 
 
