@@ -756,11 +756,21 @@ class TorchEngine:
 
     # -- state ---------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
-        """A Hugging Face folder that `from_pretrained` loads; LoRA is merged into the weights."""
+        """A Hugging Face folder that `from_pretrained` loads; LoRA is merged into the weights: layer by layer in float32,
+        each weight cast once to the base's dtype and moved to the CPU (vllm_rollout.hf_weights), with no second copy of
+        the model on the device (a value model's head, kept by peft's modules_to_save, is merged by a copy of the model)."""
         model = self.model
-        if self.lora:
+        if self.lora and not any("modules_to_save" in k for k in model.state_dict()):
+            from rlkit.vllm_rollout import hf_weights
+
+            base = model.get_base_model()
+            dtypes = {k.replace(".base_layer.", "."): v.dtype for k, v in base.state_dict().items()}
+            state = {k: v.detach().to(dtypes[k]).cpu() for k, v in hf_weights(model)}
+            base.save_pretrained(path, state_dict=state)
+        elif self.lora:
             model = copy.deepcopy(model).merge_and_unload()
-        if self.master_fp32:  # exported in the compute dtype, as the FSDP workers do
+            model.save_pretrained(path)
+        elif self.master_fp32:  # exported in the compute dtype, as the FSDP workers do
             stored, model.config.dtype = model.config.dtype, self.dtype
             try:
                 model.save_pretrained(path, state_dict={k: v.to(self.dtype) for k, v in model.state_dict().items()})
