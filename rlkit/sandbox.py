@@ -22,7 +22,9 @@ itself up. Each job runs in a fork of the worker, so a job that exits, crashes, 
 verifier never affects the next one; the worker kills the job's process group at the wall-clock limit,
 and the trainer kills the worker's whole session if the worker itself stops answering; as pid 1 of its
 namespace the worker then kills whatever the job left (even in a session of its own). Only JSON
-crosses back (never pickle). Levels, weakest first:
+crosses back (never pickle), on an fd no job holds (what preloaded code prints goes to the worker's log): a
+script job sends nothing (its exit status and output files are its result); a function's value is parsed in the
+worker and again in the trainer, bounded (MAX_DEPTH) and caught, a bad one that call's error. Levels, weakest first:
 
     process   separate process + session, wall-clock kill, rlimits (CPU, address space, file size,
               open files, core dumps, processes), fresh temp cwd removed after, clean environment,
@@ -377,13 +379,19 @@ class SandboxPool:
             results[w.job_index] = Result("crash", error=f"the sandbox worker died (status {code})")
             self._replace(w)
             return
-        msg = json.loads(line)
+        msg = parse_message(line)
         if w.state == "starting":
+            if msg is None or ("fatal" not in msg and (msg.get("level") not in LEVELS or not isinstance(msg.get("layers"), list))):
+                self._fail_start(w, f"sent an unreadable first line ({line[:80]!r})")
             if "fatal" in msg:
                 self.close()
                 raise RunFailed(msg["fatal"])
             self._on_hello(msg)
             w.state = "idle"
+            return
+        if msg is None or msg.get("id") != w.job_index or msg.get("status") not in STATUSES:  # not the worker's answer to this job
+            results[w.job_index] = Result("crash", error=f"the sandbox worker sent an unreadable line ({line[:80]!r})")
+            self._replace(w)
             return
         results[w.job_index] = Result(
             **{k: v for k, v in msg.items() if k in Result.__dataclass_fields__ and k != "worker"}, worker=w.proc.pid
@@ -548,6 +556,29 @@ def _jsonable(obj):
     raise TypeError(f"a {type(obj).__name__} is not JSON")
 
 
+MAX_DEPTH = 64  # a job's value nested deeper (lists and dicts) is an error: json's C parser recurses (~1000 levels raise)
+
+
+def depth(obj) -> int:
+    """How deep lists and dicts nest in obj (0 for a scalar), without recursion; stops counting past MAX_DEPTH."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo and deepest <= MAX_DEPTH:
+        o, d = todo.pop()
+        if isinstance(o, (list, dict)):
+            deepest = max(deepest, d)
+            todo += [(v, d + 1) for v in (o.values() if isinstance(o, dict) else o)]
+    return deepest
+
+
+def parse_message(data: bytes) -> dict | None:
+    """A JSON object from a pipe, or None when it is not one or nests over MAX_DEPTH (never raises)."""
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return msg if isinstance(msg, dict) and depth(msg) <= MAX_DEPTH else None
+
+
 # ----------------------------------------------------------------------------- the worker (sandbox side)
 
 # Landlock (linux/landlock.h): filesystem rights that change something, network and scope bits.
@@ -693,6 +724,8 @@ def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
     if pid:  # the outer process: keep nothing the trainer reads (it sees EOF when pid 1 ends), wait, end with it
         os.close(r)
         os.closerange(0, 2)
+        os.closerange(3, w)  # (the channel back too)
+        os.closerange(w + 1, 1 << 16)
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0x7F)
     os.close(w)
@@ -756,6 +789,9 @@ def _worker_main(cfg: dict) -> None:
     """Entry point of a worker process (started by _BOOT): set up, say hello, then run jobs until stdin ends."""
     sys.dont_write_bytecode = True
     die_with_parent(lambda: os.getppid() == cfg["parent"])  # a SIGKILLed trainer takes its workers (and their jobs) along
+    _libc().prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: a job without CAP_SYS_PTRACE cannot open /proc/<worker>/fd/*
+    out = os.fdopen(os.dup(1), "w")  # the channel back, on an fd no job keeps; what anything prints goes to the log
+    os.dup2(2, 1)
     layers = ["process", "session", "clean-env", "temp-dir", "dies-with-parent"]
     fatal = lambda e: json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"})  # noqa: E731
     try:
@@ -781,9 +817,9 @@ def _worker_main(cfg: dict) -> None:
         keep = [os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, *cfg["sys_path"], *files) if p]
         layers += _private_pids_and_mounts(cfg["tmp"], cfg["home"], keep)  # from here on this may be pid 1 of a PID namespace
     except Exception as e:
-        print(fatal(e), flush=True)
+        out.write(fatal(e) + "\n")
+        out.flush()
         return
-    out = os.fdopen(os.dup(1), "w")  # the channel back; fds 0/1 are taken away from jobs
     try:
         layers += _set_limits(cfg["limits"])
         if _drop_capabilities():
@@ -800,7 +836,7 @@ def _worker_main(cfg: dict) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         result = _run_job(job, cfg, nested_landlock)
-        out.write(json.dumps(result, default=str) + "\n")
+        out.write(json.dumps({"id": job["id"], **result}, default=str) + "\n")
         out.flush()
 
 
@@ -828,7 +864,7 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
         chunk = os.read(r, 1 << 16)
         if not chunk:
             break
-        data += chunk
+        data += chunk if "fn" in job else b""  # what a script writes there is not read
         if len(data) > lim["output_bytes"]:
             overflow = True
             break
@@ -849,11 +885,10 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
         return {**out, "status": "timeout", "error": f"no result after {lim['timeout_s']:g} s (wall clock)"}
     if overflow:
         return {**out, "status": "error", "error": f"the result is over {lim['output_bytes']} bytes"}
-    try:
-        msg = json.loads(data) if data else None
-    except json.JSONDecodeError:
-        msg = None
-    if isinstance(msg, dict) and msg.get("status") in ("ok", "error"):
+    msg = parse_message(data) if data else None
+    if data and msg is None and "fn" in job:
+        return {**out, "status": "error", "error": f"the result is not a JSON object nested at most {MAX_DEPTH} deep"}
+    if isinstance(msg, dict) and msg.get("status") in ("ok", "error") and "fn" in job:
         return {**out, **{k: msg[k] for k in ("status", "value", "error", "exit_code") if k in msg}}
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -916,18 +951,19 @@ def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool,
         if nested_landlock:  # a domain of its own: it cannot signal or ptrace the worker
             landlock_restrict([jobdir])
         me = os.getpid()
-        if "code" in job:
+        if "code" in job:  # nothing sent back: the worker reads the exit status and the output files (and waits for EOF on w)
             try:
                 exec(compile(job["code"], "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-                msg = {"status": "ok", "exit_code": 0}
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                msg = {"status": "ok", "exit_code": code}
             except BaseException:
                 import traceback
 
                 traceback.print_exc()
-                msg = {"status": "ok", "exit_code": 1}
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         else:
             try:
                 value = _resolve(job["fn"])(*job.get("args", ()), **job.get("kwargs", {}))

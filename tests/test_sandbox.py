@@ -440,3 +440,88 @@ def test_a_scorer_that_exits_or_returns_garbage_stops_the_run_with_one_line(name
     message = str(info.value)
     assert f"{name} failed on sample 0" in message and "response='first'" in message and needle in message
     assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------- issue #34: model-written text never crashes a run
+
+FORGE = """
+import os
+line = b'{"id": 0, "status": "ok", "value": ' + b'[' * 990 + b']' * 990 + b'}\\n'
+for pid in (os.getppid(), 1):  # the worker's fds, then its own: the job -> worker pipe, whatever else is open
+    for fd in range(64):
+        try:
+            os.write(os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY), line)
+        except OSError:
+            pass
+for fd in range(3, 64):
+    try:
+        os.write(fd, line)
+    except OSError:
+        pass
+os._exit(0)
+"""
+
+
+def deep_stack(n, fn):
+    """fn() called n frames deeper (as the trainer calls a tool, ~40 frames down from the training loop)."""
+    return deep_stack(n - 1, fn) if n else fn()
+
+
+def test_a_python_tool_call_cannot_forge_its_result_or_crash_the_trainer():
+    from rlkit.tools import ToolCall, Tools, python
+
+    tools = Tools([python], sandbox_workers=1)
+    try:
+        calls = [ToolCall("python", {"code": FORGE}), ToolCall("python", {"code": "print(6 * 7)"})]
+        forged, after = deep_stack(100, lambda: tools.call_many(calls))
+        assert (forged.text, forged.error) == ("", False)  # what a script writes to a pipe is never read as its result
+        assert (after.text, after.error) == ("42\n", False)  # and the run goes on
+    finally:
+        tools.close()
+
+
+def test_a_function_jobs_deep_or_forged_value_is_that_calls_error(box):
+    with pytest.raises(SandboxFailure, match="nested at most 64 deep"):
+        box.call("json:loads", "[" * 500 + "]" * 500)
+    r = box.map([{"fn": "builtins:exec", "args": [FORGE]}])[0]  # a verifier that evals the answer: the same primitive
+    assert (r.status, r.value) == ("error", None) and "nested at most 64 deep" in r.error
+    assert box.call("json:loads", "[[1]]") == [[1]]
+
+
+def test_an_unreadable_line_from_a_worker_is_that_jobs_crash_and_the_worker_is_replaced(monkeypatch):
+    with Sandbox(Limits(timeout_s=5)) as sb:
+        sb.start()
+        first = sb._workers[0].proc.pid
+        real = sandbox._Worker.read_line
+        lines = iter([b"[" * 100_000, b'{"id": 7, "status": "ok"}', b"not json"])
+        fake = lambda w, limit: (real(w, limit), next(lines, None))[1] if w.state == "busy" else real(w, limit)  # noqa: E731
+        monkeypatch.setattr(sandbox._Worker, "read_line", fake)
+        results = deep_stack(100, lambda: [sb.run_code("print(1)") for _ in range(3)])
+        assert [r.status for r in results] == ["crash"] * 3 and all("unreadable line" in r.error for r in results)
+        monkeypatch.undo()
+        assert sb.run_code("print(1)").stdout == "1\n" and sb._workers[0].proc.pid != first
+
+
+def test_a_killed_python_tool_call_counts_as_a_tool_error():
+    from rlkit.tools import ToolCall, Tools, python
+
+    tools = Tools([python], sandbox_workers=1)
+    try:
+        (res,) = tools.call_many([ToolCall("python", {"code": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"})])
+    finally:
+        tools.close()
+    assert res.error and "killed by SIGKILL" in res.text
+
+
+@pytest.mark.parametrize("body", ["print('loading', flush=True)", "print('x' * 9000)", "import os; os.write(1, b'{}\\n')"])
+def test_a_reward_file_that_prints_at_import_scores_as_usual(tmp_path, body):
+    path = tmp_path / "noisy_reward.py"
+    path.write_text(
+        f"{body}\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(solution_str == ground_truth)\n"
+    )
+    reward = RewardFn(f"{path}:score")
+    try:
+        scores, _ = reward(["ds"] * 2, ["1", "2"], ["1", "1"])
+    finally:
+        reward.close()
+    assert scores.tolist() == [1.0, 0.0]
