@@ -32,8 +32,9 @@ worker and again in the trainer, bounded (MAX_DEPTH) and caught, a bad one that 
     network   + no network: a network namespace (unshare), or Landlock TCP rules (Linux >= 6.7)
     strict    + no writes outside the temp dir (Landlock, Linux >= 5.13), no metadata changes outside it
               (chmod, chown, utime, xattrs: / mounted read-only in a mount namespace), the trainer's credential
-              files emptied there (SECRETS), and no other process in sight (a PID namespace with its own
-              /proc: the trainer's environment is unreadable)
+              files emptied there (SECRETS), other programs' sockets hidden (/run, /dev/shm, the temp root), the
+              temp dir a size-capped tmpfs, and no other process in sight (a PID namespace with its own
+              /proc: the trainer's environment is unreadable); each of STRICT applied, else it says network
 
 Fork loops are bounded by a pids cgroup where /sys/fs/cgroup/pids is writable, else by RLIMIT_NPROC
 (which the kernel ignores for root). Code that escapes a verifier can still lie about its own score:
@@ -86,6 +87,8 @@ class Limits:
     """open files (RLIMIT_NOFILE)"""
     output_bytes: int = 1 << 20
     """most bytes kept of a job's result, stdout and stderr each (and RLIMIT_FSIZE)"""
+    disk_mb: int = 256
+    """the temp dir is a tmpfs of this size and 4,096 files where a mount namespace is allowed (layer disk-quota)"""
 
     def cpu_seconds(self) -> int:
         """RLIMIT_CPU of a job: cpu_s, else ceil(timeout_s) + 1."""
@@ -173,7 +176,7 @@ class _Worker:
             "cgroup": self.cgroup,
             "network": pool.network,
             "parent": os.getpid(),
-            "home": os.path.expanduser("~"),
+            "secrets": secret_paths(),
         }
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -429,14 +432,18 @@ def level_of(layers: list[str], network_allowed: bool = False) -> str:
     have = set(layers)
     if not (network_allowed or have & {"netns", "landlock-tcp"}):
         return "process"
-    return "strict" if {"landlock-fs", "ro-root", "pidns", "hidden-secrets"} <= have else "network"
+    return "strict" if set(STRICT) <= have else "network"
 
 
+STRICT = ("landlock-fs", "ro-root", "pidns", "hidden-secrets", "hidden-sockets", "disk-quota")  # the layers strict needs
 _NEEDS = {  # layer -> what provides it, for the one-line error
     "landlock-fs": "Landlock (Linux >= 5.13)",
     "ro-root": "a mount namespace (root, or unprivileged user namespaces)",
     "pidns": "a PID namespace with its own /proc (root, or unprivileged user namespaces)",
-}  # ("hidden-secrets" comes with "ro-root": the same mount namespace)
+    "hidden-secrets": "mounts over the credential files",
+    "hidden-sockets": "a temp root and /run that are not the Python installation or a folder on sys.path",
+    "disk-quota": "a tmpfs as the temp dir",
+}  # (the last four come with the mount namespace of "ro-root")
 
 
 def level_error(flag: str, wanted: str, level: str, layers: list[str]) -> str:
@@ -664,16 +671,29 @@ def _mount_setattr(path: str, set_: int, clear: int) -> bool:
 
 # Credential files and folders under the trainer's home, emptied in the sandbox's mount namespace (readable otherwise).
 SECRETS = (
-    ".ssh", ".netrc", ".git-credentials", ".aws", ".azure", ".config/gcloud", ".config/wandb", ".docker", ".kube",
-    ".pypirc", ".npmrc", ".huggingface", ".cache/huggingface/token", ".cache/huggingface/stored_tokens",
+    ".ssh", ".netrc", ".git-credentials", ".aws", ".azure", ".config/gcloud", ".config/wandb", ".config/gh", ".docker", ".kube",
+    ".kaggle", ".pypirc", ".npmrc", ".huggingface", ".cache/huggingface/token", ".cache/huggingface/stored_tokens", ".env",
 )  # fmt: skip
 
 
-def _hide_secrets(home: str) -> bool:
-    """Mount an empty read-only tmpfs over each SECRETS folder and /dev/null over each such file; True if all went."""
+def secret_paths() -> list[str]:
+    """The trainer's credential files: SECRETS under its home, $HF_HOME's tokens, $HF_TOKEN_PATH, and the .env file of
+    the working directory and each folder above it."""
+    home, hf = os.path.expanduser("~"), os.environ.get("HF_HOME", "")
+    paths = [os.path.join(home, rel) for rel in SECRETS] + [os.environ.get("HF_TOKEN_PATH", "")]
+    paths += [os.path.join(hf, name) for name in ("token", "stored_tokens") if hf]
+    d = os.getcwd()
+    while True:
+        paths.append(os.path.join(d, ".env"))
+        if d == os.path.dirname(d):
+            return [p for p in paths if p]
+        d = os.path.dirname(d)
+
+
+def _hide_secrets(paths: list[str]) -> bool:
+    """Mount an empty read-only tmpfs over each such folder and /dev/null over each such file; True if all went."""
     libc = _libc()
-    for rel in SECRETS:
-        path = os.path.join(home, rel)
+    for path in paths:
         if os.path.isdir(path):
             rc = libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=4k,mode=000")
         elif os.path.exists(path):
@@ -686,36 +706,39 @@ def _hide_secrets(home: str) -> bool:
 
 
 def _hide_sockets(tmp: str, keep: list[str]) -> bool:
-    """Empty tmpfs over /run and over the temp root holding `tmp` (with `tmp` bound back in): the unix socket files
-    of other programs there (Ray's raylet and plasma store, docker.sock, dbus) are out of reach. Skipped for a
-    folder that holds a path in `keep` (the Python installation). True if it applied to both."""
-    libc, done = _libc(), 0
-    root = os.path.dirname(tmp)
-    for d in ("/run", root):
-        if d == "/" or not os.path.isdir(d) or any(p == d or p.startswith(d + "/") for p in keep):
+    """Empty tmpfs over /run, /dev/shm and the temp root holding `tmp`, with `tmp` and every path of `keep` under them
+    (the Python installation, sys.path, scorer files) bound back in: the unix sockets and shared memory of other
+    programs there (Ray's raylet, object store and logs, docker.sock, dbus) are out of reach. True if it applied to
+    all three (a folder that is itself a path of `keep` cannot be hidden)."""
+    libc, done, folders = _libc(), 0, [d for d in ("/run", "/dev/shm", os.path.dirname(tmp)) if os.path.isdir(d)]
+    for d in folders:
+        inside = sorted({p for p in (tmp, *keep) if p == d or p.startswith(d + "/")} & {p for p in (tmp, *keep) if os.path.exists(p)})
+        inside = [p for p in inside if not any(p.startswith(q + "/") for q in inside)]  # a folder brings what is under it
+        if d == "/" or d in inside:
             continue
-        fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY) if d == root else None
+        fds = [(p, os.open(p, os.O_PATH)) for p in inside]
         try:
             if libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=64k,mode=755") != 0:
                 continue
-            if fd is not None:
-                os.mkdir(tmp, 0o700)
-                if libc.mount(f"/proc/self/fd/{fd}".encode(), tmp.encode(), None, _MS_BIND | _MS_REC, None) != 0:
-                    raise OSError("cannot bind the temp dir back")
+            for p, fd in fds:  # a mount point in the empty tmpfs, then the original bound onto it
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                os.mkdir(p) if os.path.isdir(f"/proc/self/fd/{fd}") else open(p, "w").close()
+                if libc.mount(f"/proc/self/fd/{fd}".encode(), p.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+                    raise OSError(f"cannot bind {p} back")
             done += 1
         finally:
-            if fd is not None:
+            for _, fd in fds:
                 os.close(fd)
-    return done == 2
+    return done == len(folders)
 
 
-def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
+def _private_pids_and_mounts(tmp: str, secrets: list[str], keep: list[str], disk_mb: int) -> list[str]:
     """A PID namespace and a mount namespace: this process forks the namespace's first process (pid 1, which goes on
     as the worker) and only waits for it. There /proc is mounted afresh (only the namespace's processes: the
     trainer's /proc/<pid>/environ is out of reach), and every mount is read-only but the temp dir (no chmod, chown,
-    utime, xattrs or writes anywhere else). When pid 1 ends, the kernel kills every process left in the namespace.
-    The trainer's credential files (SECRETS under its home) are emptied. Returns the layers that applied ("pidns",
-    "hidden-secrets", "ro-root"; [] when namespaces are not allowed)."""
+    utime, xattrs or writes anywhere else), the temp dir a tmpfs of disk_mb MiB and 4,096 files. When pid 1 ends, the
+    kernel kills every process left in the namespace. The trainer's credential files (`secrets`) are emptied. Returns
+    the layers that applied (pidns, hidden-secrets, hidden-sockets, disk-quota, ro-root; [] without namespaces)."""
     libc = _libc()
     if libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID) != 0:
         return []
@@ -736,13 +759,16 @@ def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
         return layers
     if libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) == 0:
         layers.append("pidns")
-    if _hide_secrets(home):
+    if _hide_secrets(secrets):
         layers.append("hidden-secrets")
-    if "pidns" in layers and _hide_sockets(tmp, keep):  # (needs the fresh /proc to bind the temp dir back)
+    if "pidns" in layers and _hide_sockets(tmp, keep):  # (needs the fresh /proc to bind the kept paths back)
         layers.append("hidden-sockets")
     t = tmp.encode()
+    if libc.mount(b"tmpfs", t, b"tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_mb}m,nr_inodes=4096,mode=700".encode()) == 0:
+        os.chdir(tmp)
+        layers.append("disk-quota")
     if (
-        libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0
+        ("disk-quota" in layers or libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0)
         and _mount_setattr("/", _MOUNT_ATTR_RDONLY, 0)
         and _mount_setattr(tmp, 0, _MOUNT_ATTR_RDONLY)
     ):
@@ -815,7 +841,9 @@ def _worker_main(cfg: dict) -> None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         files = [spec.rpartition(":")[0] for spec in cfg["preload"] if spec.rpartition(":")[0].endswith(".py")]
         keep = [os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, *cfg["sys_path"], *files) if p]
-        layers += _private_pids_and_mounts(cfg["tmp"], cfg["home"], keep)  # from here on this may be pid 1 of a PID namespace
+        layers += _private_pids_and_mounts(
+            cfg["tmp"], cfg["secrets"], keep, cfg["limits"]["disk_mb"]
+        )  # from here on this may be pid 1 of a PID namespace
     except Exception as e:
         out.write(fatal(e) + "\n")
         out.flush()
@@ -941,6 +969,8 @@ def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool,
             (2, "stderr", os.O_WRONLY | os.O_CREAT),
         ):
             new = os.open(path, mode, 0o600)
+            if fd:  # room kept for the output (FALLOC_FL_KEEP_SIZE): a job that fills the disk quota still says so
+                _libc().fallocate(new, 1, ctypes.c_long(0), ctypes.c_long(lim["output_bytes"]))
             os.dup2(new, fd)
             os.close(new)
         os.closerange(3, w)  # the worker's channel and anything else inherited
