@@ -490,10 +490,15 @@ def start_clause(cfg) -> str:
     if reward == "off" and "python" not in tools:
         return "sandbox off (scorers run in this process)"
     try:
-        level, _ = probe()
+        level, layers = probe()
     except (RunFailed, OSError, ConfigError) as e:  # said again, as an error, where a pool starts
         return f"sandbox unavailable ({str(e)[:80]})"
-    return f"sandbox level {level}" + (" (scorers in this process: --reward.sandbox off)" if reward == "off" else "")
+    missing = [x for x in STRICT if x not in layers] if level == "network" else []  # what strict would add (docs/sandbox.md)
+    return (
+        f"sandbox level {level}"
+        + (f" (without {', '.join(missing)})" if missing else "")
+        + (" (scorers in this process: --reward.sandbox off)" if reward == "off" else "")
+    )
 
 
 _STALE = re.compile(r"rlkit-sandbox-(\d+)-")

@@ -355,11 +355,14 @@ def test_the_level_is_checked_before_anything_loads_and_shown_in_the_start_line(
     with pytest.raises(ConfigError, match="choose one of process, network, strict"):
         sandbox.check_level("max", "--agent.sandbox-level")
     cfg = SimpleNamespace(reward=SimpleNamespace(sandbox="auto"), agent=SimpleNamespace(tools="calculator"))
-    assert sandbox.start_clause(cfg) == "sandbox level network"
+    without = "(without ro-root, pidns, hidden-secrets, hidden-sockets, disk-quota)"  # each layer it could not apply
+    assert sandbox.start_clause(cfg) == f"sandbox level network {without}"
     cfg.reward.sandbox = "off"
     assert sandbox.start_clause(cfg) == "sandbox off (scorers run in this process)"
     cfg.agent.tools = "calculator,python"
-    assert sandbox.start_clause(cfg) == "sandbox level network (scorers in this process: --reward.sandbox off)"
+    assert sandbox.start_clause(cfg) == f"sandbox level network {without} (scorers in this process: --reward.sandbox off)"
+    monkeypatch.setattr(sandbox, "_probed", {"level": "strict", "layers": [*sandbox.STRICT, "netns"]})
+    assert sandbox.start_clause(cfg) == "sandbox level strict (scorers in this process: --reward.sandbox off)"
 
 
 def test_pool_runs_in_order_across_workers_and_recycles():
