@@ -678,6 +678,7 @@ def _mount_setattr(path: str, set_: int, clear: int) -> bool:
 SECRETS = (
     ".ssh", ".netrc", ".git-credentials", ".aws", ".azure", ".config/gcloud", ".config/wandb", ".config/gh", ".docker", ".kube",
     ".kaggle", ".pypirc", ".npmrc", ".huggingface", ".cache/huggingface/token", ".cache/huggingface/stored_tokens", ".env",
+    ".ray/auth_token",
 )  # fmt: skip
 
 

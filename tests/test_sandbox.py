@@ -197,7 +197,7 @@ def test_the_trainers_secrets_and_other_processes_are_out_of_reach():
 
 def test_the_trainers_credential_files_are_emptied(outside):
     home, project = outside / "home", outside / "project" / "src"
-    files = [home / f for f in (".ssh/id_ed25519", ".netrc", ".config/gh/hosts.yml", ".kaggle/kaggle.json")]
+    files = [home / f for f in (".ssh/id_ed25519", ".netrc", ".config/gh/hosts.yml", ".kaggle/kaggle.json", ".ray/auth_token")]
     files += [outside / "hf" / "token", outside / "project" / ".env"]  # $HF_HOME's token; the .env above the working dir
     for f in files:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ def test_the_trainers_credential_files_are_emptied(outside):
         pytest.skip(f"this machine lacks the hidden-secrets layer (it has: {', '.join(hello['layers'])})")
     assert (out["status"], out["stdout"].split("\n")) == (
         "ok",
-        ["PermissionError", "", "PermissionError", "PermissionError", "", "", ""],
+        ["PermissionError", "", "PermissionError", "PermissionError", "", "", "", ""],
     ), out
     # (a folder without access, an empty file)
 
