@@ -11,7 +11,7 @@ render (`apply_chat_template(messages, tools=[...])`)::
             expression: e.g. "123*456"
         '''
 
-`Tools([calculator, python])` holds them by name and runs a call; a tool that raises, gets bad
+`Tools([calculator, python])` holds them by name and runs a call; a tool that raises, crashes, gets bad
 arguments, is unknown or times out returns an error *text* for the model (and counts as an error),
 never an exception.
 
