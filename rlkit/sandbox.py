@@ -975,8 +975,8 @@ def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool,
             (2, "stderr", os.O_WRONLY | os.O_CREAT),
         ):
             new = os.open(path, mode, 0o600)
-            if fd:  # room kept for the output (FALLOC_FL_KEEP_SIZE): a job that fills the disk quota still says so
-                _libc().fallocate(new, 1, ctypes.c_long(0), ctypes.c_long(lim["output_bytes"]))
+            if fd:  # 64 KiB kept for the output (FALLOC_FL_KEEP_SIZE): a job that fills the disk quota still says so
+                _libc().fallocate(new, 1, ctypes.c_long(0), ctypes.c_long(min(lim["output_bytes"], 1 << 16)))
             os.dup2(new, fd)
             os.close(new)
         os.closerange(3, w)  # the worker's channel and anything else inherited
