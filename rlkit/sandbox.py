@@ -289,15 +289,18 @@ class SandboxPool:
         self._spawned = 0
 
     # -- public API ------------------------------------------------------------------------------
-    def map(self, jobs: list[dict]) -> list[Result]:
+    def map(self, jobs: list[dict], fail_fast: bool = False) -> list[Result | None]:
         """Run jobs in parallel, one Result each in order. A job: {"fn": spec, "args": [...], "kwargs": {...}}
-        or {"code": str, "stdin": str | None}. Arguments and return values must be JSON."""
+        or {"code": str, "stdin": str | None}. Arguments and return values must be JSON. fail_fast: once a job fails,
+        start no more (those not started get None; the running ones finish)."""
         results: list[Result | None] = [None] * len(jobs)
         pending = list(range(len(jobs)))[::-1]
         while len(self._workers) < min(self.n, max(len(jobs), 1)):
             self._spawn()
         t_timeout = self.limits.timeout_s
         while pending or any(w.state == "busy" for w in self._workers):
+            if fail_fast and any(r is not None and not r.ok for r in results):
+                pending.clear()
             for w in [w for w in self._workers if w.state == "idle" and w.proc.poll() is not None]:
                 self._replace(w)  # died between jobs (killed from outside): its successor takes the next job
             for w in list(self._workers):

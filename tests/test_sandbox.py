@@ -585,3 +585,14 @@ def test_a_job_cannot_fill_the_disk():
         r = sb.run_code("import os\nfor i in range(100_000):\n    open(f'f{i}', 'w').close()")
         assert r.exit_code == 1 and "No space left on device" in r.stderr  # 4,096 files at most
         assert sb.run_code("open('f', 'w').write('ok'); print(open('f').read())").stdout == "ok\n"  # each job's files go with it
+
+
+def test_under_on_error_raise_a_batch_stops_at_its_first_failure():
+    reward = RewardFn(f"{FIXTURE}:hanging_score", timeout_s=1.0, sandbox_workers=1)  # on_error="raise"
+    start = time.monotonic()
+    try:
+        with pytest.raises(RunFailed, match="hanging_score failed on sample 0") as info:
+            reward(["ds"] * 8, [str(i) for i in range(8)], ["1"] * 8)
+    finally:
+        reward.close()
+    assert time.monotonic() - start < 5 and "\n" not in str(info.value)  # not the 8 s of all eight calls' limits
