@@ -331,6 +331,24 @@ def reward_prints_at_import(tmp: Path):
     return None if out.returncode == 0 and "Traceback" not in out.stderr else f"status {out.returncode}: {out.stderr[-300:]!r}"
 
 
+def reward_hangs_raise(tmp: Path):
+    """--reward.on-error raise, a scorer that hangs on every call (1 s limit, 16 calls, 2 workers): one line within
+    5 s (#34: it waited for every call's limit, 3 s -> 32 s)."""
+    from rlkit.errors import RunFailed
+    from rlkit.rewards import RewardFn
+
+    reward = RewardFn(scorer(tmp, "while True: pass"), timeout_s=1.0, sandbox_workers=2)
+    start = time.monotonic()
+    try:
+        reward(["ds"] * 16, ["x"] * 16, ["1"] * 16)
+        return "no error"
+    except RunFailed as e:
+        seconds = time.monotonic() - start
+        return None if seconds < 5 and "\n" not in str(e) else f"{seconds:.1f} s: {str(e)[:200]!r}"
+    finally:
+        reward.close()
+
+
 class _Env:
     """An env whose step fails the way model text breaks a careless parser (int() of 5,000 digits), or floods."""
 
@@ -549,6 +567,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         120,
     ),
     "reward_prints_at_import": ("a reward file printing 9 KB at import -> the run trains, status 0", reward_prints_at_import, 240),
+    "reward_hangs_raise": ("--reward.on-error raise and every call hanging -> one line within 5 s", reward_hangs_raise, 120),
     "env_bad_actions": ("a 5,000-digit guess, an env raising on the action, a 10 MB observation -> counted, cut", env_bad_actions, 120),
     "sandbox_disk_fill": ("sandboxed code writes files in a loop -> ENOSPC at the quota", sandbox_disk_fill, 120),
     "sandbox_credentials": ("gh, kaggle, .env, $HF_HOME/token credential files -> unreadable in the sandbox", sandbox_credentials, 120),
