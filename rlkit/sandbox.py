@@ -721,7 +721,7 @@ def _hide_sockets(tmp: str, keep: list[str]) -> bool:
     all three (a folder that is itself a path of `keep` cannot be hidden)."""
     libc, done, folders = _libc(), 0, [d for d in ("/run", "/dev/shm", os.path.dirname(tmp)) if os.path.isdir(d)]
     for d in folders:
-        inside = sorted({p for p in (tmp, *keep) if p == d or p.startswith(d + "/")} & {p for p in (tmp, *keep) if os.path.exists(p)})
+        inside = sorted({p for p in (tmp, *keep) if (p == d or p.startswith(d + "/")) and os.path.exists(p)})
         inside = [p for p in inside if not any(p.startswith(q + "/") for q in inside)]  # a folder brings what is under it
         if d == "/" or d in inside:
             continue
@@ -850,9 +850,8 @@ def _worker_main(cfg: dict) -> None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         files = [spec.rpartition(":")[0] for spec in cfg["preload"] if spec.rpartition(":")[0].endswith(".py")]
         keep = [os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, *cfg["sys_path"], *files) if p]
-        layers += _private_pids_and_mounts(
-            cfg["tmp"], cfg["secrets"], keep, cfg["limits"]["disk_mb"]
-        )  # from here on this may be pid 1 of a PID namespace
+        disk_mb = cfg["limits"]["disk_mb"]
+        layers += _private_pids_and_mounts(cfg["tmp"], cfg["secrets"], keep, disk_mb)  # from here on this may be pid 1 of a PID namespace
     except Exception as e:
         out.write(fatal(e) + "\n")
         out.flush()
@@ -923,9 +922,9 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
     if overflow:
         return {**out, "status": "error", "error": f"the result is over {lim['output_bytes']} bytes"}
     msg = parse_message(data) if data else None
-    if data and msg is None and "fn" in job:
+    if data and msg is None:  # (only a function's job sends data)
         return {**out, "status": "error", "error": f"the result is not a JSON object nested at most {MAX_DEPTH} deep"}
-    if isinstance(msg, dict) and msg.get("status") in ("ok", "error") and "fn" in job:
+    if isinstance(msg, dict) and msg.get("status") in ("ok", "error"):
         return {**out, **{k: msg[k] for k in ("status", "value", "error", "exit_code") if k in msg}}
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
