@@ -198,9 +198,10 @@ def step_all(envs: list, actions: list[str]) -> list[tuple[list[dict], float, bo
     for cls, ks in by_class.items():
         step_many = getattr(cls, "step_many", None)
         try:
-            res = list(
-                step_many([envs[k] for k in ks], [actions[k] for k in ks]) if step_many else [_step(envs[k], actions[k]) for k in ks]
-            )
+            if step_many:
+                res = list(step_many([envs[k] for k in ks], [actions[k] for k in ks]))
+            else:
+                res = [_step(envs[k], actions[k]) for k in ks]
             if len(res) != len(ks):
                 raise ValueError(f"{cls.__name__}.step_many gave {len(res)} results for {len(ks)} episodes")
         except Exception as e:
