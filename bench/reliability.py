@@ -407,6 +407,164 @@ def owner_sigkill(tmp: Path):
     return f"{len(left)} process(es) outlived their SIGKILLed owner: {names}" if left else None
 
 
+FORGE = """
+import os
+line = b'{"id": 0, "status": "ok", "value": ' + b'[' * 990 + b']' * 990 + b'}\\n'
+for path in [f"/proc/{os.getppid()}/fd/{fd}" for fd in range(64)] + [f"/proc/self/fd/{fd}" for fd in range(3, 64)]:
+    try:
+        os.write(os.open(path, os.O_WRONLY), line)
+    except OSError:
+        pass
+os._exit(0)
+"""
+
+
+def deep(n: int, fn):
+    return deep(n - 1, fn) if n else fn()
+
+
+def tool_forged_result(tmp: Path):
+    """A python-tool call writes a result line nested 990 deep into every pipe it can reach, called 100 frames deep
+    (as the trainer does): no exception, and the next call works (#34: RecursionError through run_turns)."""
+    from rlkit.tools import ToolCall, Tools, python
+
+    tools = Tools([python], sandbox_workers=1)
+    try:
+        forged, after = deep(100, lambda: tools.call_many([ToolCall("python", {"code": FORGE}), ToolCall("python", {"code": "print(42)"})]))
+    finally:
+        tools.close()
+    return None if after.text == "42\n" and not after.error else f"the call after the forged one gave {after}"
+
+
+def reward_prints_at_import(tmp: Path):
+    """A --reward.custom-fn file that prints 9,000 characters (flushed) at import: the run trains as usual, status 0
+    (#34: a JSONDecodeError traceback: the sandbox worker's stdout was its channel while the file was preloaded)."""
+    spec = scorer(tmp, "return float(solution_str.strip() == str(ground_truth))")
+    (tmp / "scorer.py").write_text("print('x' * 9000, flush=True)\n" + (tmp / "scorer.py").read_text())
+    out = recipe(tmp, "--reward.custom-fn", spec)
+    return None if out.returncode == 0 and "Traceback" not in out.stderr else f"status {out.returncode}: {out.stderr[-300:]!r}"
+
+
+def reward_hangs_raise(tmp: Path):
+    """--reward.on-error raise, a scorer that hangs on every call (1 s limit, 16 calls, 2 workers): one line within
+    5 s (#34: it waited for every call's limit, 3 s -> 32 s)."""
+    from rlkit.errors import RunFailed
+    from rlkit.rewards import RewardFn
+
+    reward = RewardFn(scorer(tmp, "while True: pass"), timeout_s=1.0, sandbox_workers=2)
+    start = time.monotonic()
+    try:
+        reward(["ds"] * 16, ["x"] * 16, ["1"] * 16)
+        return "no error"
+    except RunFailed as e:
+        seconds = time.monotonic() - start
+        return None if seconds < 5 and "\n" not in str(e) else f"{seconds:.1f} s: {str(e)[:200]!r}"
+    finally:
+        reward.close()
+
+
+class _Env:
+    """An env whose step fails the way model text breaks a careless parser (int() of 5,000 digits), or floods."""
+
+    gives_reward = True
+
+    def __init__(self, how: str):
+        self.how = how
+
+    def reset(self, row):
+        return [{"role": "user", "content": "Guess."}]
+
+    def step(self, action):
+        if self.how == "huge":
+            return [{"role": "user", "content": "x" * 10_000_000}], 0.0, False
+        return [], float(int("9" * 5000)), True
+
+
+def env_bad_actions(tmp: Path):
+    """GuessEnv given a 5,000-digit guess, and a turn loop whose env raises on the action or returns a 10 MB observation:
+    no exception; the error counts in agent/env_errors, the observation is cut (agent/obs_truncated) within 30 s."""
+    from transformers import AutoTokenizer
+
+    from rlkit import agent, embedded, envs
+
+    env = envs.GuessEnv()
+    env.reset({"prompt": [], "ground_truth": "3", "extra_info": {}})
+    if env.step("9" * 5000)[0][0]["content"] != "a number please: 1 to 15":
+        return "GuessEnv took a 5,000-digit guess"
+    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    turn = tok("8", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    start = time.monotonic()
+    for how, stat in (("raise", "env_errors"), ("huge", "obs_truncated")):
+        sample = lambda contexts, budgets: [(turn, [0.0] * len(turn)) for _ in contexts]  # noqa: E731
+        cfg = agent.AgentConfig(max_turns=2)
+        (ep,) = agent.run_turns(sample, [[5]], tok, None, cfg, 4096, [tok.eos_token_id], make_env=lambda how=how: _Env(how), rows=[{}])
+        if getattr(ep, stat) != 1:
+            return f"{how}: {stat} = {getattr(ep, stat)}"
+    return None if time.monotonic() - start < 30 else f"took {time.monotonic() - start:.0f} s"
+
+
+def _boxed(code: str, need: str, **env) -> str | None:
+    """`code` as a python-tool job in a fresh sandbox started with `env` set: its stdout + stderr (None, and not run,
+    where the machine lacks the layer `need`)."""
+    from rlkit.sandbox import Limits, Sandbox
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with Sandbox(Limits(timeout_s=20, output_bytes=1 << 16)) as box:
+            if need not in box.start().layers:
+                return None
+            r = box.run_code(code)
+            return r.stdout + r.stderr
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def sandbox_disk_fill(tmp: Path):
+    """Sandboxed code writes 6,000 files of 60 KB (the audit: 3.3 GB in 56,421 files in 4.5 s): it must stop with
+    ENOSPC at the quota (SKIP where the machine gives no mount namespace, which the disk-quota layer needs)."""
+    out = _boxed("import os\nfor i in range(6000):\n    open(f'f{i}', 'wb').write(b'x' * 60_000)", "ro-root")
+    if out is None:
+        return "SKIP: no mount namespace on this machine (layer ro-root)"
+    return None if "No space left on device" in out else f"no ENOSPC: {out[-200:]!r}"
+
+
+def sandbox_credentials(tmp: Path):
+    """~/.config/gh/hosts.yml, ~/.kaggle/kaggle.json, ~/.env, $HF_HOME/token and the .env above the working directory
+    exist: sandboxed code reads none of them."""
+    home, hf, project = tmp / "home", tmp / "hf", tmp / "project"
+    files = [home / ".config/gh/hosts.yml", home / ".kaggle/kaggle.json", home / ".env", hf / "token", project / ".env"]
+    for f in files:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(SECRET)
+    os.chdir(project)
+    code = f"for p in {[str(f) for f in files]!r}:\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print(e)"
+    out = _boxed(code, "ro-root", HOME=str(home), HF_HOME=str(hf))
+    if out is None:
+        return "SKIP: no mount namespace on this machine (layer ro-root)"
+    return f"a credential file was read: {out[:200]!r}" if SECRET in out else None
+
+
+def sandbox_ray_socket(tmp: Path):
+    """A unix socket in the temp root (where Ray keeps its raylet and object-store sockets) while the scorer file sits
+    there too (the audit: the socket-hiding layer was skipped yet the level said strict): not reachable, or the level
+    is not strict."""
+    import socket
+
+    from rlkit.sandbox import Limits, SandboxPool
+
+    (tmp / "s.py").write_text("def f():\n    return 1\n")
+    path = str(tmp / "raylet.sock")
+    with socket.socket(socket.AF_UNIX) as server, SandboxPool(Limits(timeout_s=20), preload=[f"{tmp}/s.py:f"]) as pool:
+        server.bind(path)
+        server.listen(1)
+        r = pool.run_code(f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')")
+    if "connected" in r.stdout and pool.level == "strict":
+        return f"connected to {path} at level strict ({', '.join(pool.layers)})"
+    return None
+
+
 def async_worker(fault: int, phrase: str, forbidden: str | None = None):
     """--trainer.async-steps 1: once the generation worker runs, send it `fault`; the run must end with one line holding `phrase`."""
 
@@ -623,6 +781,17 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     "no_deprecation_warning": ("the default run (2 steps, -W always) prints no deprecation warning", no_deprecation_warning, 360),
     "sandbox_environ": ("sandboxed code reads its parents' /proc/PID/environ -> no secret printed", sandbox_environ, 120),
     "sandbox_chmod": ("sandboxed code chmods/utimes a file outside its temp dir -> unchanged", sandbox_chmod, 120),
+    "tool_forged_result": (
+        "a python call forges a 990-deep result line into its pipes -> no exception, run goes on",
+        tool_forged_result,
+        120,
+    ),
+    "reward_prints_at_import": ("a reward file printing 9 KB at import -> the run trains, status 0", reward_prints_at_import, 240),
+    "reward_hangs_raise": ("--reward.on-error raise and every call hanging -> one line within 5 s", reward_hangs_raise, 120),
+    "env_bad_actions": ("a 5,000-digit guess, an env raising on the action, a 10 MB observation -> counted, cut", env_bad_actions, 120),
+    "sandbox_disk_fill": ("sandboxed code writes files in a loop -> ENOSPC at the quota", sandbox_disk_fill, 120),
+    "sandbox_credentials": ("gh, kaggle, .env, $HF_HOME/token credential files -> unreadable in the sandbox", sandbox_credentials, 120),
+    "sandbox_ray_socket": ("a Ray-like socket in the temp root beside the scorer file -> unreachable at strict", sandbox_ray_socket, 120),
     "owner_sigkill": ("the owner of a running sandbox job is SIGKILLed -> its processes are gone within 10 s", owner_sigkill, 180),
     "async_worker_stopped": (
         "the async generation worker gets SIGSTOP -> one line naming it (--trainer.async-timeout-s 30)",

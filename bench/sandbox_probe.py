@@ -60,9 +60,9 @@ ATTACKS = [  # (attack, code run in the sandbox, what its output holds only if t
     ("allocate 4 GiB", "x = bytearray(4 << 30)\nprint('allocated')", "allocated"),
     ("read world-readable files (/etc/passwd, code, checkpoints)", "print(open('/etc/passwd').read()[:20])", "root:"),
     (
-        "fill the disk from its own temp dir (3 files of 1 MiB)",
-        "for i in range(3):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\nprint('wrote 3 MiB')",
-        "wrote",
+        "fill the disk from its own temp dir (400 files of 1 MiB; the quota is 256 MiB)",
+        "for i in range(400):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n    if i % 100 == 99:\n        print(f'wrote {i + 1} MiB', flush=True)",
+        "wrote 300",
     ),
 ]
 

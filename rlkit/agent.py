@@ -28,6 +28,7 @@ Limits (AgentConfig): assistant turns, tool calls, and the response budget (samp
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,7 +38,10 @@ import torch
 from rlkit.envs import EnvFactory
 from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
-from rlkit.tools import Tools, parse_hermes, render_prompt
+from rlkit.tools import Tools, parse_hermes, render_prompt, truncate_middle
+
+logger = logging.getLogger(__name__)
+_warned: list[str] = []  # the first environment error, logged once per process
 
 
 @dataclass
@@ -53,6 +57,8 @@ class AgentConfig:
     """tool calls per episode; a turn that would go over ends the episode (stopped by limit)"""
     max_tool_response_chars: int = 256
     """a tool's output is cut in the middle to this many characters"""
+    max_observation_chars: int = 8192
+    """an environment's observation message is cut in the middle to this many characters (agent/obs_truncated)"""
     sandbox_level: Literal["process", "network", "strict"] = "process"
     """the least isolation the python tool may run under, else stop before the model loads (see docs/sandbox.md)"""
 
@@ -71,6 +77,8 @@ class Episode:
     tool_timeouts: int = 0
     tool_time: float = 0.0
     stopped_by_limit: bool = False
+    env_errors: int = 0  # steps whose env raised or returned something malformed (the episode ended there)
+    obs_truncated: int = 0  # observation messages cut to --agent.max-observation-chars
     done: bool = False
     reward: float = 0.0  # the sum of the env's step rewards
     env_reward: bool = False  # whether the env gives rewards (then `reward` is added to the scorer's)
@@ -147,14 +155,23 @@ def run_turns(
             else:
                 stepping.append((i, ids))
         actions = [tokenizer.decode(ids[:-1]) for _, ids in stepping]  # the turn's text without its end-of-turn token
-        for (i, ids), (obs, reward, done) in zip(stepping, step_all([envs[i] for i, _ in stepping], actions)):
+        for (i, ids), (obs, reward, done, error) in zip(stepping, step_all([envs[i] for i, _ in stepping], actions)):
             e = episodes[i]
-            e.reward += float(reward)
-            if done:
+            e.reward += reward
+            if error:  # the model's action broke the env: this episode ends here, the run goes on
+                e.env_errors += 1
+                if not _warned:
+                    _warned.append(error)
+                    logger.warning("an environment step failed (counted in agent/env_errors, the episode ends): %s", error)
+                e.finish(by_limit=False)
+            elif done:
                 e.finish(by_limit=getattr(envs[i], "stopped_by_limit", False))
             elif e.turns >= cfg.max_turns:
                 e.finish(by_limit=True)
             else:
+                cut = [m for m in obs if len(m["content"]) > cfg.max_observation_chars]
+                obs = [{**m, "content": truncate_middle(m["content"], cfg.max_observation_chars)} for m in obs]
+                e.obs_truncated += len(cut)
                 suffix = tool_suffix_ids(tokenizer, obs, tokenizer.convert_ids_to_tokens(ids[-1]))  # after the sampled end of turn
                 if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the observation
                     e.finish(by_limit=True)
@@ -170,22 +187,51 @@ def run_turns(
 ENV_STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_time")  # an env's own counters, copied to its Episode
 
 
-def step_all(envs: list, actions: list[str]) -> list[tuple[list[dict], float, bool]]:
-    """Each env's step(action), in order; an env class with `step_many(envs, actions)` steps all of its episodes at
-    once (ToolEnv: every row's tool calls together)."""
+def step_all(envs: list, actions: list[str]) -> list[tuple[list[dict], float, bool, str | None]]:
+    """Each env's step(action) -> (obs, reward, done, error), in order; an env class with `step_many(envs, actions)`
+    steps all of its episodes at once (ToolEnv: every row's tool calls together). A step that raises or returns
+    something other than (a list of messages with text content, a number, a flag) gives ([], 0.0, True, its error)."""
     out: list = [None] * len(envs)
     by_class: dict = {}
     for k, env in enumerate(envs):
         by_class.setdefault(type(env), []).append(k)
     for cls, ks in by_class.items():
         step_many = getattr(cls, "step_many", None)
-        res = step_many([envs[k] for k in ks], [actions[k] for k in ks]) if step_many else [envs[k].step(actions[k]) for k in ks]
+        try:
+            if step_many:
+                res = list(step_many([envs[k] for k in ks], [actions[k] for k in ks]))
+            else:
+                res = [_step(envs[k], actions[k]) for k in ks]
+            if len(res) != len(ks):
+                raise ValueError(f"{cls.__name__}.step_many gave {len(res)} results for {len(ks)} episodes")
+        except Exception as e:
+            res = [e] * len(ks)
         for k, r in zip(ks, res):
-            out[k] = r
+            out[k] = _checked(r)
     return out
 
 
-EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "stopped_by_limit")
+def _step(env, action: str):
+    try:
+        return env.step(action)
+    except Exception as e:
+        return e
+
+
+def _checked(res) -> tuple[list[dict], float, bool, str | None]:
+    """A step's result as (obs, reward, done, None), or ([], 0.0, True, its error) for an exception or a malformed result."""
+    try:
+        if isinstance(res, Exception):
+            raise res
+        obs, reward, done = res
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in obs):
+            raise TypeError("the observation must be a list of messages with text 'content'")
+        return list(obs), float(reward), bool(done), None
+    except Exception as e:
+        return [], 0.0, True, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "stopped_by_limit", "env_errors", "obs_truncated")
 
 
 def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, pad_id: int) -> DataProto:
@@ -254,6 +300,8 @@ def agent_metrics(batch: DataProto) -> dict:
         "agent/tool_timeouts/mean": batch["agent_tool_timeouts"].mean().item(),
         "agent/tool_time_s": batch["agent_tool_time"].sum().item(),
         "agent/stopped_by_limit": batch["agent_stopped_by_limit"].mean().item(),
+        "agent/env_errors/mean": batch["agent_env_errors"].mean().item(),
+        "agent/obs_truncated/mean": batch["agent_obs_truncated"].mean().item(),
         "agent/sampled_tokens/mean": mask.sum(-1).mean().item(),
         "agent/tool_tokens/mean": batch["agent_tool_tokens"].mean().item(),
     }

@@ -111,7 +111,7 @@ class ToolEnv:
 # ----------------------------------------------------------------------------- guess the number
 
 
-_INT = re.compile(r"-?\d+")
+_INT = re.compile(r"-?\d{1,30}")  # a longer number is no guess (int() of 4,301+ digits raises ValueError)
 
 
 class GuessEnv:

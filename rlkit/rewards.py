@@ -497,12 +497,15 @@ class RewardFn:
         boxed = [c for c in range(len(calls)) if specs[c] is not None]
         jobs = [{"fn": specs[c], "kwargs": calls[c][2]} for c in boxed]
         pool = self._pool(jobs, [calls[c][1] for c in boxed]) if boxed else None
-        results = dict(zip(boxed, pool.map(jobs))) if boxed else {}  # call index -> sandbox Result
+        results = dict(zip(boxed, pool.map(jobs, fail_fast=self.on_error == "raise"))) if boxed else {}  # call -> its Result
+        skipped = {i for c, r in results.items() if r is None for i in calls[c][0]}  # not run: the run stops on a failure
         outs, failures, timeouts = [None] * n, {}, 0  # outs: row -> the function's output; failures: row -> exception
         for c, (rows, fn, kw) in enumerate(calls):
             try:
                 if c in results:
                     r = results[c]
+                    if r is None:
+                        continue
                     if not r.ok:
                         timeouts += r.timed_out * len(rows)
                         raise ScorerFailed(f"{r.error} (in the sandbox)")
@@ -517,6 +520,8 @@ class RewardFn:
         scores, extras, errors = [], {}, []
         for i in range(n):
             try:
+                if i in skipped:
+                    continue
                 if i in failures:
                     raise failures[i]
                 score, sample_extras = _parse_output(outs[i])

@@ -22,7 +22,9 @@ itself up. Each job runs in a fork of the worker, so a job that exits, crashes, 
 verifier never affects the next one; the worker kills the job's process group at the wall-clock limit,
 and the trainer kills the worker's whole session if the worker itself stops answering; as pid 1 of its
 namespace the worker then kills whatever the job left (even in a session of its own). Only JSON
-crosses back (never pickle). Levels, weakest first:
+crosses back (never pickle), on an fd no job holds (what preloaded code prints goes to the worker's log): a
+script job sends nothing (its exit status and output files are its result); a function's value is parsed in the
+worker and again in the trainer, bounded (MAX_DEPTH) and caught, a bad one that call's error. Levels, weakest first:
 
     process   separate process + session, wall-clock kill, rlimits (CPU, address space, file size,
               open files, core dumps, processes), fresh temp cwd removed after, clean environment,
@@ -30,8 +32,9 @@ crosses back (never pickle). Levels, weakest first:
     network   + no network: a network namespace (unshare), or Landlock TCP rules (Linux >= 6.7)
     strict    + no writes outside the temp dir (Landlock, Linux >= 5.13), no metadata changes outside it
               (chmod, chown, utime, xattrs: / mounted read-only in a mount namespace), the trainer's credential
-              files emptied there (SECRETS), and no other process in sight (a PID namespace with its own
-              /proc: the trainer's environment is unreadable)
+              files emptied there (SECRETS), other programs' sockets hidden (/run, /dev/shm, the temp root), the
+              temp dir a size-capped tmpfs, and no other process in sight (a PID namespace with its own
+              /proc: the trainer's environment is unreadable); each of STRICT applied, else it says network
 
 Fork loops are bounded by a pids cgroup where /sys/fs/cgroup/pids is writable, else by RLIMIT_NPROC
 (which the kernel ignores for root). Code that escapes a verifier can still lie about its own score:
@@ -84,6 +87,8 @@ class Limits:
     """open files (RLIMIT_NOFILE)"""
     output_bytes: int = 1 << 20
     """most bytes kept of a job's result, stdout and stderr each (and RLIMIT_FSIZE)"""
+    disk_mb: int = 256
+    """the temp dir is a tmpfs of this size and 4,096 files where a mount namespace is allowed (layer disk-quota)"""
 
     def cpu_seconds(self) -> int:
         """RLIMIT_CPU of a job: cpu_s, else ceil(timeout_s) + 1."""
@@ -171,7 +176,7 @@ class _Worker:
             "cgroup": self.cgroup,
             "network": pool.network,
             "parent": os.getpid(),
-            "home": os.path.expanduser("~"),
+            "secrets": secret_paths(),
         }
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -284,15 +289,18 @@ class SandboxPool:
         self._spawned = 0
 
     # -- public API ------------------------------------------------------------------------------
-    def map(self, jobs: list[dict]) -> list[Result]:
+    def map(self, jobs: list[dict], fail_fast: bool = False) -> list[Result | None]:
         """Run jobs in parallel, one Result each in order. A job: {"fn": spec, "args": [...], "kwargs": {...}}
-        or {"code": str, "stdin": str | None}. Arguments and return values must be JSON."""
+        or {"code": str, "stdin": str | None}. Arguments and return values must be JSON. fail_fast: once a job fails,
+        start no more (those not started get None; the running ones finish)."""
         results: list[Result | None] = [None] * len(jobs)
         pending = list(range(len(jobs)))[::-1]
         while len(self._workers) < min(self.n, max(len(jobs), 1)):
             self._spawn()
         t_timeout = self.limits.timeout_s
         while pending or any(w.state == "busy" for w in self._workers):
+            if fail_fast and any(r is not None and not r.ok for r in results):
+                pending.clear()
             for w in [w for w in self._workers if w.state == "idle" and w.proc.poll() is not None]:
                 self._replace(w)  # died between jobs (killed from outside): its successor takes the next job
             for w in list(self._workers):
@@ -377,13 +385,19 @@ class SandboxPool:
             results[w.job_index] = Result("crash", error=f"the sandbox worker died (status {code})")
             self._replace(w)
             return
-        msg = json.loads(line)
+        msg = parse_message(line)
         if w.state == "starting":
+            if msg is None or ("fatal" not in msg and (msg.get("level") not in LEVELS or not isinstance(msg.get("layers"), list))):
+                self._fail_start(w, f"sent an unreadable first line ({line[:80]!r})")
             if "fatal" in msg:
                 self.close()
                 raise RunFailed(msg["fatal"])
             self._on_hello(msg)
             w.state = "idle"
+            return
+        if msg is None or msg.get("id") != w.job_index or msg.get("status") not in STATUSES:  # not the worker's answer to this job
+            results[w.job_index] = Result("crash", error=f"the sandbox worker sent an unreadable line ({line[:80]!r})")
+            self._replace(w)
             return
         results[w.job_index] = Result(
             **{k: v for k, v in msg.items() if k in Result.__dataclass_fields__ and k != "worker"}, worker=w.proc.pid
@@ -421,14 +435,18 @@ def level_of(layers: list[str], network_allowed: bool = False) -> str:
     have = set(layers)
     if not (network_allowed or have & {"netns", "landlock-tcp"}):
         return "process"
-    return "strict" if {"landlock-fs", "ro-root", "pidns", "hidden-secrets"} <= have else "network"
+    return "strict" if set(STRICT) <= have else "network"
 
 
+STRICT = ("landlock-fs", "ro-root", "pidns", "hidden-secrets", "hidden-sockets", "disk-quota")  # the layers strict needs
 _NEEDS = {  # layer -> what provides it, for the one-line error
     "landlock-fs": "Landlock (Linux >= 5.13)",
     "ro-root": "a mount namespace (root, or unprivileged user namespaces)",
     "pidns": "a PID namespace with its own /proc (root, or unprivileged user namespaces)",
-}  # ("hidden-secrets" comes with "ro-root": the same mount namespace)
+    "hidden-secrets": "mounts over the credential files",
+    "hidden-sockets": "a temp root and /run that are not the Python installation or a folder on sys.path",
+    "disk-quota": "a tmpfs as the temp dir",
+}  # (the last four come with the mount namespace of "ro-root")
 
 
 def level_error(flag: str, wanted: str, level: str, layers: list[str]) -> str:
@@ -475,10 +493,15 @@ def start_clause(cfg) -> str:
     if reward == "off" and "python" not in tools:
         return "sandbox off (scorers run in this process)"
     try:
-        level, _ = probe()
+        level, layers = probe()
     except (RunFailed, OSError, ConfigError) as e:  # said again, as an error, where a pool starts
         return f"sandbox unavailable ({str(e)[:80]})"
-    return f"sandbox level {level}" + (" (scorers in this process: --reward.sandbox off)" if reward == "off" else "")
+    missing = [x for x in STRICT if x not in layers] if level == "network" else []  # what strict would add (docs/sandbox.md)
+    return (
+        f"sandbox level {level}"
+        + (f" (without {', '.join(missing)})" if missing else "")
+        + (" (scorers in this process: --reward.sandbox off)" if reward == "off" else "")
+    )
 
 
 _STALE = re.compile(r"rlkit-sandbox-(\d+)-")
@@ -546,6 +569,29 @@ def _jsonable(obj):
     if hasattr(obj, "item"):
         return obj.item()
     raise TypeError(f"a {type(obj).__name__} is not JSON")
+
+
+MAX_DEPTH = 64  # a job's value nested deeper (lists and dicts) is an error: json's C parser recurses (~1000 levels raise)
+
+
+def depth(obj) -> int:
+    """How deep lists and dicts nest in obj (0 for a scalar), without recursion; stops counting past MAX_DEPTH."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo and deepest <= MAX_DEPTH:
+        o, d = todo.pop()
+        if isinstance(o, (list, dict)):
+            deepest = max(deepest, d)
+            todo += [(v, d + 1) for v in (o.values() if isinstance(o, dict) else o)]
+    return deepest
+
+
+def parse_message(data: bytes) -> dict | None:
+    """A JSON object from a pipe, or None when it is not one or nests over MAX_DEPTH (never raises)."""
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return msg if isinstance(msg, dict) and depth(msg) <= MAX_DEPTH else None
 
 
 # ----------------------------------------------------------------------------- the worker (sandbox side)
@@ -633,16 +679,30 @@ def _mount_setattr(path: str, set_: int, clear: int) -> bool:
 
 # Credential files and folders under the trainer's home, emptied in the sandbox's mount namespace (readable otherwise).
 SECRETS = (
-    ".ssh", ".netrc", ".git-credentials", ".aws", ".azure", ".config/gcloud", ".config/wandb", ".docker", ".kube",
-    ".pypirc", ".npmrc", ".huggingface", ".cache/huggingface/token", ".cache/huggingface/stored_tokens",
+    ".ssh", ".netrc", ".git-credentials", ".aws", ".azure", ".config/gcloud", ".config/wandb", ".config/gh", ".docker", ".kube",
+    ".kaggle", ".pypirc", ".npmrc", ".huggingface", ".cache/huggingface/token", ".cache/huggingface/stored_tokens", ".env",
+    ".ray/auth_token",
 )  # fmt: skip
 
 
-def _hide_secrets(home: str) -> bool:
-    """Mount an empty read-only tmpfs over each SECRETS folder and /dev/null over each such file; True if all went."""
+def secret_paths() -> list[str]:
+    """The trainer's credential files: SECRETS under its home, $HF_HOME's tokens, $HF_TOKEN_PATH, and the .env file of
+    the working directory and each folder above it."""
+    home, hf = os.path.expanduser("~"), os.environ.get("HF_HOME", "")
+    paths = [os.path.join(home, rel) for rel in SECRETS] + [os.environ.get("HF_TOKEN_PATH", "")]
+    paths += [os.path.join(hf, name) for name in ("token", "stored_tokens") if hf]
+    d = os.getcwd()
+    while True:
+        paths.append(os.path.join(d, ".env"))
+        if d == os.path.dirname(d):
+            return [p for p in paths if p]
+        d = os.path.dirname(d)
+
+
+def _hide_secrets(paths: list[str]) -> bool:
+    """Mount an empty read-only tmpfs over each such folder and /dev/null over each such file; True if all went."""
     libc = _libc()
-    for rel in SECRETS:
-        path = os.path.join(home, rel)
+    for path in paths:
         if os.path.isdir(path):
             rc = libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=4k,mode=000")
         elif os.path.exists(path):
@@ -655,36 +715,39 @@ def _hide_secrets(home: str) -> bool:
 
 
 def _hide_sockets(tmp: str, keep: list[str]) -> bool:
-    """Empty tmpfs over /run and over the temp root holding `tmp` (with `tmp` bound back in): the unix socket files
-    of other programs there (Ray's raylet and plasma store, docker.sock, dbus) are out of reach. Skipped for a
-    folder that holds a path in `keep` (the Python installation). True if it applied to both."""
-    libc, done = _libc(), 0
-    root = os.path.dirname(tmp)
-    for d in ("/run", root):
-        if d == "/" or not os.path.isdir(d) or any(p == d or p.startswith(d + "/") for p in keep):
+    """Empty tmpfs over /run, /dev/shm and the temp root holding `tmp`, with `tmp` and every path of `keep` under them
+    (the Python installation, sys.path, scorer files) bound back in: the unix sockets and shared memory of other
+    programs there (Ray's raylet, object store and logs, docker.sock, dbus) are out of reach. True if it applied to
+    all three (a folder that is itself a path of `keep` cannot be hidden)."""
+    libc, done, folders = _libc(), 0, [d for d in ("/run", "/dev/shm", os.path.dirname(tmp)) if os.path.isdir(d)]
+    for d in folders:
+        inside = sorted({p for p in (tmp, *keep) if (p == d or p.startswith(d + "/")) and os.path.exists(p)})
+        inside = [p for p in inside if not any(p.startswith(q + "/") for q in inside)]  # a folder brings what is under it
+        if d == "/" or d in inside:
             continue
-        fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY) if d == root else None
+        fds = [(p, os.open(p, os.O_PATH)) for p in inside]
         try:
             if libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=64k,mode=755") != 0:
                 continue
-            if fd is not None:
-                os.mkdir(tmp, 0o700)
-                if libc.mount(f"/proc/self/fd/{fd}".encode(), tmp.encode(), None, _MS_BIND | _MS_REC, None) != 0:
-                    raise OSError("cannot bind the temp dir back")
+            for p, fd in fds:  # a mount point in the empty tmpfs, then the original bound onto it
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                os.mkdir(p) if os.path.isdir(f"/proc/self/fd/{fd}") else open(p, "w").close()
+                if libc.mount(f"/proc/self/fd/{fd}".encode(), p.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+                    raise OSError(f"cannot bind {p} back")
             done += 1
         finally:
-            if fd is not None:
+            for _, fd in fds:
                 os.close(fd)
-    return done == 2
+    return done == len(folders)
 
 
-def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
+def _private_pids_and_mounts(tmp: str, secrets: list[str], keep: list[str], disk_mb: int) -> list[str]:
     """A PID namespace and a mount namespace: this process forks the namespace's first process (pid 1, which goes on
     as the worker) and only waits for it. There /proc is mounted afresh (only the namespace's processes: the
     trainer's /proc/<pid>/environ is out of reach), and every mount is read-only but the temp dir (no chmod, chown,
-    utime, xattrs or writes anywhere else). When pid 1 ends, the kernel kills every process left in the namespace.
-    The trainer's credential files (SECRETS under its home) are emptied. Returns the layers that applied ("pidns",
-    "hidden-secrets", "ro-root"; [] when namespaces are not allowed)."""
+    utime, xattrs or writes anywhere else), the temp dir a tmpfs of disk_mb MiB and 4,096 files. When pid 1 ends, the
+    kernel kills every process left in the namespace. The trainer's credential files (`secrets`) are emptied. Returns
+    the layers that applied (pidns, hidden-secrets, hidden-sockets, disk-quota, ro-root; [] without namespaces)."""
     libc = _libc()
     if libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID) != 0:
         return []
@@ -693,6 +756,8 @@ def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
     if pid:  # the outer process: keep nothing the trainer reads (it sees EOF when pid 1 ends), wait, end with it
         os.close(r)
         os.closerange(0, 2)
+        os.closerange(3, w)  # (the channel back too)
+        os.closerange(w + 1, 1 << 16)
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0x7F)
     os.close(w)
@@ -703,13 +768,16 @@ def _private_pids_and_mounts(tmp: str, home: str, keep: list[str]) -> list[str]:
         return layers
     if libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) == 0:
         layers.append("pidns")
-    if _hide_secrets(home):
+    if _hide_secrets(secrets):
         layers.append("hidden-secrets")
-    if "pidns" in layers and _hide_sockets(tmp, keep):  # (needs the fresh /proc to bind the temp dir back)
+    if "pidns" in layers and _hide_sockets(tmp, keep):  # (needs the fresh /proc to bind the kept paths back)
         layers.append("hidden-sockets")
     t = tmp.encode()
+    if libc.mount(b"tmpfs", t, b"tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_mb}m,nr_inodes=4096,mode=700".encode()) == 0:
+        os.chdir(tmp)
+        layers.append("disk-quota")
     if (
-        libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0
+        ("disk-quota" in layers or libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0)
         and _mount_setattr("/", _MOUNT_ATTR_RDONLY, 0)
         and _mount_setattr(tmp, 0, _MOUNT_ATTR_RDONLY)
     ):
@@ -756,6 +824,9 @@ def _worker_main(cfg: dict) -> None:
     """Entry point of a worker process (started by _BOOT): set up, say hello, then run jobs until stdin ends."""
     sys.dont_write_bytecode = True
     die_with_parent(lambda: os.getppid() == cfg["parent"])  # a SIGKILLed trainer takes its workers (and their jobs) along
+    _libc().prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: a job without CAP_SYS_PTRACE cannot open /proc/<worker>/fd/*
+    out = os.fdopen(os.dup(1), "w")  # the channel back, on an fd no job keeps; what anything prints goes to the log
+    os.dup2(2, 1)
     layers = ["process", "session", "clean-env", "temp-dir", "dies-with-parent"]
     fatal = lambda e: json.dumps({"fatal": f"sandbox worker setup failed: {type(e).__name__}: {e}"})  # noqa: E731
     try:
@@ -779,11 +850,12 @@ def _worker_main(cfg: dict) -> None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         files = [spec.rpartition(":")[0] for spec in cfg["preload"] if spec.rpartition(":")[0].endswith(".py")]
         keep = [os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, *cfg["sys_path"], *files) if p]
-        layers += _private_pids_and_mounts(cfg["tmp"], cfg["home"], keep)  # from here on this may be pid 1 of a PID namespace
+        disk_mb = cfg["limits"]["disk_mb"]
+        layers += _private_pids_and_mounts(cfg["tmp"], cfg["secrets"], keep, disk_mb)  # from here on this may be pid 1 of a PID namespace
     except Exception as e:
-        print(fatal(e), flush=True)
+        out.write(fatal(e) + "\n")
+        out.flush()
         return
-    out = os.fdopen(os.dup(1), "w")  # the channel back; fds 0/1 are taken away from jobs
     try:
         layers += _set_limits(cfg["limits"])
         if _drop_capabilities():
@@ -800,7 +872,7 @@ def _worker_main(cfg: dict) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         result = _run_job(job, cfg, nested_landlock)
-        out.write(json.dumps(result, default=str) + "\n")
+        out.write(json.dumps({"id": job["id"], **result}, default=str) + "\n")
         out.flush()
 
 
@@ -828,7 +900,7 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
         chunk = os.read(r, 1 << 16)
         if not chunk:
             break
-        data += chunk
+        data += chunk if "fn" in job else b""  # what a script writes there is not read
         if len(data) > lim["output_bytes"]:
             overflow = True
             break
@@ -849,10 +921,9 @@ def _run_job(job: dict, cfg: dict, nested_landlock: bool) -> dict:
         return {**out, "status": "timeout", "error": f"no result after {lim['timeout_s']:g} s (wall clock)"}
     if overflow:
         return {**out, "status": "error", "error": f"the result is over {lim['output_bytes']} bytes"}
-    try:
-        msg = json.loads(data) if data else None
-    except json.JSONDecodeError:
-        msg = None
+    msg = parse_message(data) if data else None
+    if data and msg is None:  # (only a function's job sends data)
+        return {**out, "status": "error", "error": f"the result is not a JSON object nested at most {MAX_DEPTH} deep"}
     if isinstance(msg, dict) and msg.get("status") in ("ok", "error"):
         return {**out, **{k: msg[k] for k in ("status", "value", "error", "exit_code") if k in msg}}
     if os.WIFSIGNALED(status):
@@ -906,6 +977,8 @@ def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool,
             (2, "stderr", os.O_WRONLY | os.O_CREAT),
         ):
             new = os.open(path, mode, 0o600)
+            if fd:  # 64 KiB kept for the output (FALLOC_FL_KEEP_SIZE): a job that fills the disk quota still says so
+                _libc().fallocate(new, 1, ctypes.c_long(0), ctypes.c_long(min(lim["output_bytes"], 1 << 16)))
             os.dup2(new, fd)
             os.close(new)
         os.closerange(3, w)  # the worker's channel and anything else inherited
@@ -916,18 +989,19 @@ def _job_child(job: dict, jobdir: str, w: int, lim: dict, nested_landlock: bool,
         if nested_landlock:  # a domain of its own: it cannot signal or ptrace the worker
             landlock_restrict([jobdir])
         me = os.getpid()
-        if "code" in job:
+        if "code" in job:  # nothing sent back: the worker reads the exit status and the output files (and waits for EOF on w)
             try:
                 exec(compile(job["code"], "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-                msg = {"status": "ok", "exit_code": 0}
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                msg = {"status": "ok", "exit_code": code}
             except BaseException:
                 import traceback
 
                 traceback.print_exc()
-                msg = {"status": "ok", "exit_code": 1}
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         else:
             try:
                 value = _resolve(job["fn"])(*job.get("args", ()), **job.get("kwargs", {}))

@@ -11,7 +11,7 @@ render (`apply_chat_template(messages, tools=[...])`)::
             expression: e.g. "123*456"
         '''
 
-`Tools([calculator, python])` holds them by name and runs a call; a tool that raises, gets bad
+`Tools([calculator, python])` holds them by name and runs a call; a tool that raises, crashes, gets bad
 arguments, is unknown or times out returns an error *text* for the model (and counts as an error),
 never an exception.
 
@@ -380,15 +380,17 @@ def python(code: str) -> str:
     return _python_text(stdout, stderr, timed_out)
 
 
-def _python_text(stdout: str, stderr: str, timed_out: bool) -> str:
+def _python_text(stdout: str, stderr: str, timed_out: bool, crash: str = "") -> str:
     if timed_out:
         raise ToolTimeout(f"over {PYTHON_TIMEOUT_S:g} s")
+    if crash:  # killed by a signal, or its sandbox worker died or sent garbage: a tool error (agent/tool_errors)
+        raise RuntimeError(crash)
     return stdout + (("\nstderr:\n" + stderr) if stderr else "")
 
 
 # How Tools runs the python tool: as a job of its sandbox pool (rlkit.sandbox), many calls at once.
 python.sandbox_job = lambda code: {"code": code}
-python.sandbox_text = lambda res: _python_text(res.stdout, res.stderr, res.timed_out)
+python.sandbox_text = lambda res: _python_text(res.stdout, res.stderr, res.timed_out, res.error if res.status == "crash" else "")
 python.sandbox_limits = lambda: {"timeout_s": PYTHON_TIMEOUT_S, "memory_mb": 512, "output_bytes": 1 << 16}
 
 BUILTIN = {"calculator": calculator, "python": python}

@@ -262,6 +262,7 @@ TOOL_CASES = {
     "max_turns_0": (lambda c, t: setattr(c.agent, "max_turns", 0), ["--agent.max-turns 0", "at least 1"]),
     "max_tool_calls_negative": (lambda c, t: setattr(c.agent, "max_tool_calls", -1), ["--agent.max-tool-calls -1"]),
     "tool_response_chars_0": (lambda c, t: setattr(c.agent, "max_tool_response_chars", 0), ["--agent.max-tool-response-chars 0"]),
+    "observation_chars_0": (lambda c, t: setattr(c.agent, "max_observation_chars", 0), ["--agent.max-observation-chars 0"]),
     "unknown_tool": (lambda c, t: setattr(c.agent, "tools", "calculator,shell"), ["--agent.tools", "unknown tool(s) shell"]),
     "unknown_env": (lambda c, t: setattr(c.agent, "env", "chess"), ["--agent.env 'chess'", "choose tools, guess, or a factory"]),
     "prompt_with_tools_too_long": (  # the embedded prompts: 19 tokens, 31 with the tools offered; checked with them

@@ -31,6 +31,13 @@ def test_guess_env_replies_with_the_range_left_and_rewards_the_find():
     assert env.guesses == 4  # "twelve" is not a guess
 
 
+def test_a_guess_too_long_for_int_is_no_guess():
+    env = envs.GuessEnv()
+    env.reset(ROW)
+    assert env.step("9" * 5000) == ([{"role": "user", "content": "a number please: 1 to 15"}], 0.0, False)  # not ValueError
+    assert env.guesses == 0
+
+
 class Scripted:
     """A Sampler that plays fixed turns for every row (ids + log-probs -0.5) and records the contexts."""
 
@@ -144,3 +151,61 @@ def test_guess_demo_data_and_defaults():
     import random
 
     assert all(embedded_guess.play(s, 1.0, random.Random(0))[-1] == s for s in range(1, 16))
+
+
+class Broken:
+    """An env whose step fails on the model's text as a careless parser would (or returns something malformed)."""
+
+    gives_reward = True
+
+    def __init__(self, how):
+        self.how = how
+
+    def reset(self, row):
+        return list(row["prompt"])
+
+    def step(self, action):
+        if self.how == "raise":
+            return [], float(int(action.strip() * 5000)), True  # ValueError: the int-string limit
+        if self.how == "huge":
+            return [{"role": "user", "content": "x" * 10_000_000}], 0.25, False  # a 10 MB observation
+        return None  # malformed
+
+
+@pytest.mark.parametrize("how", ["raise", "malformed"])
+def test_an_env_step_that_fails_ends_that_episode_counted_and_the_rest_go_on(tok, how):
+    eos = tok.eos_token_id
+    t = ids_of(tok, "8") + [eos]
+    made = iter([Broken(how), envs.GuessEnv()])
+    rows = [ROW, {**ROW, "ground_truth": "8"}]
+    eps = agent.run_turns(
+        Scripted([t, t]), [[5], [5]], tok, None, AgentConfig(max_turns=4), 200, [eos], make_env=lambda: next(made), rows=rows
+    )
+    assert (eps[0].done, eps[0].env_errors, eps[0].reward, eps[0].stopped_by_limit) == (True, 1, 0.0, False)
+    assert (eps[1].env_errors, eps[1].reward) == (0, 1.0)
+    out = agent.assemble_episodes(agent.left_pad([[5], [5]], tok.pad_token_id), eps, 200, tok.pad_token_id)
+    assert agent.agent_metrics(out)["agent/env_errors/mean"] == 0.5
+
+
+def test_a_huge_observation_is_cut_and_counted(tok):
+    import time
+
+    eos = tok.eos_token_id
+    t = ids_of(tok, "8") + [eos]
+    start = time.monotonic()
+    cfg = AgentConfig(max_turns=2, max_observation_chars=1000)
+    ep = agent.run_turns(Scripted([t, t]), [[5]], tok, None, cfg, 2000, [eos], make_env=lambda: Broken("huge"), rows=[ROW])[0]
+    assert time.monotonic() - start < 10 and ep.obs_truncated == 1 and ep.reward == 0.5
+    assert 200 < ep.mask.count(0) < 1100  # the observation's tokens: ~1,000 characters of it
+
+
+class Truncating(Countdown):
+    def step(self, action):
+        obs, reward, terminated, _, info = super().step(action)
+        return obs, reward, terminated, True, info  # the time limit of a gymnasium TimeLimit wrapper
+
+
+def test_gym_text_env_ends_on_truncated_too():
+    env = envs.GymTextEnv(Truncating)
+    env.reset({"prompt": [], "ground_truth": "5", "extra_info": {}})
+    assert env.step("5") == ([], 0.5, True)

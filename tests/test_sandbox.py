@@ -152,8 +152,10 @@ def test_the_environment_is_clean(monkeypatch):
 # ----------------------------------------------------------------------------- issue #21: the promises kept
 
 OWNER = """
-import json, sys
+import json, os, sys
 from rlkit.sandbox import Limits, SandboxPool
+if os.environ.get("RLKIT_TEST_NO_CGROUP"):  # (another rlkit process's stale-owner cleanup kills what is in a dead owner's cgroup)
+    SandboxPool._make_cgroup = lambda self, index: None
 pool = SandboxPool(Limits(timeout_s=float(sys.argv[2])), workers=1).start()
 print(json.dumps({"level": pool.level, "layers": pool.layers}), flush=True)
 r = pool.run_code(sys.argv[1])
@@ -174,10 +176,10 @@ for p in seen | {int(d) for d in os.listdir("/proc") if d.isdigit()} | {OWNER_PI
 """
 
 
-def start_owner(code: str, timeout_s: float, **env) -> tuple[subprocess.Popen, dict]:
+def start_owner(code: str, timeout_s: float, cwd=None, **env) -> tuple[subprocess.Popen, dict]:
     """A small trainer stand-in in its own process: it starts a pool, says its level, and runs `code` there."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", OWNER, code, str(timeout_s)], stdout=subprocess.PIPE, text=True, env={**os.environ, **env}
+        [sys.executable, "-c", OWNER, code, str(timeout_s)], stdout=subprocess.PIPE, text=True, env={**os.environ, **env}, cwd=cwd
     )
     return proc, json.loads(proc.stdout.readline())
 
@@ -194,18 +196,25 @@ def test_the_trainers_secrets_and_other_processes_are_out_of_reach():
 
 
 def test_the_trainers_credential_files_are_emptied(outside):
-    home = outside / "home"
-    (home / ".ssh").mkdir(parents=True)
-    (home / ".ssh" / "id_ed25519").write_text("secret-h3-ssh")
-    (home / ".netrc").write_text("machine api.wandb.ai password secret-h3-netrc")
-    code = "import os\nfor p in ('.ssh/id_ed25519', '.netrc'):\n    try:\n        print(open(os.path.join(HOME, p)).read())\n    except OSError as e:\n        print(type(e).__name__)"
-    proc, hello = start_owner(code.replace("HOME", repr(str(home))), 10, HOME=str(home))
+    home, project = outside / "home", outside / "project" / "src"
+    files = [home / f for f in (".ssh/id_ed25519", ".netrc", ".config/gh/hosts.yml", ".kaggle/kaggle.json", ".ray/auth_token")]
+    files += [outside / "hf" / "token", outside / "project" / ".env"]  # $HF_HOME's token; the .env above the working dir
+    for f in files:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(f"secret-h3-{f.name}")
+    project.mkdir()
+    code = f"for p in {[str(f) for f in files]!r}:\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)"
+    proc, hello = start_owner(code, 10, cwd=project, HOME=str(home), HF_HOME=str(outside / "hf"))
     out = json.loads(proc.stdout.readline())
     proc.wait()
     if "hidden-secrets" not in hello["layers"]:
         assert hello["level"] != "strict"
         pytest.skip(f"this machine lacks the hidden-secrets layer (it has: {', '.join(hello['layers'])})")
-    assert (out["status"], out["stdout"]) == ("ok", "PermissionError\n\n"), out  # a folder without access, an empty file
+    assert (out["status"], out["stdout"].split("\n")) == (
+        "ok",
+        ["PermissionError", "", "PermissionError", "PermissionError", "", "", "", ""],
+    ), out
+    # (a folder without access, an empty file)
 
 
 def test_unix_sockets_in_the_temp_root_and_run_are_out_of_reach(box, tmp_path):
@@ -274,7 +283,9 @@ def alive(pid: int) -> bool:
 
 
 def test_workers_and_their_jobs_die_with_their_owner():
-    proc, hello = start_owner("while True: pass", 600)  # a busy job with a long limit, as in the audit
+    # a busy job with a long limit, as in the audit; no pids cgroup, so that a sandbox started meanwhile by another test
+    # (pytest -n 2) or program cannot be what kills the orphans: they must die with their owner on their own
+    proc, hello = start_owner("while True: pass", 600, RLKIT_TEST_NO_CGROUP="1")
     try:
         time.sleep(2)  # the job is sent right after the hello
         kin = family(proc.pid)
@@ -344,11 +355,14 @@ def test_the_level_is_checked_before_anything_loads_and_shown_in_the_start_line(
     with pytest.raises(ConfigError, match="choose one of process, network, strict"):
         sandbox.check_level("max", "--agent.sandbox-level")
     cfg = SimpleNamespace(reward=SimpleNamespace(sandbox="auto"), agent=SimpleNamespace(tools="calculator"))
-    assert sandbox.start_clause(cfg) == "sandbox level network"
+    without = "(without ro-root, pidns, hidden-secrets, hidden-sockets, disk-quota)"  # each layer it could not apply
+    assert sandbox.start_clause(cfg) == f"sandbox level network {without}"
     cfg.reward.sandbox = "off"
     assert sandbox.start_clause(cfg) == "sandbox off (scorers run in this process)"
     cfg.agent.tools = "calculator,python"
-    assert sandbox.start_clause(cfg) == "sandbox level network (scorers in this process: --reward.sandbox off)"
+    assert sandbox.start_clause(cfg) == f"sandbox level network {without} (scorers in this process: --reward.sandbox off)"
+    monkeypatch.setattr(sandbox, "_probed", {"level": "strict", "layers": [*sandbox.STRICT, "netns"]})
+    assert sandbox.start_clause(cfg) == "sandbox level strict (scorers in this process: --reward.sandbox off)"
 
 
 def test_pool_runs_in_order_across_workers_and_recycles():
@@ -366,7 +380,10 @@ def test_a_minimum_level_the_machine_lacks_fails_fast():
     with pytest.raises(ConfigError, match=r"--reward.sandbox-level strict: this machine gives only level 'process'.*Landlock"):
         pool._on_hello({"layers": ["process", "rlimits"], "level": "process"})
     layers = ["process", "netns", "landlock-fs", "landlock-tcp"]  # Landlock but no namespaces (Docker, Ubuntu >= 23.10)
-    assert level_of(layers) == "network" and level_of(layers + ["pidns", "ro-root", "hidden-secrets"]) == "strict"
+    mounts = ["pidns", "ro-root", "hidden-secrets", "hidden-sockets", "disk-quota"]
+    assert level_of(layers) == "network" and level_of(layers + mounts) == "strict"
+    for layer in ["landlock-fs"] + mounts:  # strict only with every layer it promises (hidden credential files, sockets, the quota...)
+        assert level_of([x for x in layers + mounts if x != layer]) == "network", layer
     with pytest.raises(ConfigError, match=r"only level 'network'.*needs a mount namespace .* and a PID namespace") as info:
         SandboxPool(min_level="strict")._on_hello({"layers": layers, "level": "network"})
     assert "\n" not in str(info.value)
@@ -440,3 +457,142 @@ def test_a_scorer_that_exits_or_returns_garbage_stops_the_run_with_one_line(name
     message = str(info.value)
     assert f"{name} failed on sample 0" in message and "response='first'" in message and needle in message
     assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------- issue #34: model-written text never crashes a run
+
+FORGE = """
+import os
+line = b'{"id": 0, "status": "ok", "value": ' + b'[' * 990 + b']' * 990 + b'}\\n'
+for pid in (os.getppid(), 1):  # the worker's fds, then its own: the job -> worker pipe, whatever else is open
+    for fd in range(64):
+        try:
+            os.write(os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY), line)
+        except OSError:
+            pass
+for fd in range(3, 64):
+    try:
+        os.write(fd, line)
+    except OSError:
+        pass
+os._exit(0)
+"""
+
+
+def deep_stack(n, fn):
+    """fn() called n frames deeper (as the trainer calls a tool, ~40 frames down from the training loop)."""
+    return deep_stack(n - 1, fn) if n else fn()
+
+
+def test_a_python_tool_call_cannot_forge_its_result_or_crash_the_trainer():
+    from rlkit.tools import ToolCall, Tools, python
+
+    tools = Tools([python], sandbox_workers=1)
+    try:
+        calls = [ToolCall("python", {"code": FORGE}), ToolCall("python", {"code": "print(6 * 7)"})]
+        forged, after = deep_stack(100, lambda: tools.call_many(calls))
+        assert (forged.text, forged.error) == ("", False)  # what a script writes to a pipe is never read as its result
+        assert (after.text, after.error) == ("42\n", False)  # and the run goes on
+    finally:
+        tools.close()
+
+
+def test_a_function_jobs_deep_or_forged_value_is_that_calls_error(box):
+    with pytest.raises(SandboxFailure, match="nested at most 64 deep"):
+        box.call("json:loads", "[" * 500 + "]" * 500)
+    r = box.map([{"fn": "builtins:exec", "args": [FORGE]}])[0]  # a verifier that evals the answer: the same primitive
+    assert (r.status, r.value) == ("error", None) and "nested at most 64 deep" in r.error
+    assert box.call("json:loads", "[[1]]") == [[1]]
+
+
+def test_an_unreadable_line_from_a_worker_is_that_jobs_crash_and_the_worker_is_replaced(monkeypatch):
+    with Sandbox(Limits(timeout_s=5)) as sb:
+        sb.start()
+        first = sb._workers[0].proc.pid
+        real = sandbox._Worker.read_line
+        lines = iter([b"[" * 100_000, b'{"id": 7, "status": "ok"}', b"not json"])
+        fake = lambda w, limit: (real(w, limit), next(lines, None))[1] if w.state == "busy" else real(w, limit)  # noqa: E731
+        monkeypatch.setattr(sandbox._Worker, "read_line", fake)
+        results = deep_stack(100, lambda: [sb.run_code("print(1)") for _ in range(3)])
+        assert [r.status for r in results] == ["crash"] * 3 and all("unreadable line" in r.error for r in results)
+        monkeypatch.undo()
+        assert sb.run_code("print(1)").stdout == "1\n" and sb._workers[0].proc.pid != first
+
+
+def test_a_killed_python_tool_call_counts_as_a_tool_error():
+    from rlkit.tools import ToolCall, Tools, python
+
+    tools = Tools([python], sandbox_workers=1)
+    try:
+        (res,) = tools.call_many([ToolCall("python", {"code": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"})])
+    finally:
+        tools.close()
+    assert res.error and "killed by SIGKILL" in res.text
+
+
+@pytest.mark.parametrize("body", ["print('loading', flush=True)", "print('x' * 9000)", "import os; os.write(1, b'{}\\n')"])
+def test_a_reward_file_that_prints_at_import_scores_as_usual(tmp_path, body):
+    path = tmp_path / "noisy_reward.py"
+    path.write_text(
+        f"{body}\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(solution_str == ground_truth)\n"
+    )
+    reward = RewardFn(f"{path}:score")
+    try:
+        scores, _ = reward(["ds"] * 2, ["1", "2"], ["1", "1"])
+    finally:
+        reward.close()
+    assert scores.tolist() == [1.0, 0.0]
+
+
+def test_the_read_only_root_covers_sub_mounts(box, outside):
+    need(box, "ro-root")
+    sub = outside / "sub"  # (mounted before the sandbox starts: its mount namespace is a copy)
+    sub.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "none", str(sub)], capture_output=True).returncode != 0:
+        pytest.skip("no rights to mount a tmpfs here (a sub-mount is needed)")
+    try:
+        (sub / "f").write_text("x")
+        os.chmod(sub / "f", 0o600)
+        with Sandbox(Limits(timeout_s=5)) as sb:
+            r = sb.run_code(f"import os\ntry:\n    os.chmod({str(sub / 'f')!r}, 0o777)\nexcept OSError as e:\n    print(e.errno)")
+        assert r.stdout == "30\n" and (sub / "f").stat().st_mode & 0o777 == 0o600  # EROFS on a mount under /, too
+    finally:
+        subprocess.run(["umount", "-l", str(sub)])
+
+
+def test_sockets_in_the_temp_root_are_hidden_even_when_a_scorer_file_lives_there(tmp_path):
+    scorer = tmp_path / "scorer.py"  # a preloaded file in /tmp: its folder once kept the whole temp root visible
+    scorer.write_text("def score(x):\n    return x + 1\n")
+    path = str(tmp_path / "raylet.sock")
+    with socket.socket(socket.AF_UNIX) as server, SandboxPool(Limits(timeout_s=5), preload=[f"{scorer}:score"]) as pool:
+        server.bind(path)
+        server.listen(1)
+        assert pool.call(f"{scorer}:score", 1) == 2  # the file is still there
+        r = pool.run_code(f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')")
+    if "pidns" not in pool.layers:
+        pytest.skip(f"this machine lacks the pidns layer (it has: {', '.join(pool.layers)})")
+    assert "hidden-sockets" in pool.layers and pool.level == "strict"
+    assert "FileNotFoundError" in r.stderr and "connected" not in r.stdout
+
+
+def test_a_job_cannot_fill_the_disk():
+    with Sandbox(Limits(timeout_s=10, output_bytes=1 << 16, disk_mb=8)) as sb:
+        r = sb.run_code("import os\nfor i in range(100_000):\n    with open(f'f{i}', 'wb') as f:\n        f.write(b'x' * 60_000)")
+        if "disk-quota" not in sb.layers:
+            assert sb.level != "strict"
+            pytest.skip(f"this machine lacks the disk-quota layer (it has: {', '.join(sb.layers)})")
+        assert r.exit_code == 1 and "No space left on device" in r.stderr
+        r = sb.run_code("import os\nfor i in range(100_000):\n    open(f'f{i}', 'w').close()")
+        assert r.exit_code == 1 and "No space left on device" in r.stderr  # 4,096 files at most
+        assert sb.run_code("open('f', 'w').write('ok'); print(open('f').read())").stdout == "ok\n"  # each job's files go with it
+
+
+def test_under_on_error_raise_a_batch_stops_at_its_first_failure():
+    reward = RewardFn(f"{FIXTURE}:hanging_score", timeout_s=1.0, sandbox_workers=1)  # on_error="raise"
+    start = time.monotonic()
+    try:
+        with pytest.raises(RunFailed, match="hanging_score failed on sample 0") as info:
+            reward(["ds"] * 8, [str(i) for i in range(8)], ["1"] * 8)
+    finally:
+        reward.close()
+    assert time.monotonic() - start < 5 and "\n" not in str(info.value)  # not the 8 s of all eight calls' limits
