@@ -19,7 +19,7 @@ Run it:
 
 then train a policy on it (the export is a plain Hugging Face folder, tokenizer included):
 
-    python recipes/grpo.py --reward.model-path outputs/rm/checkpoints/global_step_200/hf
+    python recipes/grpo.py --reward.model-path outputs/rm/checkpoints/global_step_150/hf
 
 Data (TRL/verl preference parquet): columns prompt (--data.prompt-key: a string or chat
 messages), chosen and rejected (--chosen-key, --rejected-key: a string, or chat messages ending

@@ -1,7 +1,7 @@
 """Evaluate a model with n samples per prompt: mean@n, unbiased pass@k, maj@k (docs/eval.md).
 
     python -m rlkit.eval -n 4                                     # the embedded model on its val set
-    python -m rlkit.eval --model outputs/grpo/checkpoints/global_step_20/hf \\
+    python -m rlkit.eval --model outputs/grpo/checkpoints/global_step_296/hf \\
         --data.val-files gsm8k/test.parquet --data.max-response-length 512 -n 16
 
 Samples every prompt of --data.val-files (at most --data.val-max-samples) n times at --rollout.temperature,

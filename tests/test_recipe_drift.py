@@ -4,9 +4,10 @@ A recipe is grpo.py with its own header, config fields and `# ALGO LOGIC` lines.
 
 1. forks of grpo.py (FORKS): main() is grpo.py's, line for line and comment for comment, once the
    ALGO LOGIC blocks and the recipe's own config checks (`if ...: raise ConfigError(...)`) are cut;
-2. every recipe: each plumbing statement of grpo.py's main() (setup, step preamble, metrics and
+2. every RL recipe: each plumbing statement of grpo.py's main() (setup, step preamble, metrics and
    end of step, compared as code, comments aside) appears in the recipe's main(), except the
-   deliberate differences listed in DIFFERS, each with its reason;
+   deliberate differences listed in DIFFERS, each with its reason (sft.py and rm.py are skipped whole: DIFFERS
+   says why);
 3. the recipes that use the PPO clip loss unchanged (PPO_CLIP): make_actor_loss is grpo.py's;
 4. the recipes with a policy loss of their own (OWN_LOSS): make_actor_loss is grpo.py's outside the statement that
    computes pg_loss (the rollout correction, the entropy and KL terms, the total are shared).
