@@ -20,8 +20,11 @@ from rlkit.protocol import DataProto
 from rlkit.ray_group import free_port
 
 
-def _spawn(target, n: int = 2, *args):
-    """Run target(rank, port, queue, *args) in n spawned gloo processes; their queue items, sorted."""
+def _spawn(target, n: int = 2, *args, timeout: float = 240):
+    """Run target(rank, port, queue, *args) in n spawned gloo processes; their queue items, sorted. Processes that have
+    not answered within `timeout` seconds (a hang in a collective) are killed and the test fails."""
+    import queue
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -29,9 +32,15 @@ def _spawn(target, n: int = 2, *args):
     procs = [ctx.Process(target=_guarded, args=(target, r, port, out, *args)) for r in range(n)]
     for p in procs:
         p.start()
-    results = sorted((out.get(timeout=240) for _ in procs), key=lambda x: x[0])
+    try:
+        results = sorted((out.get(timeout=timeout) for _ in procs), key=lambda x: x[0])
+    except queue.Empty:
+        results = None
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=60 if results else 1)
+        if p.is_alive():
+            p.kill()
+    assert results is not None, f"the {n} processes did not all answer within {timeout} s (a hang)"
     failed = [r for r in results if len(r) == 3 and r[1] == "error"]
     assert not failed, failed[0][2]
     return results
@@ -559,3 +568,33 @@ def test_hf_generation_rows_come_from_free_memory_on_cuda_and_stay_on_cpu(monkey
     worker.rollout_cfg = RolloutConfig(micro_batch_size=16)
     worker.gen_micro_batch = 16
     assert worker.generation_rows(prompts) == 16 and len(asked) == 1
+
+
+# ----------------------------------------------------------------------------- d. FSDP: one model call per packed row, agreed
+
+
+def _model_calls(rank: int, port: int, out):
+    _join(rank, port)
+    import torch.distributed as dist
+
+    from rlkit.fsdp_workers import shard
+
+    torch.manual_seed(0)
+    eng = TorchEngine(ModelConfig(), None, device="cpu", wrap=shard)
+    eng.share_prompt, eng.union_logits_bytes = False, 0 if rank == 0 else 2**28  # rank 0 alone: its packed rows one by one
+    batch = make_batch(eng.model.config.vocab_size)
+    batch = batch if rank == 0 else batch[:3]  # rank 1: fewer packed rows than rank 0's calls
+    calls = []
+    eng.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    lp, _ = eng.forward(eng.model, batch, 1.0, False)
+    lp.sum().backward()  # the backward gathers again, once per call
+    out.put((rank, len(calls), lp.tolist()))
+    dist.destroy_process_group()
+
+
+def test_fsdp_ranks_agree_on_one_model_call_per_packed_row():
+    """Each FSDP model call all-gathers every layer: a rank splitting its packed rows into one call each while the other
+    makes one call would leave the ranks in different collectives (a hang). The split is agreed: same call counts."""
+    (_, calls0, lp0), (_, calls1, lp1) = _spawn(_model_calls, 2, timeout=120)
+    assert calls0 == calls1 > 1
+    assert torch.allclose(torch.tensor(lp0[:3]), torch.tensor(lp1), atol=1e-5)  # the same rows' log-probs, whatever the split
