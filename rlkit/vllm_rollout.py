@@ -169,13 +169,21 @@ def lora_adapter_plan(model, wanted: bool) -> tuple[int, str | None]:
 
 
 def _sync_dir(nbytes: int) -> str | None:
-    """Where the weights for an engine in another process are written: /dev/shm (memory, no disk) when it has room."""
+    """Where `nbytes` of weights for the engine are written: /dev/shm (memory, no disk) when it has room for twice that
+    (Docker's default is 64 MB), else the temp folder (None)."""
     import shutil
 
     try:
         return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * nbytes else None
     except OSError:
         return None
+
+
+def adapter_folder(model) -> tempfile.TemporaryDirectory:
+    """The folder the LoRA adapter is saved to at each sync: in /dev/shm when it holds two adapters (the new one is
+    written before the old one is removed), else in the temp folder."""
+    nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    return tempfile.TemporaryDirectory(prefix="rlkit-lora-", dir=_sync_dir(nbytes))
 
 
 # vLLM's Qwen2-VL family: architecture -> (vLLM's model module, the prefix of its processing classes)
@@ -340,7 +348,7 @@ class VLLMRollout:
         if why_merged and getattr(r, "lora_adapter_sync", True):  # asked for the adapter, could not have it
             warnings.warn(f"vLLM gets the LoRA adapter merged into the base weights at each sync: {why_merged}", stacklevel=2)
         if lora_rank:
-            self.lora_dir = tempfile.TemporaryDirectory(prefix="rlkit-lora-", dir=_sync_dir(0))
+            self.lora_dir = adapter_folder(model)
             self._save_adapter()
 
     # -- generation ----------------------------------------------------------------------------
