@@ -46,6 +46,7 @@ from rlkit.config import (
     TrainerConfig,
 )
 from rlkit.data import PromptLoader, build_prompts
+from rlkit.engine import pack_weights
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
 from rlkit.protocol import DataProto
@@ -197,6 +198,17 @@ def val_loss(policy, examples: Examples, batch_size: int) -> float:
     return total / count
 
 
+def fresh_weights(policy, cfg: Config) -> None:
+    """--init-from-scratch: the config's own init (seeded), in every worker and in vLLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(cfg.trainer.seed)
+    remote = cfg.model.trust_remote_code
+    config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=remote)
+    fresh = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    policy.load_weights(*pack_weights(fresh.named_parameters()))  # every worker (local or Ray)
+
+
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, validation, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
@@ -209,12 +221,7 @@ def main(cfg: Config) -> dict:
     policy = build_policy(cfg, need_ref=False)
     tok = policy.tokenizer
     if cfg.init_from_scratch:  # a fresh model: the embedded warm start reproduced from nothing
-        model = getattr(policy, "worker", policy).engine.model
-        torch.manual_seed(cfg.trainer.seed)
-        fresh = type(model)(model.config).to(
-            next(model.parameters()).dtype
-        )  # the config's own init
-        model.load_state_dict(fresh.state_dict())
+        fresh_weights(policy, cfg)
     schemas = (
         tools_from_names(cfg.tools, flag="--tools").schemas if cfg.tools else None
     )  # rendered by the template

@@ -598,3 +598,30 @@ def test_fsdp_ranks_agree_on_one_model_call_per_packed_row():
     (_, calls0, lp0), (_, calls1, lp1) = _spawn(_model_calls, 2, timeout=120)
     assert calls0 == calls1 > 1
     assert torch.allclose(torch.tensor(lp0[:3]), torch.tensor(lp1), atol=1e-5)  # the same rows' log-probs, whatever the split
+
+
+# ----------------------------------------------------------------------------- e. whole weights into FSDP shards
+
+
+def _fsdp_load_weights(rank: int, port: int, out):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.engine import pack_weights
+    from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    kw = dict(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    w = FSDPActorRolloutRefWorker(ModelConfig(), ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), device="cpu", **kw)
+    torch.manual_seed(1)
+    flat, layout = pack_weights(AutoModelForCausalLM.from_config(w.engine.model.config).named_parameters())
+    w.load_weights(flat, layout)  # what recipes/sft.py --init-from-scratch calls on every worker
+    got = w.trainable_weights()  # gathered back from the shards (rank 0)
+    out.put((rank, got is None or torch.equal(got[0], flat)))
+    dist.destroy_process_group()
+
+
+def test_fsdp_workers_load_whole_weights_into_their_shards():
+    """load_weights on FSDP workers (the worker interface recipes/sft.py --init-from-scratch uses, on Ray too): each
+    process keeps its shard of the given weights, and gathering them back gives them exactly."""
+    assert [ok for _, ok in _spawn(_fsdp_load_weights, 2, timeout=180)] == [True, True]
