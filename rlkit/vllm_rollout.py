@@ -95,20 +95,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under Hugging Face checkpoint names, what vLLM's loaders read, one tensor at a time.
 
     A PEFT (LoRA) model yields its base weights with each adapter merged in (W + delta), the delta of one
     layer computed when that layer's weight is yielded (never all deltas at once), without copying or
     modifying the model; lora_A/lora_B themselves are not yielded. An FSDP2 model's shards are gathered
-    tensor by tensor (its LoRA layers must be unsharded for the deltas).
+    tensor by tensor (its LoRA layers must be unsharded for the deltas), each cast to `dtype` (the receiver's)
+    before its gather: bf16 gathers of float32 masters move half the bytes. A tied weight comes under both names:
+    vLLM 0.32's in-place reload wants every layer's (without lm_head: "ParallelLMHead: Failed to load weights").
     """
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a core dependency
         PeftModel = ()
     if not isinstance(model, PeftModel):
-        yield from ((k, _full(v)) for k, v in model.state_dict().items())
+        yield from ((k, _full(v if dtype is None else v.to(dtype))) for k, v in model.state_dict().items())
         return
     base = model.get_base_model()
     adapted = {  # weight name -> its LoRA layer (no tensors yet)
@@ -119,8 +121,8 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in base.state_dict().items():
         if "lora_" in name:
             continue
-        tensor = _full(tensor)
         module = adapted.get(name)
+        tensor = _full(tensor if dtype is None or module is not None else tensor.to(dtype))  # a merged one: float32 below
         for adapter in module.active_adapters if module is not None else ():
             if adapter in getattr(module, "lora_A", {}):  # FSDP: computed on the shards, then gathered (a collective)
                 # in float32, cast once by the receiver (vLLM's weight dtype): adding a delta ~1e-4 |W| to a bf16
@@ -482,15 +484,13 @@ class VLLMRollout:
 
             nbytes = sum(p.numel() for p in self.model.parameters()) * self.dtype.itemsize
             with tempfile.TemporaryDirectory(prefix="rlkit-sync-", dir=_sync_dir(nbytes)) as tmp:
-                state, seen = {}, set()
-                for k, v in hf_weights(self.model):
-                    key = (v.data_ptr(), tuple(v.shape))
-                    if key in seen:  # tied weights share storage; safetensors refuses shared tensors
-                        continue
-                    seen.add(key)
+                state, stored = {}, set()
+                for k, v in hf_weights(self.model, self.dtype):  # a tied weight under both names: vLLM reads both
                     v = v.detach().to(self.dtype).contiguous().cpu()  # cast on the device: half the copy in bf16
-                    if v.untyped_storage().nbytes() != v.numel() * v.element_size():  # a view into a larger storage
-                        v = v.clone()
+                    ptr = v.untyped_storage().data_ptr()
+                    if ptr in stored or v.untyped_storage().nbytes() != v.numel() * v.element_size():
+                        v = v.clone()  # safetensors refuses shared storage (a tied weight, a view into a larger one)
+                    stored.add(ptr)
                     state[k] = v
                 save_file(state, os.path.join(tmp, "model.safetensors"))
                 del state

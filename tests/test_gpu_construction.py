@@ -222,6 +222,9 @@ def test_merged_lora_is_merged_in_float32_and_cast_once(tmp_path):
     r.sync_weights()
     synced = r.llm.state[name + ".weight"]
     assert synced.dtype == torch.bfloat16 and torch.equal(synced, (w.float() + dw).to(torch.bfloat16))
+    # the tied output embedding is written too (vLLM's reload wants it): it shares the input one's storage, which
+    # a dedupe on data_ptr took for a duplicate and left out
+    assert torch.equal(r.llm.state["lm_head.weight"], r.llm.state["model.embed_tokens.weight"])
 
 
 def _fsdp_adapter(rank: int, port: int, out, folder):
@@ -625,3 +628,47 @@ def test_fsdp_workers_load_whole_weights_into_their_shards():
     """load_weights on FSDP workers (the worker interface recipes/sft.py --init-from-scratch uses, on Ray too): each
     process keeps its shard of the given weights, and gathering them back gives them exactly."""
     assert [ok for _, ok in _spawn(_fsdp_load_weights, 2, timeout=180)] == [True, True]
+
+
+# ----------------------------------------------------------------------------- f. full-weight FSDP -> vLLM sync
+
+
+def _fsdp_folder_sync(rank: int, port: int, out):
+    _join(rank, port)
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rlkit import vllm_rollout
+    from rlkit.fsdp_workers import shard
+
+    eng = TorchEngine(ModelConfig(), None, device="cpu", wrap=shard)  # float32 masters; the embedded model ties its embeddings
+    gathered, real = [], vllm_rollout._full
+    vllm_rollout._full = lambda t: (gathered.append(t.dtype) if hasattr(t, "full_tensor") else None) or real(t)
+
+    class Folder:  # an engine in another process (FSDP workers' vLLM): reads the folder the sync writes
+        def collective_rpc(self, method, kwargs):
+            self.state = load_file(os.path.join(kwargs["weights_path"], "model.safetensors"))
+
+        def reset_prefix_cache(self):
+            pass
+
+    r = object.__new__(vllm_rollout.VLLMRollout)
+    r.llm, r.sleep_mode, r.sleeping, r.syncs, r.lora_request, r.model, r.dtype = Folder(), False, set(), 0, None, eng.model, torch.bfloat16
+    r.vlm, r._worker = False, lambda: None
+    r.sync_weights()
+    vllm_rollout._full = real
+    whole = get_model_state_dict(eng.model, options=StateDictOptions(full_state_dict=True))
+    whole.setdefault("lm_head.weight", whole["model.embed_tokens.weight"])  # tied: listed once here
+    sent = r.llm.state
+    wrong = [k for k in whole if not (k in sent and torch.equal(sent[k], whole[k].to(torch.bfloat16)))]
+    out.put((rank, sorted(map(str, set(gathered))), sorted(set(sent) - set(whole)), wrong))
+    dist.destroy_process_group()
+
+
+def test_fsdp_full_weight_sync_gathers_bf16_shards():
+    """The folder sync of FSDP workers (full fine-tuning, vLLM in a child process): each float32 shard is cast to vLLM's
+    bf16 before its all-gather (half the traffic; it gathered float32), and the file holds every weight as bf16, the
+    tied output embedding too (vLLM's reload fails a layer without its weight)."""
+    for _, dtypes, extra, wrong in _spawn(_fsdp_folder_sync, 2, timeout=180):
+        assert dtypes == ["torch.bfloat16"] and extra == [] and wrong == []
