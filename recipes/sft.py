@@ -48,7 +48,7 @@ from rlkit.config import (
     TrainerConfig,
 )
 from rlkit.data import PromptLoader, build_prompts
-from rlkit.engine import load_tokenizer
+from rlkit.engine import load_tokenizer, pack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.placement import build_policy, build_reward
 from rlkit.protocol import DataProto
@@ -247,6 +247,17 @@ def val_loss(policy, examples: Examples, batch_size: int) -> float:
     return total / count
 
 
+def fresh_weights(policy, cfg: Config) -> None:
+    """--init-from-scratch: the config's own init (seeded), in every worker and in vLLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(cfg.trainer.seed)
+    remote = cfg.model.trust_remote_code
+    config = AutoConfig.from_pretrained(resolved(cfg.model).path, trust_remote_code=remote)
+    fresh = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    policy.load_weights(*pack_weights(fresh.named_parameters()))  # every worker (local or Ray)
+
+
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, data, model, validation, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size and flag checks (SFT's data: checked below)
@@ -273,12 +284,7 @@ def main(cfg: Config) -> dict:
 
     policy = build_policy(cfg, need_ref=False)
     if cfg.init_from_scratch:  # a fresh model: the embedded warm start reproduced from nothing
-        model = getattr(policy, "worker", policy).engine.model
-        torch.manual_seed(cfg.trainer.seed)
-        fresh = type(model)(model.config).to(
-            next(model.parameters()).dtype
-        )  # the config's own init
-        model.load_state_dict(fresh.state_dict())
+        fresh_weights(policy, cfg)
     train = PromptLoader(
         train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
     )

@@ -321,12 +321,14 @@ def left_pad(contexts: list[list[int]], pad_id: int) -> DataProto:
     return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
 
 
-def hf_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Sampler:
-    """A Sampler on rlkit.rollout.HFRollout: the contexts go in as ids, the sampled ids and log-probs come out."""
+def hf_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, rows: Callable | None = None) -> Sampler:
+    """A Sampler on rlkit.rollout.HFRollout: the contexts go in as ids, the sampled ids and log-probs come out.
+    rows(prompts): rows per generate call (the worker's generation_rows: what fits in memory); None: all at once."""
 
     def sample(contexts, max_new_tokens):
+        prompts = left_pad(contexts, rollout.tokenizer.pad_token_id)
         out = rollout.generate(
-            left_pad(contexts, rollout.tokenizer.pad_token_id), max(max_new_tokens), temperature, top_p, top_k, return_log_probs=True
+            prompts, max(max_new_tokens), temperature, top_p, top_k, rows(prompts) if rows else None, return_log_probs=True
         )
         res = []
         for i, budget in enumerate(max_new_tokens):
@@ -338,11 +340,12 @@ def hf_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int
 
 
 def vllm_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Sampler:
-    """A Sampler on rlkit.vllm_rollout.VLLMRollout: ids in (`prompt_token_ids`), ids and log-probs out, no text."""
+    """A Sampler on rlkit.vllm_rollout.VLLMRollout: ids in (`prompt_token_ids`), ids and log-probs out, no text.
+    Through VLLMRollout.sample: the engine awake, the LoRA adapter on."""
 
     def sample(contexts, max_new_tokens):
         params = [rollout.sampling_params(n, temperature, top_p, top_k) for n in max_new_tokens]  # a budget per row
-        outs = rollout.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+        outs = rollout.sample([{"prompt_token_ids": c} for c in contexts], params)
         res = []
         for out in outs:
             s = out.outputs[0]
@@ -353,11 +356,11 @@ def vllm_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: i
     return sample
 
 
-def sampler_for(rollout, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Sampler:
-    """The Sampler of a rollout backend: VLLMRollout (vllm, has an engine `llm`) or HFRollout (hf)."""
+def sampler_for(rollout, temperature: float, top_p: float = 1.0, top_k: int = 0, rows: Callable | None = None) -> Sampler:
+    """The Sampler of a rollout backend: VLLMRollout (vllm, has an engine `llm`) or HFRollout (hf, `rows` per call)."""
     if hasattr(rollout, "llm"):
         return vllm_sampler(rollout, temperature, top_p, top_k)
-    return hf_sampler(rollout, temperature, top_p, top_k)
+    return hf_sampler(rollout, temperature, top_p, top_k, rows)
 
 
 @dataclass
@@ -374,7 +377,8 @@ class TurnLoop:
 
     def __call__(self, worker, prompts: DataProto, validate: bool = False) -> DataProto:
         r, rollout = self.rollout_cfg, worker.rollout
-        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k)
+        rows = getattr(worker, "generation_rows", None)  # what fits in memory, as single-turn generation
+        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k, rows)
         return generate_multi_turn(
             sample, prompts, worker.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse, self.make_env
         )

@@ -549,7 +549,11 @@ class TorchEngine:
         # the LM head reads the union of the rows' read positions (rows, K, V); when that union wastes much memory
         # (rows x K >> T at a real vocabulary) run the rows one by one, each on its own positions
         one_by_one = rows > 1 and rows * len(p.read) > 2 * len(p.labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
-        for r0, r1 in [(r, r + 1) for r in range(rows)] if one_by_one else [(0, rows)]:
+        # FSDP: each model call gathers every layer, so every process makes as many calls (agreed_count): its rows in
+        # that many consecutive groups, row 0 again where it has fewer rows than calls (same values, written twice)
+        calls = agreed_count(rows if one_by_one else 1)
+        groups = [(i * rows // calls, (i + 1) * rows // calls) for i in range(calls)]
+        for r0, r1 in [(a, b) if b > a else (0, 1) for a, b in groups]:
             sel = (p.src_row >= r0) & (p.src_row < r1)  # (T,) the tokens read in these rows
             read, k = torch.unique(pos[sel], sorted=True, return_inverse=True)  # (K,), (t,)
             row = p.src_row[sel] - r0

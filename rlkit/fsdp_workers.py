@@ -323,6 +323,16 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
         return pack_weights((n, full[n]) for n, p in self.engine.model.named_parameters() if p.requires_grad)
 
     @dispatch("all")
+    def load_weights(self, flat: torch.Tensor, layout: list) -> None:
+        """The inverse of trainable_weights: whole weights (every process gets them) into this process's shards, then
+        into its vLLM engine (recipes/sft.py --init-from-scratch)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = {name: flat[offset : offset + torch.Size(shape).numel()].view(shape) for name, shape, offset in layout}
+        set_model_state_dict(self.engine.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        self.sync_rollout()
+
+    @dispatch("all")
     def state_dict(self) -> dict:
         return {**self._full_state_dict(), "updates": self.updates}
 

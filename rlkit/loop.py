@@ -22,11 +22,12 @@ from rlkit.protocol import DataProto
 from rlkit.tracking import Tracker
 
 _OPEN_PEAKS: list[float] = []  # the GPU memory peaks (bytes) of the timer blocks now open, outermost first
+CUDA_DEVICE: torch.device | None = None  # the trainer's GPU (--trainer.device cuda:N, set by setup); None: the current one
 
 
 def _fold_peak() -> None:
     """Fold the allocator's peak since its last reset into every open block's peak (before a reset, and on exit)."""
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated(CUDA_DEVICE)
     _OPEN_PEAKS[:] = [max(p, peak) for p in _OPEN_PEAKS]
 
 
@@ -42,7 +43,7 @@ def timer(name: str, timings: dict):
     cuda = torch.cuda.is_initialized()  # never creates a CUDA context (a Ray driver leaves the GPUs to its workers)
     if cuda:
         _fold_peak()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(CUDA_DEVICE)
         _OPEN_PEAKS.append(0.0)
     start = time.perf_counter()
     try:
@@ -349,13 +350,23 @@ class Run:
 
 
 def setup(cfg) -> None:
-    """Before anything loads: quiet library defaults, torch threads, the seed, and batch-size checks."""
+    """Before anything loads: quiet library defaults, torch threads, the seed, the GPU, and batch-size checks."""
     from rlkit.engine import set_threads
 
+    global CUDA_DEVICE
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     set_threads(cfg.trainer.num_threads)
     torch.manual_seed(cfg.trainer.seed)
+    t = cfg.trainer
+    if t.backend == "local" and t.device.startswith("cuda:"):  # this process trains on GPU N: make it the current one
+        if getattr(getattr(cfg, "rollout", None), "name", "") == "vllm" and torch.device(t.device).index:
+            raise ConfigError(  # vLLM's in-process engine takes the first visible GPU whatever the current one is
+                f"--trainer.device {t.device} with --rollout.name vllm: vLLM would start on cuda:0; choose the GPU with "
+                f"CUDA_VISIBLE_DEVICES={torch.device(t.device).index} and --trainer.device cuda"
+            )
+        CUDA_DEVICE = torch.device(t.device)
+        torch.cuda.set_device(CUDA_DEVICE)
     b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     if b <= 0 or m <= 0 or b % m:
         raise ConfigError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")

@@ -169,8 +169,9 @@ def build_reward(cfg, policy=None):
     from rlkit.rewards import RewardFn
 
     t, r = cfg.trainer, cfg.reward
+    length = cfg.data.max_prompt_length + cfg.data.max_response_length  # what the reward model reads (recipes/rm.py's limit)
     if t.backend == "local" or not r.model_path:
-        return RewardFn.from_config(r, t.device)
+        return RewardFn.from_config(r, t.device, max_length=length)
     from rlkit.ray_group import RayWorkerGroup
     from rlkit.reward_model import RayRewardModel, RewardModelWorker
 
@@ -182,6 +183,7 @@ def build_reward(cfg, policy=None):
         t.device,
         r.model_micro_batch_size,
         cfg.model.trust_remote_code,
+        length,
         share=_share(pools, "reward_model"),
     )
     return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))

@@ -27,7 +27,11 @@ def render(tokenizer, prompt, response: str) -> str:
 
 
 class RewardModel:
-    """score(prompts, responses) -> (B,) float tensor, in micro-batches, without gradients."""
+    """score(prompts, responses) -> (B,) float tensor, in micro-batches, without gradients.
+
+    max_length: the longest text it reads, in its own tokens (recipes pass --data.max-prompt-length +
+    --data.max-response-length, recipes/rm.py's limit). A longer text loses its start (the prompt's), not its end: the
+    score is read at the response's last token, as in training, not at a token in the middle of the response."""
 
     def __init__(
         self, path: str, device: str = "auto", micro_batch_size: int = 32, max_length: int = 2048, trust_remote_code: bool = False
@@ -37,6 +41,7 @@ class RewardModel:
         self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.tokenizer.padding_side = "right"
+        self.tokenizer.truncation_side = "left"  # too long: the prompt's start is cut, the response's end kept
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code).to(self.device).eval()
@@ -81,6 +86,7 @@ class RewardModelWorker:
         device: str = "auto",
         micro_batch_size: int = 32,
         trust_remote_code: bool = False,
+        max_length: int = 2048,
         *,
         rank: int,
         world_size: int,
@@ -93,7 +99,7 @@ class RewardModelWorker:
 
         set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self.model = RewardModel(
-            path, "cuda:0" if resolve_device(device).type == "cuda" else "cpu", micro_batch_size, trust_remote_code=trust_remote_code
+            path, "cuda:0" if resolve_device(device).type == "cuda" else "cpu", micro_batch_size, max_length, trust_remote_code
         )
 
     @dispatch("split")

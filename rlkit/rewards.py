@@ -370,9 +370,10 @@ class RewardFn:
         self.model, self.use_function = None, True  # a RewardModel, set by from_config
 
     @classmethod
-    def from_config(cls, cfg, device: str = "auto", model=None) -> RewardFn:
+    def from_config(cls, cfg, device: str = "auto", model=None, max_length: int = 2048) -> RewardFn:
         """The reward of a RewardConfig: the scoring function and, with cfg.model_path, a reward model
-        (loaded here on `device`, unless `model` gives one: anything called as model(prompts, responses))."""
+        (loaded here on `device`, reading at most `max_length` tokens, unless `model` gives one: anything called as
+        model(prompts, responses))."""
         fn = cls(
             cfg.custom_fn,
             cfg.on_error,
@@ -387,7 +388,7 @@ class RewardFn:
         if cfg.model_path:
             from rlkit.reward_model import RewardModel
 
-            fn.model = model or RewardModel(cfg.model_path, device, cfg.model_micro_batch_size)
+            fn.model = model or RewardModel(cfg.model_path, device, cfg.model_micro_batch_size, max_length)
             fn.use_function = cfg.combine == "add"
         return fn
 

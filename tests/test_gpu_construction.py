@@ -20,8 +20,11 @@ from rlkit.protocol import DataProto
 from rlkit.ray_group import free_port
 
 
-def _spawn(target, n: int = 2, *args):
-    """Run target(rank, port, queue, *args) in n spawned gloo processes; their queue items, sorted."""
+def _spawn(target, n: int = 2, *args, timeout: float = 240):
+    """Run target(rank, port, queue, *args) in n spawned gloo processes; their queue items, sorted. Processes that have
+    not answered within `timeout` seconds (a hang in a collective) are killed and the test fails."""
+    import queue
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -29,9 +32,15 @@ def _spawn(target, n: int = 2, *args):
     procs = [ctx.Process(target=_guarded, args=(target, r, port, out, *args)) for r in range(n)]
     for p in procs:
         p.start()
-    results = sorted((out.get(timeout=240) for _ in procs), key=lambda x: x[0])
+    try:
+        results = sorted((out.get(timeout=timeout) for _ in procs), key=lambda x: x[0])
+    except queue.Empty:
+        results = None
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=60 if results else 1)
+        if p.is_alive():
+            p.kill()
+    assert results is not None, f"the {n} processes did not all answer within {timeout} s (a hang)"
     failed = [r for r in results if len(r) == 3 and r[1] == "error"]
     assert not failed, failed[0][2]
     return results
@@ -213,6 +222,9 @@ def test_merged_lora_is_merged_in_float32_and_cast_once(tmp_path):
     r.sync_weights()
     synced = r.llm.state[name + ".weight"]
     assert synced.dtype == torch.bfloat16 and torch.equal(synced, (w.float() + dw).to(torch.bfloat16))
+    # the tied output embedding is written too (vLLM's reload wants it): it shares the input one's storage, which
+    # a dedupe on data_ptr took for a duplicate and left out
+    assert torch.equal(r.llm.state["lm_head.weight"], r.llm.state["model.embed_tokens.weight"])
 
 
 def _fsdp_adapter(rank: int, port: int, out, folder):
@@ -574,3 +586,104 @@ def test_flash_attn_is_not_chosen_for_float32_compute(tmp_path, monkeypatch):
     assert resolve_attn_implementation("auto", cuda, torch.bfloat16) == "flash_attention_2"
     assert resolve_attn_implementation("auto", cuda, torch.float16) == "flash_attention_2"
     assert resolve_attn_implementation("flash_attention_2", cuda, torch.float32) == "flash_attention_2"  # as asked
+
+
+# ----------------------------------------------------------------------------- d. FSDP: one model call per packed row, agreed
+
+
+def _model_calls(rank: int, port: int, out):
+    _join(rank, port)
+    import torch.distributed as dist
+
+    from rlkit.fsdp_workers import shard
+
+    torch.manual_seed(0)
+    eng = TorchEngine(ModelConfig(), None, device="cpu", wrap=shard)
+    eng.share_prompt, eng.union_logits_bytes = False, 0 if rank == 0 else 2**28  # rank 0 alone: its packed rows one by one
+    batch = make_batch(eng.model.config.vocab_size)
+    batch = batch if rank == 0 else batch[:3]  # rank 1: fewer packed rows than rank 0's calls
+    calls = []
+    eng.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    lp, _ = eng.forward(eng.model, batch, 1.0, False)
+    lp.sum().backward()  # the backward gathers again, once per call
+    out.put((rank, len(calls), lp.tolist()))
+    dist.destroy_process_group()
+
+
+def test_fsdp_ranks_agree_on_one_model_call_per_packed_row():
+    """Each FSDP model call all-gathers every layer: a rank splitting its packed rows into one call each while the other
+    makes one call would leave the ranks in different collectives (a hang). The split is agreed: same call counts."""
+    (_, calls0, lp0), (_, calls1, lp1) = _spawn(_model_calls, 2, timeout=120)
+    assert calls0 == calls1 > 1
+    assert torch.allclose(torch.tensor(lp0[:3]), torch.tensor(lp1), atol=1e-5)  # the same rows' log-probs, whatever the split
+
+
+# ----------------------------------------------------------------------------- e. whole weights into FSDP shards
+
+
+def _fsdp_load_weights(rank: int, port: int, out):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.engine import pack_weights
+    from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    kw = dict(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    w = FSDPActorRolloutRefWorker(ModelConfig(), ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), device="cpu", **kw)
+    torch.manual_seed(1)
+    flat, layout = pack_weights(AutoModelForCausalLM.from_config(w.engine.model.config).named_parameters())
+    w.load_weights(flat, layout)  # what recipes/sft.py --init-from-scratch calls on every worker
+    got = w.trainable_weights()  # gathered back from the shards (rank 0)
+    out.put((rank, got is None or torch.equal(got[0], flat)))
+    dist.destroy_process_group()
+
+
+def test_fsdp_workers_load_whole_weights_into_their_shards():
+    """load_weights on FSDP workers (the worker interface recipes/sft.py --init-from-scratch uses, on Ray too): each
+    process keeps its shard of the given weights, and gathering them back gives them exactly."""
+    assert [ok for _, ok in _spawn(_fsdp_load_weights, 2, timeout=180)] == [True, True]
+
+
+# ----------------------------------------------------------------------------- f. full-weight FSDP -> vLLM sync
+
+
+def _fsdp_folder_sync(rank: int, port: int, out):
+    _join(rank, port)
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rlkit import vllm_rollout
+    from rlkit.fsdp_workers import shard
+
+    eng = TorchEngine(ModelConfig(), None, device="cpu", wrap=shard)  # float32 masters; the embedded model ties its embeddings
+    gathered, real = [], vllm_rollout._full
+    vllm_rollout._full = lambda t: (gathered.append(t.dtype) if hasattr(t, "full_tensor") else None) or real(t)
+
+    class Folder:  # an engine in another process (FSDP workers' vLLM): reads the folder the sync writes
+        def collective_rpc(self, method, kwargs):
+            self.state = load_file(os.path.join(kwargs["weights_path"], "model.safetensors"))
+
+        def reset_prefix_cache(self):
+            pass
+
+    r = object.__new__(vllm_rollout.VLLMRollout)
+    r.llm, r.sleep_mode, r.sleeping, r.syncs, r.lora_request, r.model, r.dtype = Folder(), False, set(), 0, None, eng.model, torch.bfloat16
+    r.vlm, r._worker = False, lambda: None
+    r.sync_weights()
+    vllm_rollout._full = real
+    whole = get_model_state_dict(eng.model, options=StateDictOptions(full_state_dict=True))
+    whole.setdefault("lm_head.weight", whole["model.embed_tokens.weight"])  # tied: listed once here
+    sent = r.llm.state
+    wrong = [k for k in whole if not (k in sent and torch.equal(sent[k], whole[k].to(torch.bfloat16)))]
+    out.put((rank, sorted(map(str, set(gathered))), sorted(set(sent) - set(whole)), wrong))
+    dist.destroy_process_group()
+
+
+def test_fsdp_full_weight_sync_gathers_bf16_shards():
+    """The folder sync of FSDP workers (full fine-tuning, vLLM in a child process): each float32 shard is cast to vLLM's
+    bf16 before its all-gather (half the traffic; it gathered float32), and the file holds every weight as bf16, the
+    tied output embedding too (vLLM's reload fails a layer without its weight)."""
+    for _, dtypes, extra, wrong in _spawn(_fsdp_folder_sync, 2, timeout=180):
+        assert dtypes == ["torch.bfloat16"] and extra == [] and wrong == []

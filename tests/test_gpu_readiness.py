@@ -210,8 +210,8 @@ def test_gpu_memory_peak_per_phase(monkeypatch):
     """A fake allocator: each phase reports its own peak, the enclosing step the largest."""
     mem = {"now": 0, "peak": 0}
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: mem.update(peak=mem["now"]))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: mem.update(peak=mem["now"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
 
     def use(gib):
         mem["peak"] = max(mem["peak"], mem["now"] + gib * 2**30)
@@ -223,6 +223,29 @@ def test_gpu_memory_peak_per_phase(monkeypatch):
         with loop.timer("update", timings):
             use(3)
     assert timings["memory/gen_peak_gb"] == 5 and timings["memory/update_peak_gb"] == 3 and timings["memory/step_peak_gb"] == 5
+
+
+def test_trainer_device_cuda_n_is_made_current_and_its_memory_read(monkeypatch, tmp_path):
+    """--trainer.device cuda:1 (local backend): setup makes cuda:1 the current device once, and the phase peaks are read
+    and reset on cuda:1 (they read the current device, cuda:0). vLLM, which would start on cuda:0, is refused in one line."""
+    from test_grpo_recipe import load_recipe, small_config
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", str(device))))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls.append(("peak", str(device))) or 0)
+    monkeypatch.setattr(loop, "CUDA_DEVICE", None, raising=False)  # setup sets it
+    monkeypatch.setattr(loop, "preflight", lambda cfg: None)  # the flags' and files' checks are not what this is about
+    cfg = small_config(load_recipe("grpo"), tmp_path, device="cuda:1")
+    loop.setup(cfg)
+    with loop.timer("gen", {}):
+        pass
+    assert calls == [("set_device", "cuda:1")] + [(k, "cuda:1") for k in ("peak", "reset", "peak")]
+
+    cfg.rollout.name = "vllm"
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=1"):
+        loop.setup(cfg)
 
 
 # ----------------------------------------------------------------------------- vLLM

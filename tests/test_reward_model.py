@@ -53,6 +53,34 @@ def test_scores_equal_a_plain_forward_on_text_in_the_reward_models_own_template(
     assert scores.std() > 0
 
 
+def test_a_text_past_max_length_loses_its_prompts_start_and_is_scored_at_the_responses_end(rm_path):
+    """Two long responses that differ only in their last token: scored on the last max_length tokens (the prompt's
+    start cut), so at each response's own end. (Cut from the right, both were read at the same mid-response token.)"""
+    rm = RewardModel(str(rm_path), max_length=48)
+    prompt = [{"role": "user", "content": "What is 2+3? " * 8}]
+    responses = ["so the answer is clearly " + end for end in ("5", "7")]
+    model = LlamaForSequenceClassification.from_pretrained(rm_path).eval()
+    scores = rm([prompt, prompt], responses)
+    for i, r in enumerate(responses):
+        ids = rm.tokenizer(rm.render(prompt, r), add_special_tokens=False)["input_ids"]
+        assert len(ids) > 48 > len(rm.tokenizer(r)["input_ids"]) + 16  # the response and its role header fit
+        with torch.no_grad():
+            expected = model(input_ids=torch.tensor([ids[-48:]])).logits[0, 0]
+        torch.testing.assert_close(scores[i], expected, atol=1e-5, rtol=0)
+    assert scores[0] != scores[1]
+
+
+def test_recipes_reward_model_reads_the_datas_lengths(tmp_path, rm_path):
+    """build_reward gives the reward model --data.max-prompt-length + --data.max-response-length (what recipes/rm.py
+    trains on), not a fixed 2048 tokens."""
+    from rlkit.placement import build_reward
+
+    cfg = small_config(load_recipe("grpo"), tmp_path)
+    cfg.reward.model_path = str(rm_path)
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 3000, 1000
+    assert build_reward(cfg).model.max_length == 4000
+
+
 def test_reward_fn_replaces_or_adds_the_model_score(rm_path):
     rm_scores = RewardModel(str(rm_path))(PROMPTS[:2], ["5", "41"])
     replace = RewardFn.from_config(RewardConfig(model_path=str(rm_path)), "cpu")

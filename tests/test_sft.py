@@ -70,6 +70,33 @@ def test_a_short_run_from_scratch_learns(tmp_path):
     assert acc[0] == 0.0 and acc[-1] >= acc[0]
 
 
+def test_init_from_scratch_reaches_the_vllm_engine():
+    """--init-from-scratch goes through the worker interface (load_weights: on Ray the group has no .engine), which
+    also syncs vLLM: its log-probs are the fresh model's, so step 0's validation samples it, not the pretrained one."""
+    from rlkit.vllm_rollout import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
+    from rlkit.config import DataConfig
+    from rlkit.data import build_prompts
+    from rlkit.placement import build_policy
+
+    cfg = sft.Config()
+    cfg.rollout.name = "vllm"
+    policy = build_policy(cfg, need_ref=False)
+    try:
+        before, _ = policy.trainable_weights()
+        sft.fresh_weights(policy, cfg)
+        assert not torch.allclose(policy.trainable_weights()[0], before)  # the trainer's weights are new
+        prompts = build_prompts(DataConfig().val_files, policy.tokenizer, cfg.data, max_samples=4)
+        batch = policy.generate(prompts.batch(range(4), policy.tokenizer.pad_token_id))
+        lp = policy.compute_log_prob(batch)["old_log_probs"]
+        mask = batch["response_mask"].bool()
+        assert (lp - batch["rollout_log_probs"])[mask].abs().max() < 1e-4  # vLLM samples the same (fresh) policy
+    finally:
+        policy.close()
+
+
 def small(tmp_path, name, steps):
     cfg = sft.Config()
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 8

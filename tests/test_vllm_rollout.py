@@ -80,6 +80,42 @@ def test_rotary_reload_line_is_filtered_and_other_layers_are_not():
     assert f.filter(logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, "RotaryEmbedding ready", (), None))
 
 
+def test_lora_adapter_goes_to_dev_shm_only_when_two_adapters_fit(monkeypatch):
+    """The adapter is saved at every sync, the new one before the old one is removed: /dev/shm (Docker: 64 MB) only
+    when it holds two, else the temp folder (it used to go to /dev/shm whenever it had a byte free: ENOSPC)."""
+    import collections
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlkit.agent import left_pad
+    from rlkit.vllm_rollout import adapter_folder
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), LoraConfig(r=8, target_modules="all-linear"))
+    nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    usage, real = collections.namedtuple("usage", "total used free"), shutil.disk_usage
+    for free, where in [(nbytes * 3, "/dev/shm"), (nbytes * 3 // 2, tempfile.gettempdir())]:
+        monkeypatch.setattr(shutil, "disk_usage", lambda p, free=free: usage(free, 0, free) if str(p) == "/dev/shm" else real(p))
+        folder = adapter_folder(model)
+        assert Path(folder.name).parent == Path(where)
+        folder.cleanup()
+    if not vllm_available():
+        return
+    from rlkit.vllm_rollout import VLLMRollout
+
+    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    r = VLLMRollout(model, tok, str(embedded.MODEL_DIR), torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
+    try:  # /dev/shm still holds 1.5 adapters: the engine's adapters go to the temp folder, a sync and a generate work
+        first = r.lora_request.lora_path
+        r.sync_weights()
+        assert [Path(p).parents[1] for p in (first, r.lora_request.lora_path)] == [Path(tempfile.gettempdir())] * 2
+        out = r.generate(left_pad(tok(["Hi", "What is 2+2?"])["input_ids"], tok.pad_token_id), 4)
+        assert out["response_mask"].sum() > 0
+    finally:
+        r.close()
+
+
 def test_lora_adapter_plan():
     """When the adapter alone can go to vLLM, with which max_lora_rank; else why it is merged."""
     from peft import LoraConfig, get_peft_model
