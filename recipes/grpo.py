@@ -7,9 +7,9 @@ response's reward relative to its group as the advantage -- no value model:
 
 Then maximise the PPO clipped surrogate, dual-clipped, with a KL penalty to the reference (starting) policy:
 
-    l_t = -min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A),   for A < 0 at most -c A   (dual clip, c = 3)
-    L   = mean_t l_t + beta * KL_t,   rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
-    KL_t = exp(q) - q - 1,  q = log pi_ref(y_t) - log pi(y_t)      (k3, "low_var_kl", clamped to [-10, 10])
+    l_t  = -min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A),  at most -c A when A < 0  (c = 3)
+    L    = mean_t l_t + beta * KL_t,   rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    KL_t = exp(q) - q - 1,  q = log pi_ref(y_t) - log pi(y_t)   (k3 "low_var_kl", in [-10, 10])
 
 Run it:
 
