@@ -5,7 +5,7 @@ response's reward relative to its group as the advantage -- no value model:
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + eps)          (Dr.GRPO: no division by std)
 
-Then maximise the PPO clipped surrogate, dual-clipped, with a KL penalty to the reference (starting) policy:
+Then maximise the PPO clipped surrogate (dual clip) with a KL penalty to the reference policy:
 
     l_t  = -min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A),  at most -c A when A < 0  (c = 3)
     L    = mean_t l_t + beta * KL_t,   rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)

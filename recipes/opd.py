@@ -13,7 +13,7 @@ The teacher must share the student's tokenizer and chat template (checked before
 
 Run it:
 
-    python recipes/opd.py --teacher outputs/grpo/checkpoints/global_step_296/hf  # the default grpo run as teacher
+    python recipes/opd.py --teacher outputs/grpo/checkpoints/global_step_296/hf  # default grpo run
     python recipes/opd.py --help          # every option, documented
     python recipes/opd.py --model Qwen/Qwen2.5-0.5B-Instruct --teacher Qwen/Qwen2.5-7B-Instruct \\
         --data.train-files gsm8k/train.parquet --data.val-files gsm8k/test.parquet

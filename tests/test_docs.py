@@ -453,7 +453,7 @@ def covers_every_recipe(path: str, name: str):
 COUNT_CLAIMS = {
     r"\b(\w+) (?:ways of averaging token losses|(?:loss[- ])?aggregation modes)": loss_agg_modes,
     r"actor loss \(all (\w+);": lambda: len(RL_RECIPES),
-    r"pins the first two steps of (every) recipe": covers_every_recipe("tests/test_anchors.py", "RECIPES"),
+    r"pins the first two steps of (every) (?:RL )?recipe": covers_every_recipe("tests/test_anchors.py", "RECIPES"),
 }
 
 
