@@ -745,7 +745,7 @@ def check_token_budget(ctx: dict) -> str:
     over = dict(trainer__backend="ray", trainer__n_workers=ranks) if ranks > 1 else {}
     grpo, cfg = grpo_cfg(ctx, "token-budget", actor__max_token_len_per_micro_batch=budget, **over)
     cfg.model.path = make_model(ctx["out"] / "model-eos", sizes(True)["model"], eos=True)
-    cfg.data.max_response_length = response
+    cfg.data.max_response_length, cfg.actor.ppo_micro_batch_size = response, 2 * s["n"]  # by rows: two groups, over budget
     with update_micro_batches() as costs:
         _, rows = run_recipe(grpo, cfg)
     expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) for r in rows), "losses missing or not finite")
