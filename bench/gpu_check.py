@@ -15,33 +15,42 @@ SIGALRM timeout in --dry):
   env            CUDA works and supports bf16 (GPU); versions
   grpo-full      recipes/grpo.py, full parameters, bf16 compute over float32 masters (--dry too: CPU autocast),
                  --actor.ppo-mini-batch-size below the batch (old log-probs with entropy, two optimizer steps per
-                 step), an entropy bonus: the start-of-run line; full-length responses; finite, nonzero losses and
-                 gradients; on a GPU, with 24 GB emulated (torch.cuda.set_per_process_memory_fraction): the peak of
+                 step), an entropy bonus: the start-of-run line and what the update's linear layers computed with
+                 (float32 weights, bf16 outputs); full-length responses; finite, nonzero losses and gradients; on a GPU, with 24 GB emulated (torch.cuda.set_per_process_memory_fraction): the peak of
                  each phase against bench/gpu_memory.py's prediction (+-30 %); rollout tokens/s; update MFU
-  grpo-lora      the same with LoRA rank 16
-  checkpointing  one forward/backward with gradient checkpointing on and off: equal loss and gradients, less memory
+  grpo-lora      the same with LoRA rank 16 (float32 adapters on a bf16 base)
+  checkpointing  one forward/backward with gradient checkpointing on and off: equal loss and gradients, each layer's
+                 forward recomputed in the backward, less memory (GPU)
   logits-memory  a real vocabulary (V = 151,936, tiny body): the update pass (entropy in the loss) and the log-prob pass
                  peak as bench/gpu_memory.py predicts (+-30 %); bf16 over float32 masters (CPU autocast in --dry)
   bf16-learning  (GPU) weights move under bf16 compute as in float32 (5 AdamW steps), and a learnable toy reward rises
                  within 50 GRPO steps in bf16
   critic         recipes/ppo.py: the value model trains beside the policy (finite critic loss and gradients)
-  token-budget   --actor.max-token-len-per-micro-batch (micro-batches by tokens; on 2+ GPUs under FSDP with 2 ranks,
-                 where unequal counts used to hang)
+  token-budget   --actor.max-token-len-per-micro-batch on a model whose EOS is sampled (unequal lengths, so ranks split
+                 into unequal counts): every micro-batch within the budget (one rank); on 2+ GPUs under FSDP with 2
+                 ranks, where unequal counts used to hang
   flash-attn     (GPU) flash_attention_2 and sdpa give the same log-probs (bf16 tolerance); SKIP when not installed
   ray            --trainer.backend ray --trainer.n-workers 1 (2 with two GPUs): two steps with a checkpoint each,
-                 a resumed third step, and the Hugging Face export loaded back
-  ray-vllm       (GPU, vLLM) Ray + vLLM with LoRA, the adapter sync and the merged sync: vLLM's log-probs stay
-                 close to the trainer's after updates
+                 a resumed third step whose weights are an uninterrupted run's, the Hugging Face exports loaded back
+  ray-vllm       (GPU, vLLM) Ray + vLLM with LoRA at lr 1e-3, the adapter sync and the merged sync: after two updates
+                 vLLM's log-probs are within 1/5 of the trainer's distance to the base model
   async          --trainer.async-steps 1, three steps: staleness 0, 1, 1; the log-prob gap of the generation
                  process and the trainer on equal weights; the step time and the trainer's wait
   async-vllm     (GPU, vLLM) the same with vLLM in the worker; the whole GPU's use (torch.cuda.mem_get_info, both
                  processes) against bench/gpu_memory.py's async + vLLM prediction
-  vllm           where vLLM is installed: its log-probs agree with the trainer's before and after a large update
-                 (the weight sync); on a GPU the free memory (mem_get_info) before and after vLLM sleeps
-  megatron       (2+ GPUs) --trainer.engine megatron --trainer.tp-size 2: two steps, finite losses; SKIP with one GPU
+  vllm           where vLLM is installed: its log-probs agree with the trainer's before and after an update that moved
+                 the trainer's 5x more (the weight sync); on a GPU the free memory (mem_get_info) before and after vLLM sleeps
+  tools          where vLLM is installed: recipes/grpo_tools.py (multi-turn) with vLLM + LoRA at lr 1e-3: the
+                 trainer-vs-rollout gap within 1/5 of the trainer-vs-base gap (not in --loan)
+  megatron       (GPU) --trainer.engine megatron, --trainer.tp-size 2 on 2+ GPUs, 1 on one: two steps, finite losses
+  vlm            the shipped tiny Qwen2-VL, HF rollout, step-0 validation: generation sized from its text_config (N1)
+  sft            recipes/sft.py: float32 weights, bf16 compute, a pass per micro-batch; on a GPU the update's peak
+  rm             recipes/rm.py, its default 64 pairs: bf16 compute, a micro-batch of pairs a forward (N9); on a GPU, 24 GB
+                 emulated, the peak against the memory model
+  judge          rlkit.judge.Judge (p_yes), 32 prompts of ~1k tokens: the LM head on the last position only (N10)
 
 --skip takes words: a row is left out when any dash-separated part of its name is listed (--skip ray,vllm leaves
-out ray, ray-vllm, async-vllm and vllm).
+out ray, ray-vllm, async-vllm and vllm; tools too: NEEDS).
 
 MFU counts the FLOPs the update computes: 2 x (linear weights) per position computed -- each group's shared
 prompt once plus every response token, as the packed layout runs them -- plus 2 x hidden x V per position the LM
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import math
@@ -120,7 +130,17 @@ LOAN = {
 LOAN_PACKAGES = (
     "torch, transformers, peft, pyarrow, pandas, safetensors (preinstalled) + tyro and datasets with their missing dependencies (wheels)"
 )
-ROW_TIMEOUT = {"env": 120, "bf16-learning": 1200, "megatron": 900, "ray": 900, "ray-vllm": 1200, "async-vllm": 900, "vllm": 900}
+EOS_SCALE = 5  # make_model(eos=True): responses of 64 tokens then end anywhere from a few tokens to the cap
+ROW_TIMEOUT = {
+    "env": 120,
+    "bf16-learning": 1200,
+    "megatron": 900,
+    "ray": 900,
+    "ray-vllm": 1200,
+    "async-vllm": 900,
+    "vllm": 900,
+    "tools": 900,
+}
 
 
 def update_flops(shape: dict, prompts: int, n: int, prompt: int, response: int, lora: bool, checkpointing: bool) -> float:
@@ -148,8 +168,10 @@ def sizes(dry: bool) -> dict:
     return dict(model=model, prompt=512, response=512, prompts=8, n=8, mini=4, micro=8)
 
 
-def make_model(folder: Path, shape: dict) -> str:
-    """A random-weight Qwen2 causal LM + the embedded tokenizer, without any EOS token: responses never stop early."""
+def make_model(folder: Path, shape: dict, eos: bool = False) -> str:
+    """A random-weight Qwen2 causal LM + the embedded tokenizer, without any EOS token: responses never stop early.
+    eos: with the tokenizer's EOS, its embedding row scaled up so that it is sampled now and then (responses of unequal
+    lengths; the vocabulary must hold it, as the embedded tokenizer's 275 tokens do)."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -158,13 +180,18 @@ def make_model(folder: Path, shape: dict) -> str:
     if (folder / "config.json").exists():
         return str(folder)
     tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
-    tok.eos_token = None  # never stop: every response is full length
+    if not eos:
+        tok.eos_token = None  # never stop: every response is full length
+    eos_id = tok.eos_token_id if eos else None
     config = Qwen2Config(
-        **shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6, pad_token_id=tok.pad_token_id, eos_token_id=None
+        **shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6, pad_token_id=tok.pad_token_id, eos_token_id=eos_id
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=tok.pad_token_id)
+    if eos:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[eos_id] *= EOS_SCALE
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
@@ -184,6 +211,86 @@ def make_data(folder: Path, prompt_tokens: int) -> str:
         df["prompt"] = [[{"role": "user", "content": filler + m[0]["content"]}] for m in df["prompt"]]
         df.to_parquet(path)
     return str(path)
+
+
+@contextlib.contextmanager
+def module_calls(*kinds: str):
+    """Every call with gradients on, in this process, of a module whose class name ends with one of `kinds`, inside the
+    block: what a recipe's passes really computed. dict(kind, rows, tokens: of its input; weight, trainable: its
+    weight's dtype and requires_grad; out: its output's dtype). Ray workers and the async generation process are not seen."""
+    import torch
+
+    calls = []
+
+    def hook(module, args, kwargs, output):
+        kind = type(module).__name__
+        if not kind.endswith(kinds) or not torch.is_grad_enabled():
+            return
+        x = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t)), None)
+        w = getattr(module, "weight", None)
+        out = output if torch.is_tensor(output) else getattr(output, "logits", None)
+        calls.append(
+            dict(
+                kind=kind,
+                rows=x.shape[0] if x is not None else 0,
+                tokens=x.shape[:2].numel() if x is not None else 0,
+                weight=w.dtype if torch.is_tensor(w) else None,
+                trainable=torch.is_tensor(w) and w.requires_grad,
+                out=out.dtype if torch.is_tensor(out) else None,
+            )
+        )
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def update_micro_batches():
+    """[packed positions] (responses + each group's prompt once: what the token budget counts) of every micro-batch that
+    TorchEngine.micro_batches makes for an update (gradients on) in this process inside the block."""
+    import torch
+
+    from rlkit import packing
+    from rlkit.engine import TorchEngine
+
+    split, costs = TorchEngine.micro_batches, []
+
+    def recorded(self, batch, micro_batch_size):
+        out = split(self, batch, micro_batch_size)
+        if torch.is_grad_enabled():
+            width = batch["prompts"].shape[1]
+            for mb in out:
+                costs.append(packing.span_cost(packing.row_costs(mb["input_ids"], mb["attention_mask"], width, True), 0, len(mb)))
+        return out
+
+    TorchEngine.micro_batches = recorded
+    try:
+        yield costs
+    finally:
+        TorchEngine.micro_batches = split
+
+
+def count_forwards(model, kind: str) -> list[int]:
+    """[calls] of the forward of the model's modules whose class name ends with `kind`, recomputations in the backward
+    included (module hooks do not see those): each forward wrapped as an instance attribute."""
+    n = [0]
+
+    def counted(*args, _forward, **kwargs):
+        n[0] += 1
+        return _forward(*args, **kwargs)
+
+    for m in model.modules():
+        if type(m).__name__.endswith(kind):
+            m.forward = functools.partial(counted, _forward=m.forward)
+    return n
+
+
+def dtypes(calls: list[dict], trainable: bool, key: str = "weight") -> set[str]:
+    """The dtypes (weights' or outputs') of the recorded Linear calls with trainable (or frozen) weights."""
+    return {str(c[key]).removeprefix("torch.") for c in calls if c["kind"] == "Linear" and c["trainable"] == trainable}
 
 
 class Check:
@@ -336,9 +443,15 @@ def check_grpo(ctx: dict, lora: bool) -> str:
     response = min(128, s["response"]) if lora and ctx.get("loan") else s["response"]
     grpo, cfg = grpo_cfg(ctx, name, model__lora_rank=16 if lora else 0, trainer__total_training_steps=steps)
     cfg.data.max_response_length = response
-    text, rows = run_recipe(grpo, cfg)
+    with module_calls("Linear") as calls:
+        text, rows = run_recipe(grpo, cfg)
     params = "params bfloat16 (LoRA adapters float32)" if lora else "params float32, compute bfloat16"  # masters + autocast
     expect(params in text, f"start-of-run line lacks {params!r}")
+    # what the update's passes computed with (the line says what was asked): float32 masters under bf16 autocast; LoRA:
+    # float32 adapters (bf16 ones lose small updates) on a bf16 base
+    trained, frozen, out = dtypes(calls, True), dtypes(calls, False), dtypes(calls, True, "out")
+    want = ({"float32"}, {"bfloat16"}, {"float32"}) if lora else ({"float32"}, set(), {"bfloat16"})
+    expect((trained, frozen, out) == want, f"the update's linear layers: trained weights {trained}, frozen {frozen}, outputs {out}")
     if not ctx["dry"]:
         expect("device cuda" in text, "start-of-run line does not say device cuda")
     expect(len(rows) == steps, f"{len(rows)} metric rows, expected {steps}")
@@ -385,7 +498,7 @@ def check_checkpointing(ctx: dict) -> str:
         }
     )
     batch = assemble(prompts, torch.randint(3, min(vocab, 275), (rows, R), generator=g), [], 0)
-    results = {}
+    results, layer_calls = {}, {}
     for gc in ("off", "on"):
         with quiet():
             eng = TorchEngine(
@@ -397,6 +510,7 @@ def check_checkpointing(ctx: dict) -> str:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
+        layer_calls[gc] = count_forwards(eng.model, "DecoderLayer")
         with eng._checkpointing():
             logp, _ = eng.forward(eng.model, batch, 1.0, False)
             loss = -(logp * batch["response_mask"].to(logp.device)).sum() / batch["response_mask"].sum()
@@ -412,7 +526,10 @@ def check_checkpointing(ctx: dict) -> str:
     expect(abs(l0 - l1) <= tol * max(abs(l0), 1), f"loss differs: {l0} vs {l1}")
     rel = ((g0 - g1).norm() / g0.norm()).item()
     expect(rel <= tol * 5, f"gradients differ: relative {rel:.2e}")
-    detail = f"loss {l0:.4f} = {l1:.4f}, gradient rel. diff {rel:.1e}"
+    # checkpointing recomputes each layer's forward in the backward (HF does only for modules in training mode)
+    calls = {gc: n[0] for gc, n in layer_calls.items()}
+    expect(calls["on"] == 2 * calls["off"], f"decoder layer forwards {calls}: checkpointing recomputed nothing in the backward")
+    detail = f"loss {l0:.4f} = {l1:.4f}, gradient rel. diff {rel:.1e}, layer forwards {calls['off']} -> {calls['on']}"
     if ctx["device"] == "cuda":
         expect(m1 < m0, f"checkpointing did not lower the peak ({m1:.2f} vs {m0:.2f} GiB)")
         detail += f", backward peak {m0:.2f} -> {m1:.2f} GiB"
@@ -420,28 +537,35 @@ def check_checkpointing(ctx: dict) -> str:
 
 
 def check_ray(ctx: dict) -> str:
+    """Ray: two steps with a checkpoint each, a resumed third step equal to the third step of a run never interrupted
+    (a resume that restored nothing, or not the optimizer, trains on from elsewhere), the HF exports loaded back."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlkit import checkpoint
-
     workers = 1 if ctx["dry"] else min(2, torch.cuda.device_count())
-    over = dict(trainer__backend="ray", trainer__n_workers=workers, trainer__save_freq=1)
-    grpo, cfg = grpo_cfg(ctx, "ray", **over)
+    over = dict(trainer__backend="ray", trainer__n_workers=workers)
+    grpo, cfg = grpo_cfg(ctx, "ray", trainer__save_freq=1, **over)
     _, rows = run_recipe(grpo, cfg)
     expect(len(rows) == 2, f"{len(rows)} metric rows, expected 2")
     if not ctx["dry"]:
         expect("memory/worker_peak_gb" in rows[-1], "no worker GPU memory in the metrics")
-    grpo, cfg = grpo_cfg(ctx, "ray", trainer__total_training_steps=3, trainer__resume="auto", **over)
+    grpo, cfg = grpo_cfg(ctx, "ray", trainer__total_training_steps=3, trainer__resume="auto", trainer__save_freq=1, **over)
     text, rows = run_recipe(grpo, cfg)
     expect("resumed at step 2" in text, "the second run did not resume at step 2")
-    ckpts = checkpoint.list_checkpoints(Path(cfg.trainer.default_local_dir) / "checkpoints")
-    expect(3 in ckpts, f"checkpoints {ckpts}, expected step 3")
-    hf = Path(cfg.trainer.default_local_dir) / "checkpoints" / "global_step_3" / "hf"
-    with quiet():
-        model = AutoModelForCausalLM.from_pretrained(hf)
-    expect(sum(p.numel() for p in model.parameters()) == ctx["n_params"], "the HF export has another parameter count")
-    return f"{workers} worker(s): 2 steps, resumed at step 2, step 3 saved, HF export loads ({model.dtype})"
+    grpo, cfg = grpo_cfg(ctx, "ray-straight", trainer__total_training_steps=3, trainer__save_freq=3, **over)
+    run_recipe(grpo, cfg)
+    weights = []
+    for run, step in (("ray", 2), ("ray", 3), ("ray-straight", 3)):
+        hf = ctx["out"] / run / "checkpoints" / f"global_step_{step}" / "hf"
+        expect(hf.is_dir(), f"no {hf}")
+        with quiet():
+            model = AutoModelForCausalLM.from_pretrained(hf)
+        expect(sum(p.numel() for p in model.parameters()) == ctx["n_params"], f"the HF export {hf} has another parameter count")
+        weights.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]))
+    gap, update = (weights[1] - weights[2]).norm().item(), (weights[2] - weights[0]).norm().item()
+    tol = 0.25 if torch.cuda.is_available() else 0.01  # GPU kernels and sampling are not bit-reproducible
+    expect(gap < tol * update, f"resumed step 3 is {gap:.1e} from an uninterrupted run's (whose step 3 moved {update:.1e}): not resumed")
+    return f"{workers} worker(s): 2 steps, resumed at step 2: step 3 {gap:.1e} from an uninterrupted run's (its update {update:.1e}); HF exports load"
 
 
 def check_async(ctx: dict) -> str:
@@ -501,10 +625,17 @@ def check_vllm(ctx: dict) -> str:
     out = worker.generate(prompts)
     out["old_log_probs"] = worker.compute_log_prob(out)["old_log_probs"]
     worker.update(out, loss)  # syncs the weights into vLLM
+    mask = out["response_mask"].bool()
+    moved = (worker.compute_log_prob(out)["old_log_probs"] - out["old_log_probs"])[mask].abs().mean().item()
     after = gap()
     tol = 0.05 if ctx["device"] == "cuda" else 1e-3
     expect(before < tol and after < tol, f"mean |log-prob gap| {before:.2e} before, {after:.2e} after the update (tolerance {tol})")
-    return f"mean |log-prob gap| {before:.1e} before, {after:.1e} after a large update; startup {worker.rollout.startup_s:.0f} s{freed}"
+    # vLLM on the old weights would be as far from the trainer as the update moved it: a sync must be much closer
+    expect(moved > 5 * after, f"the update moved the trainer's log-probs by {moved:.2e}, vLLM's gap after it {after:.2e}")
+    return (
+        f"mean |log-prob gap| {before:.1e} before, {after:.1e} after an update that moved the trainer by {moved:.1e}; "
+        f"startup {worker.rollout.startup_s:.0f} s{freed}"
+    )
 
 
 def gpu_only(ctx: dict, what: str = "") -> None:
@@ -600,19 +731,31 @@ def check_critic(ctx: dict) -> str:
 
 
 def check_token_budget(ctx: dict) -> str:
-    """--actor.max-token-len-per-micro-batch: micro-batches by tokens (two prompts' worth); on 2+ GPUs under FSDP with two
-    ranks, whose shares split into different counts (the hang it must not cause: the row's timeout catches it)."""
+    """--actor.max-token-len-per-micro-batch of one and a half groups at the full length (two groups of short responses fit
+    in a micro-batch, two of full ones do not), on a tiny model whose EOS is sampled (make_model(eos=True)): responses end
+    at unequal lengths, so each rank's share of a mini-batch splits into a count of its own; on 2+ GPUs under FSDP with
+    two ranks (unequal counts used to hang: the row's timeout catches it). With one rank, every update pass holds at most
+    the budget's tokens (micro-batches by rows would hold two groups)."""
     import torch
 
     s = ctx["sizes"]
-    budget = 2 * (s["prompt"] + s["n"] * s["response"])
+    response = min(64, s["response"])
+    budget = 3 * (s["prompt"] + s["n"] * response) // 2
     ranks = 1 if ctx["dry"] else min(2, torch.cuda.device_count())
     over = dict(trainer__backend="ray", trainer__n_workers=ranks) if ranks > 1 else {}
     grpo, cfg = grpo_cfg(ctx, "token-budget", actor__max_token_len_per_micro_batch=budget, **over)
-    cfg.data.max_response_length = min(64, s["response"])  # the budget: 2 prompts' groups at the full length, ~5 at this one
-    _, rows = run_recipe(grpo, cfg)
+    cfg.model.path = make_model(ctx["out"] / "model-eos", sizes(True)["model"], eos=True)
+    cfg.data.max_response_length, cfg.actor.ppo_micro_batch_size = response, 2 * s["n"]  # by rows: two groups, over budget
+    with update_micro_batches() as costs:
+        _, rows = run_recipe(grpo, cfg)
     expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) for r in rows), "losses missing or not finite")
-    return f"budget {budget} tokens, {ranks} rank(s): 2 steps, finite losses"
+    clipped = [r["response_length/clip_ratio"] for r in rows]
+    expect(min(clipped) < 1, f"every response ran to the length cap (clip ratio {clipped}): equal lengths on every rank")
+    detail = f"budget {budget} tokens, {ranks} rank(s): 2 steps, finite losses, {100 * (1 - min(clipped)):.0f} % of responses ended early"
+    if ranks == 1:  # the update's micro-batches (Ray workers are other processes)
+        expect(max(costs) <= budget, f"update micro-batches of {costs} packed positions, over the budget of {budget}")
+        detail += f"; update micro-batches of {min(costs)}-{max(costs)} positions"
+    return detail
 
 
 def check_flash_attn(ctx: dict) -> str:
@@ -651,20 +794,63 @@ def check_flash_attn(ctx: dict) -> str:
     return f"mean |gap| {gap:.1e}; one pass sdpa {lp['sdpa_s']:.2f} s, flash {lp['flash_attention_2_s']:.2f} s"
 
 
+def run_with_gaps(recipe, cfg) -> tuple[list[dict], float, float]:
+    """Run the recipe; its metric rows and, over its last batch's response tokens, the mean |log-prob gap| of the trainer
+    to the rollout (which sampled with the synced weights) and to the base model (the reference: LoRA disabled)."""
+    from rlkit import loop
+
+    last, end = {}, loop.Run.end_of_step
+
+    def keep(self, step, metrics, timings, batch, *args, **kwargs):
+        last["batch"] = batch
+        return end(self, step, metrics, timings, batch, *args, **kwargs)
+
+    loop.Run.end_of_step = keep
+    try:
+        _, rows = run_recipe(recipe, cfg)
+    finally:
+        loop.Run.end_of_step = end
+    b = last["batch"]
+    mask = b["response_mask"].bool()
+    sync, base = ((b["old_log_probs"] - b[key])[mask].abs().mean().item() for key in ("rollout_log_probs", "ref_log_prob"))
+    return rows, sync, base
+
+
+def expect_synced(what: str, sync: float, base: float) -> str:
+    """The trainer-vs-rollout gap well under the trainer-vs-base gap: the rollout sampled the trained weights (a rollout
+    of the base model, an unsynced or lossy sync, would be about as far as the base)."""
+    expect(sync < 0.2 * base, f"{what}: mean |log-prob gap| to the rollout {sync:.3f}, to the base model {base:.3f} (want < 1/5 of it)")
+    return f"{what} gap {sync:.1e} (base {base:.1e})"
+
+
 def check_ray_vllm(ctx: dict) -> str:
-    """Ray + vLLM with LoRA: the adapter sync and the merged sync (bf16(W + BA) used to lose most of a small delta)."""
+    """Ray + vLLM with LoRA at lr 1e-3, the adapter sync and the merged sync (bf16(W + BA) used to lose most of a small
+    delta): after two updates vLLM's log-probs are far closer to the trainer's than the base model's are."""
     gpu_only(ctx)
     need_vllm()
     out = []
     for adapter in (True, False):
         over = dict(trainer__backend="ray", rollout__name="vllm", model__lora_rank=16, trainer__total_training_steps=3)
-        grpo, cfg = grpo_cfg(ctx, f"ray-vllm-{'adapter' if adapter else 'merged'}", **over)
+        grpo, cfg = grpo_cfg(ctx, f"ray-vllm-{'adapter' if adapter else 'merged'}", actor__lr=1e-3, actor__use_kl_loss=True, **over)
         cfg.rollout.lora_adapter_sync, cfg.rollout.gpu_memory_utilization = adapter, 0.3
-        _, rows = run_recipe(grpo, cfg)
-        gap = rows[-1]["rollout_corr/abs_diff_mean"]  # vLLM's log-probs against the trainer's, after two updates
-        expect(gap < 0.05, f"{'adapter' if adapter else 'merged'} sync: mean |log-prob gap| {gap:.3f} after 2 updates (bf16: < 0.05)")
-        out.append(f"{'adapter' if adapter else 'merged'} gap {gap:.1e}")
+        _, sync, base = run_with_gaps(grpo, cfg)
+        out.append(expect_synced("adapter" if adapter else "merged", sync, base))
     return ", ".join(out)
+
+
+def check_tools(ctx: dict) -> str:
+    """recipes/grpo_tools.py (multi-turn, tool calls; the embedded tool model) with vLLM + LoRA at lr 1e-3: after two
+    updates the trainer's log-probs of what vLLM sampled stay far closer than the base model's (a multi-turn sampler
+    without the LoRA request samples the base model, N6)."""
+    need_vllm()
+    tools, cfg = grpo_cfg(ctx, "tools", recipe="grpo_tools", rollout__name="vllm", model__lora_rank=16, trainer__total_training_steps=3)
+    default = tools.Config()
+    cfg.model.path, cfg.data, cfg.reward.custom_fn = default.model.path, default.data, None  # its own model, data, reward
+    cfg.data.val_files, cfg.data.train_batch_size, cfg.rollout.n = [], 8, 4
+    cfg.actor.lr, cfg.actor.use_kl_loss = 1e-3, True  # mini-batches below the batch (grpo_cfg): an old log-prob pass
+    cfg.rollout.gpu_memory_utilization = 0.3
+    _, sync, base = run_with_gaps(tools, cfg)
+    return expect_synced("multi-turn vLLM + LoRA", sync, base)
 
 
 def check_async_vllm(ctx: dict) -> str:
@@ -700,17 +886,17 @@ def check_async_vllm(ctx: dict) -> str:
 
 
 def check_megatron(ctx: dict) -> str:
-    """--trainer.engine megatron --trainer.tp-size 2 on 2 GPUs: two GRPO steps with finite losses."""
+    """--trainer.engine megatron, tensor parallel 2 on 2+ GPUs, 1 on one (every Megatron path but the TP split):
+    two GRPO steps with finite losses and nonzero gradients."""
     import torch
 
     gpu_only(ctx)
-    if torch.cuda.device_count() < 2:
-        raise SkipCheck(f"tensor parallel 2 needs 2 GPUs; this machine has {torch.cuda.device_count()}")
-    over = dict(trainer__backend="ray", trainer__engine="megatron", trainer__tp_size=2, trainer__n_workers=2)
+    tp = min(2, torch.cuda.device_count())
+    over = dict(trainer__backend="ray", trainer__engine="megatron", trainer__tp_size=tp, trainer__n_workers=tp)
     grpo, cfg = grpo_cfg(ctx, "megatron", **over)
     _, rows = run_recipe(grpo, cfg)
     expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows), "losses or gradients bad")
-    return f"TP 2: 2 steps, loss {rows[-1]['actor/loss']:.3f}, grad norm {rows[-1]['actor/grad_norm']:.2f}"
+    return f"TP {tp}: 2 steps, loss {rows[-1]['actor/loss']:.3f}, grad norm {rows[-1]['actor/grad_norm']:.2f}"
 
 
 def cuda_peak_since(base: int) -> float:
@@ -767,9 +953,15 @@ def check_sft(ctx: dict) -> str:
     cfg.trainer.total_training_steps, cfg.trainer.logger, cfg.trainer.test_freq = 2, [], 0
     cfg.trainer.default_local_dir, cfg.trainer.experiment_name = str(ctx["out"] / "sft-run"), "sft"
     shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
-    _, rows = run_recipe(sft, cfg)
+    with module_calls("Linear", "ForCausalLM") as calls:
+        _, rows = run_recipe(sft, cfg)
     expect(len(rows) >= 2 and all(math.isfinite(r["actor/nll"]) for r in rows if "actor/nll" in r), "NLL missing or not finite")
-    detail = f"2 steps, nll {rows[-1]['actor/nll']:.3f}"
+    trained, out = dtypes(calls, True), dtypes(calls, True, "out")
+    expect((trained, out) == ({"float32"}, {"bfloat16"}), f"the update's linear layers: weights {trained}, outputs {out}")
+    passes = sum(c["kind"].endswith("ForCausalLM") for c in calls)  # one a micro-batch: the peak's size
+    want = 2 * cfg.data.train_batch_size // s["micro"]
+    expect(passes >= want, f"{passes} forward passes in 2 steps of {cfg.data.train_batch_size} rows, micro-batches of {s['micro']}: {want}")
+    detail = f"2 steps, nll {rows[-1]['actor/nll']:.3f}, {passes} micro-batches, float32 weights, bfloat16 compute"
     if not ctx["dry"]:
         import gpu_memory as gm
 
@@ -810,13 +1002,21 @@ def check_rm(ctx: dict) -> str:
     cfg.actor.lr, cfg.actor.warmup_steps = 1e-5, 0
     cfg.trainer.total_training_steps, cfg.trainer.logger, cfg.trainer.test_freq = 2, [], 0
     cfg.trainer.default_local_dir, cfg.trainer.experiment_name = str(ctx["out"] / "rm-run"), "rm"
+    if ctx["dry"]:  # the GPU's defaults: bf16 compute, a few pairs a pass (rm.py: 4 on CUDA, all 64 on CPU)
+        cfg.model.dtype, cfg.actor.ppo_micro_batch_size = "bfloat16", s["micro"]
+    micro = cfg.actor.ppo_micro_batch_size or 4
     shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
     if not ctx["dry"]:
         torch.cuda.reset_peak_memory_stats()
-    _, rows = run_recipe(rm, cfg)
+    with module_calls("Linear", "ForSequenceClassification") as calls:
+        _, rows = run_recipe(rm, cfg)
     losses = [r["rm/loss"] for r in rows if "rm/loss" in r]
     expect(len(losses) == 2 and all(map(math.isfinite, losses)), f"rm/loss {losses}")
-    detail = f"2 steps of {cfg.data.train_batch_size} pairs, loss {losses[-1]:.3f}"
+    trained, out = dtypes(calls, True), dtypes(calls, True, "out")
+    expect((trained, out) == ({"float32"}, {"bfloat16"}), f"the update's linear layers: weights {trained}, outputs {out}")
+    most = max(c["rows"] for c in calls if c["kind"].endswith("ForSequenceClassification"))
+    expect(most <= 2 * micro, f"a forward of {most} sequences (micro-batches of {micro} pairs: {2 * micro})")
+    detail = f"2 steps of {cfg.data.train_batch_size} pairs, loss {losses[-1]:.3f}, <= {most} sequences a pass in bfloat16"
     if not ctx["dry"]:
         import gpu_memory as gm
 
@@ -877,6 +1077,7 @@ ROWS = {
     "async": (check_async,),
     "async-vllm": (check_async_vllm,),
     "vllm": (check_vllm,),
+    "tools": (check_tools,),
     "megatron": (check_megatron,),
     "vlm": (check_vlm,),
     "sft": (check_sft,),
@@ -885,9 +1086,12 @@ ROWS = {
 }
 
 
+NEEDS = {"tools": ["vllm"]}  # what a row needs that its name does not say
+
+
 def skipped(name: str, skip: set[str]) -> bool:
-    """Whether --skip leaves the row out: any dash-separated part of its name (or the name) is listed."""
-    return name in skip or any(part in skip for part in name.split("-"))
+    """Whether --skip leaves the row out: any dash-separated part of its name (or the name, or what it NEEDS) is listed."""
+    return name in skip or any(part in skip for part in name.split("-") + NEEDS.get(name, []))
 
 
 class Timeout(Exception):

@@ -12,6 +12,7 @@ LONG_FIRST = (  # the files with the longest tests (`pytest --durations=40`), lo
     "test_off_policy.py",
     "test_vllm_rollout.py",
     "test_agent.py",
+    "test_gpu_check_rows.py",
     "test_learning.py",
     "test_fsdp.py",
     "test_megatron.py",
