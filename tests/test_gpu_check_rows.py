@@ -95,10 +95,10 @@ def no_gradient(real):
 
 
 def vllm_sampler(lora: bool):
-    """agent.sampler_for for vLLM: without the LoRA request (N6: vLLM samples the base model), or with it (N6 fixed, until
-    rlkit/agent.py's own sampler passes it)."""
+    """agent.sampler_for for vLLM as it was before N6's fix: the engine's generate called directly, without the LoRA
+    request (vLLM then samples the base model) unless `lora`."""
 
-    def sampler_for(rollout, temperature, top_p=1.0, top_k=0):
+    def sampler_for(rollout, temperature, top_p=1.0, top_k=0, rows=None):
         def sample(contexts, max_new_tokens):
             rollout.wake_up()
             params = [rollout.sampling_params(n, temperature, top_p, top_k) for n in max_new_tokens]
@@ -177,8 +177,7 @@ def test_vllm_row_fails_when_the_weight_sync_is_skipped(ctx, monkeypatch, vllm):
 def test_tools_row_fails_when_the_multi_turn_sampler_samples_the_base_model(ctx, monkeypatch, vllm):
     """N6: multi-turn + vLLM + LoRA without the LoRA request samples the base model: the trainer-vs-rollout gap is then
     the trainer-vs-base gap (lr 1e-3, two updates)."""
-    monkeypatch.setattr(agent, "sampler_for", vllm_sampler(lora=True))
-    status, detail = run_row("tools", ctx)
+    status, detail = run_row("tools", ctx)  # rlkit's own sampler (VLLMRollout.sample: wakes, passes the LoRA request)
     assert status == "PASS", detail
     monkeypatch.setattr(agent, "sampler_for", vllm_sampler(lora=False))
     status, detail = run_row("tools", ctx)
