@@ -1145,6 +1145,22 @@ def run_in_subprocess(check: Check, name: str, ctx: dict, limit: int) -> None:
     print(f"[gpu_check] {name}: {check.rows[-1][1]} {check.rows[-1][2]}", flush=True)
 
 
+def make_ctx(out: Path, dry: bool, loan: bool = False) -> dict:
+    """What every row gets: the model (the tiny one in --dry, the 0.5B-shaped one on a GPU), the data, the scoring file,
+    the sizes and what gradient_checkpointing=auto picks for that model."""
+    shape = sizes(dry)
+    ctx = {"dry": dry, "device": "cpu" if dry else "cuda", "sizes": shape, "out": out, "loan": loan}
+    ctx["model"] = make_model(out / ("model-tiny" if dry else "model-qwen2-0.5b-shape"), shape["model"])
+    ctx["data"] = make_data(out, shape["prompt"])
+    (out / "reward.py").write_text(REWARD)
+    ctx["reward"] = str(out / "reward.py")
+    with open(Path(ctx["model"]) / "model.safetensors", "rb") as f:  # parameter count from the safetensors header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    ctx["n_params"] = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    ctx["checkpointing"] = not dry and ctx["n_params"] >= 10_000_000  # what gradient_checkpointing=auto picks
+    return ctx
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry", action="store_true", help="CPU, the embedded model's size, short lengths (default when CUDA is missing)")
@@ -1178,16 +1194,7 @@ def main() -> int:
     dry = args.dry or not torch.cuda.is_available()
     out = Path(args.out or tempfile.mkdtemp(prefix="rlkit-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    shape = sizes(dry)
-    ctx = {"dry": dry, "device": "cpu" if dry else "cuda", "sizes": shape, "out": out, "loan": args.loan}
-    ctx["model"] = make_model(out / ("model-tiny" if dry else "model-qwen2-0.5b-shape"), shape["model"])
-    ctx["data"] = make_data(out, shape["prompt"])
-    (out / "reward.py").write_text(REWARD)
-    ctx["reward"] = str(out / "reward.py")
-    with open(Path(ctx["model"]) / "model.safetensors", "rb") as f:  # parameter count from the safetensors header
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    ctx["n_params"] = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    ctx["checkpointing"] = not dry and ctx["n_params"] >= 10_000_000  # what gradient_checkpointing=auto picks
+    ctx = make_ctx(out, dry, args.loan)
     (out / "ctx.json").write_text(json.dumps({**ctx, "out": str(out)}))
     setup_s = time.perf_counter() - start
     print(f"[gpu_check] {'dry run on CPU' if dry else 'GPU run'}: model {ctx['model']} ({ctx['n_params'] / 1e6:.1f}M), out {out}")

@@ -3,8 +3,6 @@ defect back (monkeypatch) and the row FAILs, and the row PASSes without it. (The
 tests/test_gpu_readiness.py.)"""
 
 import contextlib
-import json
-import math
 import sys
 from pathlib import Path
 
@@ -21,18 +19,8 @@ import gpu_check  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    """The context the rows get in --dry (as gpu_check.main builds it), shared by this module's runs."""
-    out = tmp_path_factory.mktemp("gpu-check")
-    shape = gpu_check.sizes(True)
-    ctx = {"dry": True, "device": "cpu", "sizes": shape, "out": out, "loan": False, "checkpointing": False}
-    ctx["model"] = gpu_check.make_model(out / "model-tiny", shape["model"])
-    ctx["data"] = gpu_check.make_data(out, shape["prompt"])
-    (out / "reward.py").write_text(gpu_check.REWARD)
-    ctx["reward"] = str(out / "reward.py")
-    with open(Path(ctx["model"]) / "model.safetensors", "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    ctx["n_params"] = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return ctx
+    """The context the rows get in --dry (gpu_check.make_ctx, as its main builds it), shared by this module's runs."""
+    return gpu_check.make_ctx(tmp_path_factory.mktemp("gpu-check"), dry=True)
 
 
 def run_row(name: str, ctx: dict) -> tuple[str, str]:

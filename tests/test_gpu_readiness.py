@@ -387,16 +387,10 @@ def test_gpu_check_loan_profile_runs_dry_without_what_the_loaned_machine_lacks(t
 
 @pytest.fixture
 def dry_ctx(tmp_path):
-    """The context bench/gpu_check.py's rows get in --dry: the tiny model, short prompts, the scoring file."""
+    """The context bench/gpu_check.py's rows get in --dry --loan (gpu_check.make_ctx)."""
     import gpu_check
 
-    shape = gpu_check.sizes(True)
-    ctx = {"dry": True, "device": "cpu", "sizes": shape, "out": tmp_path, "loan": True, "checkpointing": False}
-    ctx["model"] = gpu_check.make_model(tmp_path / "model-tiny", shape["model"])
-    ctx["data"] = gpu_check.make_data(tmp_path, shape["prompt"])
-    (tmp_path / "reward.py").write_text(gpu_check.REWARD)
-    ctx["reward"] = str(tmp_path / "reward.py")
-    return ctx
+    return gpu_check.make_ctx(tmp_path, dry=True, loan=True)
 
 
 def test_gpu_check_vlm_row_fails_when_generation_reads_the_vlm_configs_top_level(dry_ctx, monkeypatch):
