@@ -289,20 +289,32 @@ def tiny_model(folder: Path, vocab: int = 151936, hidden: int = 16) -> str:
 
 
 def measure_pass(
-    path: str, phase: str, entropy: bool, rows: int = 8, prompt: int = 8, response: int = 48, dtype: str = "float32", device: str = "cpu"
+    path: str,
+    phase: str,
+    entropy: bool,
+    rows: int = 8,
+    prompt: int = 8,
+    response: int = 48,
+    dtype: str = "float32",
+    device: str = "cpu",
+    megatron: bool = False,
 ):
     """(measured, predicted) peak bytes of one engine pass above the weights (CPU: LiveBytes; CUDA:
     torch.cuda.max_memory_allocated above what was allocated before): phase "log_prob"
     (compute_log_prob, no gradient) or "update" (forward + loss + backward of one micro-batch, the entropy in the loss
     with `entropy`). One group of `rows` full-length responses to one prompt. dtype "bfloat16": the engine's float32
-    masters under CPU autocast."""
+    masters under CPU autocast. megatron: the Megatron engine at T = 1 (the caller has initialised torch.distributed
+    and Megatron's parallel state), against LOGITS["megatron"]."""
     from rlkit.config import ActorConfig, ModelConfig
     from rlkit.engine import TorchEngine
     from rlkit.protocol import DataProto
     from rlkit.rollout import assemble
 
-    engine = TorchEngine(ModelConfig(path=path, dtype=dtype), ActorConfig(use_kl_loss=False), device=device)
-    vocab = engine.model.config.vocab_size
+    engine_class = TorchEngine
+    if megatron:
+        from rlkit.megatron_workers import MegatronEngine as engine_class
+    engine = engine_class(ModelConfig(path=path, dtype=dtype), ActorConfig(use_kl_loss=False), device=device)
+    vocab = engine.hf_config.vocab_size if megatron else engine.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (1, prompt), generator=g).expand(rows, prompt)  # one prompt shared by the group
     prompts = DataProto.from_dict(
@@ -331,7 +343,8 @@ def measure_pass(
     measured = torch.cuda.max_memory_allocated() - base if cuda else counter.peak
     compute = torch.finfo(engine.dtype).bits // 8
     setup = Setup(entropy=entropy)
-    predicted = logits_bytes(setup, phase, compute, rows * response, vocab, engine_code(), CHUNK if cuda else CHUNK_CPU)
+    code = "megatron" if megatron else engine_code()
+    predicted = logits_bytes(setup, phase, compute, rows * response, vocab, code, CHUNK if cuda else CHUNK_CPU)
     if phase == "update":
         predicted += 4 * sum(p.numel() for p in engine.model.parameters())  # the weights' float32 gradients
     return measured, predicted
