@@ -393,11 +393,13 @@ def test_megatron_attention_keeps_no_scores_and_the_lm_head_reads_only_response_
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            self.big += [tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.numel() >= b * heads * L * L]
+            for t in tree_flatten(out)[0]:  # scores or probabilities: (..., L, L) over every head (not the (b, 1, L, L) mask)
+                if isinstance(t, torch.Tensor) and t.shape[-2:] == (L, L) and t.numel() >= b * heads * L * L:
+                    self.big.append(tuple(t.shape))
             return out
 
     logits = []
     engine.model.output_layer.register_forward_hook(lambda m, args, out: logits.append(out[0].shape))
     with Shapes() as mode:
         engine.compute_log_prob(batch, 1.0, b)
-    assert mode.big == [] and logits == [(R + 1, b, engine.model.output_layer.weight.shape[0])]
+    assert mode.big == [] and logits == [(R + 1, b, engine.hf_config.vocab_size)]
