@@ -20,9 +20,10 @@ layer spec, no sequence parallelism:
    multiply a bf16 gradient by the float32 weight. Here the backward runs under the forward's CPU autocast.
 
 `recompute_under_autocast`: Megatron's CheckpointFunction recomputes a layer in the backward without the
-forward's autocast (it expects bf16 weights, not float32 masters under autocast): the recomputed layer would run in
-float32, its activations and gradients not those of the forward. Patched, the recomputed function runs under the
-autocast state (CUDA and CPU) that was active when the layer ran forward, as torch.utils.checkpoint does.
+forward's autocast (it expects bf16 weights, not float32 masters under autocast): the recomputation multiplies the
+saved bf16 input by a float32 weight and fails ("expected m1 and m2 to have the same dtype", on CPU), and where it
+did not it would run in float32, not as the forward did. Patched, the recomputed function runs under the autocast
+state (CUDA and CPU) that was active when the layer ran forward, as torch.utils.checkpoint does.
 
 A newer megatron-core may move these; `apply()` checks the attributes exist and names the version it
 was written for when they do not.
