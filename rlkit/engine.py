@@ -399,8 +399,8 @@ class TorchEngine:
         self.value_head = value_head
         self.role = "critic" if value_head else "actor"  # metric prefix and flag names in messages
         self.lora = model_cfg.lora_rank > 0
-        # full-parameter training in 16 bits on one device: float32 master weights, compute under autocast (module docstring);
-        # FSDP (wrap) has its own mixed precision policy, LoRA trains float32 adapters on a frozen base
+        # full-parameter training in 16 bits: float32 master weights, compute under autocast (module docstring), on one device
+        # or behind the Megatron engine's wrap; FSDP (wrap) has its own mixed precision policy, LoRA float32 adapters
         self.master_fp32 = (
             actor_cfg is not None
             and not self.lora
