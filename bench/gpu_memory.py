@@ -74,6 +74,16 @@ LOGITS = {
         ("update", False): (0, 2, 0, 3),
         ("update", True): (0, 2, 0, 3),
     },
+    # the Megatron engine's vocab-parallel log-softmax (rlkit/megatron_workers.py, vocab_parallel_logprobs): the logits
+    # read in float32, masked, exp, and with the entropy the p * z product, each a float32 copy; measured on CPU at T = 1
+    # (LiveBytes, 8 x 48 positions x V = 151,936): 4.0 / 6.0 U without gradient, 4.0 / 8.0 U with it (plain / entropy),
+    # float32 and bf16 alike (the bf16 logits are freed before the peak)
+    "megatron": {
+        ("log_prob", False): (4, 0, 0, 0),
+        ("log_prob", True): (6, 0, 0, 0),
+        ("update", False): (4, 0, 0, 0),
+        ("update", True): (8, 0, 0, 0),
+    },
     "float32-copy": {
         ("log_prob", False): (0, 1, 1, 0),
         ("log_prob", True): (3, 1, 1, 0),
@@ -195,7 +205,7 @@ class Setup:
     response: int = 512
     gen_rows: int = 64  # --rollout.micro-batch-size: rows per HF generate call
     kl: bool = True  # --actor.use-kl-loss: a frozen reference copy (full parameters)
-    tp: int = 1  # --trainer.engine megatron --megatron.tp (float32 throughout, padded layout, vocab-parallel logits)
+    tp: int = 1  # --trainer.engine megatron --trainer.tp-size (bf16 over float32 shards, recompute, padded rows, vocab-parallel logits)
     gpu_util: float = 0.5  # --rollout.gpu-memory-utilization
     code: str = "chunked"  # LOGITS key
     first_step: bool = False  # step 1's generation and log-prob passes: AdamW's moments are not allocated yet (lazily, at the first step)
@@ -217,33 +227,36 @@ def predict(s: Setup, gpu_gb: float) -> dict:
     n, tp = c["n"], s.tp
     megatron = tp > 1
     full = not s.lora
-    compute = 4 if megatron else 2  # Megatron runs float32 throughout; otherwise bf16 compute
+    compute = 2  # bf16 compute (the Megatron engine too: float32 shards under autocast)
     groups = math.ceil(s.micro / s.n)
-    if megatron:  # padded rows, the LM head on every position, vocabulary split tp ways; its vocab-parallel log-softmax
-        # (float32 copies, masked_fill, the entropy's softmax) is approximated by the float32-copy engine's constants
-        tokens, read, vocab = s.micro * (s.prompt + s.response), s.micro * (s.prompt + s.response), c["vocab"] / tp
-        code = "float32-copy"
+    if megatron:  # padded rows (prompt + response each), the LM head on the response positions, vocabulary split tp
+        # ways; its vocab-parallel log-softmax on float32 copies: LOGITS["megatron"]
+        tokens, read, vocab, code = s.micro * (s.prompt + s.response), s.micro * s.response, c["vocab"] / tp, "megatron"
     else:  # packed: each group's prompt once; the head on the positions read
         tokens, read, vocab, code = groups * s.prompt + s.micro * s.response, s.micro * s.response, c["vocab"], s.code
     if full:
         weights = (4 * n + 8 * n) / tp  # float32 masters + AdamW's two moments
-        ref = (4 if megatron else 2) * n / tp if s.kl else 0
+        ref = 2 * n / tp if s.kl else 0  # bf16
         grads = 4 * n / tp
-        casts = 0 if megatron else 2 * n  # autocast's bf16 copies of the weights, inside a pass
-        hf_copy = 4 * n if megatron else 0  # the Megatron engine's full HF copy for generation and export
+        casts = 2 * n / tp  # autocast's bf16 copies of the weights (this GPU's shards), inside a pass
+        hf_copy = 2 * n if megatron else 0  # the Megatron engine's full bf16 HF copy for generation and export
     else:
         weights, ref, grads, casts, hf_copy = 2 * n + 12 * c["lora"], 0, 4 * c["lora"], 0, 0
     held = weights + ref + hf_copy
     before = held - (8 * n / tp if full else 8 * c["lora"]) if s.first_step else held  # what the passes before the first step see
-    ckpt_dtype = "float32" if megatron else "bfloat16"
-    residual = 2 if s.lora else 4  # the residual stream: float32 under autocast over float32 masters; bf16 LoRA base
+    # the residual stream: float32 under autocast over float32 masters; bf16 with a LoRA base, and in Megatron (its
+    # bias-dropout-add casts the residual to the layer's output dtype), where every tensor-parallel rank keeps all of it
+    residual = 2 if s.lora or megatron else 4
     cfg = qwen_config(s.model)
-    acts_update = activation_bytes(cfg, tokens, ckpt_dtype, residual, True, layer_bytes(s.model, tokens, ckpt_dtype, True)) / tp
-    acts_lp = activation_bytes(cfg, tokens, ckpt_dtype, residual, False, layer_bytes(s.model, tokens, ckpt_dtype, False)) / tp
+    kept = cfg.num_hidden_layers * tokens * cfg.hidden_size * residual  # one residual per layer: checkpointing / recompute
+    acts_update = kept + layer_bytes(s.model, tokens, "bfloat16", True) / tp  # one layer's heads and MLP columns split tp ways
+    acts_lp = layer_bytes(s.model, tokens, "bfloat16", False) / tp
     update = held + grads + casts + acts_update + logits_bytes(s, "update", compute, read, vocab, code)
     log_prob = before + casts + acts_lp + logits_bytes(s, "log_prob", compute, read, vocab, code)
     kv_bytes = 2  # the KV cache in the compute dtype (bf16) under autocast
-    gen = before + casts + s.gen_rows * (s.prompt + s.response) * c["kv"] * kv_bytes + 3 * s.gen_rows * vocab * 4
+    # Megatron generates on its bf16 HF copy (no autocast copies, the full vocabulary)
+    gen_casts, gen_vocab = (0, c["vocab"]) if megatron else (casts, vocab)
+    gen = before + gen_casts + s.gen_rows * (s.prompt + s.response) * c["kv"] * kv_bytes + 3 * s.gen_rows * gen_vocab * 4
     vllm = s.gpu_util * gpu_gb * 1e9 if s.rollout == "vllm" else 0
     if s.rollout == "vllm":  # vLLM sleeps during the passes: its share counts only beside what stays while it generates
         gen = held + vllm
@@ -276,20 +289,32 @@ def tiny_model(folder: Path, vocab: int = 151936, hidden: int = 16) -> str:
 
 
 def measure_pass(
-    path: str, phase: str, entropy: bool, rows: int = 8, prompt: int = 8, response: int = 48, dtype: str = "float32", device: str = "cpu"
+    path: str,
+    phase: str,
+    entropy: bool,
+    rows: int = 8,
+    prompt: int = 8,
+    response: int = 48,
+    dtype: str = "float32",
+    device: str = "cpu",
+    megatron: bool = False,
 ):
     """(measured, predicted) peak bytes of one engine pass above the weights (CPU: LiveBytes; CUDA:
     torch.cuda.max_memory_allocated above what was allocated before): phase "log_prob"
     (compute_log_prob, no gradient) or "update" (forward + loss + backward of one micro-batch, the entropy in the loss
     with `entropy`). One group of `rows` full-length responses to one prompt. dtype "bfloat16": the engine's float32
-    masters under CPU autocast."""
+    masters under CPU autocast. megatron: the Megatron engine at T = 1 (the caller has initialised torch.distributed
+    and Megatron's parallel state), against LOGITS["megatron"]."""
     from rlkit.config import ActorConfig, ModelConfig
     from rlkit.engine import TorchEngine
     from rlkit.protocol import DataProto
     from rlkit.rollout import assemble
 
-    engine = TorchEngine(ModelConfig(path=path, dtype=dtype), ActorConfig(use_kl_loss=False), device=device)
-    vocab = engine.model.config.vocab_size
+    engine_class = TorchEngine
+    if megatron:
+        from rlkit.megatron_workers import MegatronEngine as engine_class
+    engine = engine_class(ModelConfig(path=path, dtype=dtype), ActorConfig(use_kl_loss=False), device=device)
+    vocab = engine.hf_config.vocab_size if megatron else engine.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (1, prompt), generator=g).expand(rows, prompt)  # one prompt shared by the group
     prompts = DataProto.from_dict(
@@ -318,7 +343,8 @@ def measure_pass(
     measured = torch.cuda.max_memory_allocated() - base if cuda else counter.peak
     compute = torch.finfo(engine.dtype).bits // 8
     setup = Setup(entropy=entropy)
-    predicted = logits_bytes(setup, phase, compute, rows * response, vocab, engine_code(), CHUNK if cuda else CHUNK_CPU)
+    code = "megatron" if megatron else engine_code()
+    predicted = logits_bytes(setup, phase, compute, rows * response, vocab, code, CHUNK if cuda else CHUNK_CPU)
     if phase == "update":
         predicted += 4 * sum(p.numel() for p in engine.model.parameters())  # the weights' float32 gradients
     return measured, predicted

@@ -374,6 +374,8 @@ class UpdateMetrics:
 class TorchEngine:
     """A causal LM (or, value_head=True, a value model) on one device with its optimizer; see the module docstring."""
 
+    masters_under_wrap = False  # float32 masters + autocast with a `wrap` too (not FSDP2's: it has its own mixed precision)
+
     def __init__(
         self,
         model_cfg,
@@ -397,9 +399,14 @@ class TorchEngine:
         self.value_head = value_head
         self.role = "critic" if value_head else "actor"  # metric prefix and flag names in messages
         self.lora = model_cfg.lora_rank > 0
-        # full-parameter training in 16 bits on one device: float32 master weights, compute under autocast (module docstring);
-        # FSDP (wrap) has its own mixed precision policy, LoRA trains float32 adapters on a frozen base
-        self.master_fp32 = actor_cfg is not None and not self.lora and wrap is None and self.dtype in (torch.bfloat16, torch.float16)
+        # full-parameter training in 16 bits: float32 master weights, compute under autocast (module docstring), on one device
+        # or behind the Megatron engine's wrap; FSDP (wrap) has its own mixed precision policy, LoRA float32 adapters
+        self.master_fp32 = (
+            actor_cfg is not None
+            and not self.lora
+            and (wrap is None or self.masters_under_wrap)
+            and self.dtype in (torch.bfloat16, torch.float16)
+        )
         self.param_dtype = torch.float32 if self.master_fp32 else self.dtype
         self.attn_implementation = resolve_attn_implementation(model_cfg.attn_implementation, self.device, self.dtype)
         # FSDP: load in CPU memory; sharding moves each process's 1/N to its GPU (no full copy, no reference copy on the GPU)

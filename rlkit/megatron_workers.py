@@ -16,13 +16,23 @@ vocabulary of the embedding and LM head); the D groups are data parallel (gradie
 - grad norm: squares of sharded weights summed over the tensor-parallel group, replicated ones (norms) once;
 - checkpoints: each process writes its own shards + optimizer state (rank{r}.pt); resume with the same T and D.
 
-Not yet: pipeline parallelism, sequence parallelism, mixed precision (float32 throughout), LoRA, a Megatron critic, vLLM rollout.
-CPU runs need two shims for CUDA assumptions (rlkit/megatron_shims.py).
+Precision and memory, as the torch engine: --model.dtype is the compute dtype (auto: bf16 on GPU, float32 on CPU); in
+bf16 the shards stay float32 masters and every pass runs under torch.autocast (rlkit/engine.py's docstring), the
+reference copy and the HF generation copy are stored in bf16. --model.gradient-checkpointing (auto: on for a real
+model on a GPU) is Megatron's full recompute, one layer at a time (recompute_granularity "full", "uniform", 1 layer:
+each layer's input kept, its activations recomputed in the backward). Attention is torch's scaled_dot_product_attention
+(`SDPAttention`: flash / memory-efficient kernels, no (b, heads, L, L) scores; Megatron's own fused softmax needs
+Transformer Engine or apex kernels), and the LM head runs on the response positions only (the last keep + 1 columns).
+The layout stays padded (rows trimmed to their longest prompt + response): no packing.
+
+Not yet: pipeline parallelism, sequence parallelism, LoRA, a Megatron critic, vLLM rollout.
+CPU runs need shims for CUDA assumptions (rlkit/megatron_shims.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -51,12 +61,46 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32):
-    """A Megatron GPTModel (local layer spec, no Transformer Engine) shaped like a Llama/Qwen2 HF config."""
+@functools.cache
+def sdpa_attention_class():
+    """Megatron's core attention (local spec) computed by torch's scaled_dot_product_attention.
+
+    Megatron's DotProductAttention materialises the (b, heads, L, L) scores and their softmax (in float32 whenever
+    the config is bf16 or under autocast); its fused softmax needs compiled kernels (apex / Transformer Engine).
+    SDPA with a boolean mask runs a memory-efficient or flash kernel instead (CUDA and CPU): O(L) per head.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+            """query (sq, b, heads, d), key/value (sk, b, groups, d), attention_mask (b, 1, sq, sk) True = masked -> (sq, b, heads*d)."""
+            assert packed_seq_params is None and attention_bias is None
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # (b, heads, s, d)
+            if q.shape[1] != k.shape[1]:  # GQA: each group's key/value for its query heads (Megatron's order)
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+            if attention_mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            else:  # a left-padding query sees only itself: no fully masked row (NaN in SDPA, and 0 * NaN downstream)
+                eye = torch.eye(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask | eye, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    return SDPAttention
+
+
+def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32, recompute: bool = False):
+    """A Megatron GPTModel (local layer spec, no Transformer Engine, SDPA attention) shaped like a Llama/Qwen2 HF config.
+
+    dtype: the parameters' (float32 masters under autocast, or the compute dtype); recompute: Megatron's full
+    activation recompute, one layer at a time, applied while the decoder is in training mode (engine._checkpointing).
+    """
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+
+    from rlkit import megatron_shims
 
     c = hf_config
     if c.model_type not in ("llama", "qwen2") or getattr(c, "mlp_bias", False):
@@ -93,16 +137,23 @@ def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32):
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
     )
-    return GPTModel(
+    if recompute:
+        megatron_shims.recompute_under_autocast()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    gpt = GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab(c.vocab_size, tp),
         max_sequence_length=c.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(rope["rope_theta"]),
         share_embeddings_and_output_weights=bool(c.tie_word_embeddings),
     )
+    gpt.decoder.gradient_checkpointing = recompute  # the flag engine._checkpointing looks for: training mode in the update
+    return gpt
 
 
 def _dims(c) -> tuple[int, int, int]:
@@ -259,6 +310,8 @@ class MegatronEngine(TorchEngine):
     then the norm over the tensor-parallel shards). `hf_model` is a full HF copy for the rollout and export.
     """
 
+    masters_under_wrap = True  # its wrap only converts the model: float32 masters + autocast in bf16, as without a wrap
+
     def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None, value_head: bool = False, wrap=None):
         from megatron.core import parallel_state as ps
 
@@ -274,7 +327,7 @@ class MegatronEngine(TorchEngine):
         from megatron.core import parallel_state as ps
 
         self.hf_config = hf.config
-        gpt = build_gpt(hf.config, self.tp, next(hf.parameters()).dtype)
+        gpt = build_gpt(hf.config, self.tp, next(hf.parameters()).dtype, recompute=self.gradient_checkpointing)
         shards = hf_to_megatron(hf.state_dict(), hf.config, self.tp, ps.get_tensor_model_parallel_rank())
         params = local_params(gpt)
         if sorted(params) != sorted(shards):
@@ -283,8 +336,9 @@ class MegatronEngine(TorchEngine):
             for k, p in params.items():
                 p.copy_(shards[k])
         gpt.requires_grad_(any(p.requires_grad for p in hf.parameters()))  # the reference copy is frozen
-        if self.hf_model is None:  # on the engine's device: HFRollout generates there (ids on cuda:0 meet weights on cuda:0)
-            self.hf_model = hf.requires_grad_(False).eval().to(self.device)
+        if self.hf_model is None:  # on the engine's device: HFRollout generates there (ids on cuda:0 meet weights on cuda:0);
+            # in the compute dtype (a bf16 copy generates as the float32 masters under autocast would; exported in it too)
+            self.hf_model = hf.requires_grad_(False).eval().to(self.device, self.dtype)
         return gpt.to(self.device)
 
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
@@ -292,13 +346,16 @@ class MegatronEngine(TorchEngine):
 
         Left padding: Megatron's RoPE counts positions from column 0, so a row's real tokens are shifted by its
         padding; attention depends on position differences only, and padded keys are masked: same result.
+        The LM head sees only the last keep + 1 positions (those that predict a response token); under the engine's
+        autocast (bf16 compute over float32 masters) the logits come out in bf16 and are read in float32.
         """
         prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
         t, _, keep = trim_padding({k: mb[k].to(self.device) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
         L = t["input_ids"].shape[1]
         allowed = torch.ones(L, L, dtype=torch.bool, device=self.device).tril() & t["attention_mask"].bool()[:, None, :]  # (b, L, L)
-        logits = model(input_ids=t["input_ids"], position_ids=t["position_ids"], attention_mask=~allowed[:, None])  # (b, L, V/T)
-        logits = logits[:, -keep - 1 : -1].float()
+        with self.autocast(), lm_head_on_last(model, keep + 1):
+            logits = model(input_ids=t["input_ids"], position_ids=t["position_ids"], attention_mask=~allowed[:, None])  # (b, keep+1, V/T)
+        logits = logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
         labels = mb["responses"][:, :keep].to(self.device)
@@ -330,6 +387,16 @@ class MegatronEngine(TorchEngine):
         for g, _ in grads:
             g.mul_(coef)
         return norm
+
+
+@contextlib.contextmanager
+def lm_head_on_last(model, n: int):
+    """The GPTModel's output layer applied to the decoder's last n positions only (its input is (L, b, H))."""
+    hook = model.output_layer.register_forward_pre_hook(lambda module, args: (args[0][-n:], *args[1:]))
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def seed_model_parallel_rng(seed: int) -> None:
@@ -383,8 +450,6 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
         seed_model_parallel_rng(seed)
         self.rank, self.world_size = rank, world_size
-        if model_cfg.dtype == "auto":  # float32 weights and compute: mixed precision (bf16 compute, float32 masters) is not wired yet
-            model_cfg = dataclasses.replace(model_cfg, dtype="float32")
         super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self._synced = 0  # the update count the HF rollout copy holds

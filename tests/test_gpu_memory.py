@@ -57,6 +57,32 @@ def test_model_predicts_the_engines_measured_peak_within_30_percent(tiny, phase,
     )
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("phase", ["log_prob", "update"])
+def test_model_predicts_the_megatron_engines_measured_peak_within_30_percent(tiny, phase, entropy):
+    """The Megatron engine's pass (T = 1 on gloo, bf16 over float32 shards, the LM head on the response positions, its
+    vocab-parallel log-softmax) against LOGITS["megatron"], the constants behind docs/gpu.md's Megatron rows."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: bash scripts/install.sh megatron")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rlkit import megatron_shims
+    from rlkit.ray_group import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        megatron_shims.apply()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        measured, predicted = gm.measure_pass(tiny, phase, entropy, dtype="bfloat16", megatron=True)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    u = 8 * 48 * 151936 * 4
+    assert measured > 0.5 * u and abs(predicted - measured) <= 0.3 * measured, (
+        f"predicted {predicted / u:.2f} U, measured {measured / u:.2f} U"
+    )
+
+
 def test_the_docs_table_is_what_the_model_writes_now():
     """docs/gpu.md's table between the markers is `python bench/gpu_memory.py --write-docs`'s: a change of the model (or
     of the engine code it follows) that is not written into the docs fails here."""

@@ -171,6 +171,38 @@ def test_tp2_agrees_with_one_process_exports_hf_and_resumes(tmp_path, local_ray)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf-megatron").config.vocab_size == 275
 
 
+def test_tp2_in_bf16_with_recompute_stays_within_bf16_rounding_of_float32(tmp_path, local_ray):
+    """--model.dtype bfloat16 --model.gradient-checkpointing on at T = 2 (issue #36, N12): the row- and column-parallel
+    layers' backward under CPU autocast (rlkit/megatron_shims.py), Megatron's recompute and the vocab-parallel
+    log-softmax over 2 ranks; log-probs within bf16 rounding of the one-process float32 engine's, and one update."""
+    from numerics import assert_within, max_abs_logit, tol
+    from transformers import AutoModelForCausalLM
+
+    grpo = load_recipe("grpo")
+    cfg = small_config(grpo, tmp_path)
+    cfg.actor.ppo_micro_batch_size = 4
+    batch, _, _, local_metrics = _rollout_batch(grpo, cfg)
+    meg = megatron_cfg(cfg)
+    meg.model.dtype, meg.model.gradient_checkpointing = "bfloat16", "on"
+    group = build_policy(meg)
+    try:
+        lp = group.compute_log_prob(batch)["old_log_probs"]
+        metrics = group.update(batch, grpo.make_actor_loss(cfg))
+        group.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        group.close()
+    for r in range(2):  # the shards the optimizer steps are float32 masters
+        assert {v.dtype for v in torch.load(tmp_path / f"ckpt/rank{r}.pt", weights_only=True)["model"].values()} == {torch.float32}
+    hf = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
+    # the bound of test_megatron_bf16_computes_over_float32_masters_and_matches_float32 (derived there)
+    n = 9 * hf.config.num_hidden_layers + 2
+    bound = tol(torch.bfloat16, max_abs_logit(hf, batch), n)
+    mask = batch["response_mask"].bool()
+    assert_within(lp[mask], batch["old_log_probs"][mask], bound, "bf16 T=2 vs float32 log-probs (Megatron)")
+    # the gradient norm: the same chain of bf16 roundings, relative (measured 1.2e-3 against a bound of 0.21)
+    assert metrics["actor/grad_norm"] == pytest.approx(local_metrics["actor/grad_norm"], rel=tol(torch.bfloat16, 1.0, n))
+
+
 def _recipe_config(recipe, out_dir, steps, **trainer):
     """The recipes' small run (8 prompts x n samples, mini-batches of 4 prompts), every step checkpointed, no validation."""
     cfg = small_config(recipe, out_dir, steps, save_freq=1, test_freq=0, val_before_train=False, max_ckpt_to_keep=0, **trainer)
@@ -244,3 +276,130 @@ def test_ppo_recipe_with_a_megatron_tp2_actor_and_an_fsdp_critic(tmp_path, local
     after = load_file(tmp_path / "checkpoints/global_step_2/hf/model.safetensors")
     assert all(not torch.equal(after[k], base[k]) for k in base)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints/global_step_2/hf").config.vocab_size == 275
+
+
+# -- one process (T = 1) on gloo: precision, recompute, attention and the LM head's positions (issue #36, N12) -------------
+@pytest.fixture
+def one_process_tp():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rlkit import megatron_shims
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    megatron_shims.apply()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _engine(dtype: str, checkpointing: str = "off"):
+    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.megatron_workers import MegatronEngine
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(path=str(embedded.MODEL_DIR), dtype=dtype, gradient_checkpointing=checkpointing)
+    return MegatronEngine(cfg, ActorConfig(use_kl_loss=False), device="cpu")
+
+
+def _padded_batch(rows=4, prompt=6, response=10):
+    """Left-padded prompts (row 1 has 2 pads) + random responses, with advantages."""
+    from rlkit.protocol import DataProto
+    from rlkit.rollout import assemble
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(rows, prompt, dtype=torch.long)
+    mask[1, :2] = 0
+    ids = torch.randint(3, 250, (rows, prompt), generator=g) * mask
+    prompts = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
+    batch = assemble(prompts, torch.randint(3, 250, (rows, response), generator=g), [], 0)
+    batch["advantages"] = torch.randn(rows, response, generator=g)
+    return batch
+
+
+def _loss_and_grads(engine, batch):
+    """One update micro-batch's loss and gradients (the engine's update context: recompute where it is on)."""
+    engine.model.zero_grad(set_to_none=True)
+    with engine._checkpointing():
+        logp, _ = engine.forward(engine.model, batch, 1.0, False)
+        loss = -(logp * batch["advantages"]).sum() / batch["response_mask"].sum()
+        loss.backward()
+    return loss.detach(), {k: p.grad for k, p in engine.model.named_parameters()}
+
+
+def test_megatron_bf16_computes_over_float32_masters_and_matches_float32(one_process_tp):
+    """--model.dtype bfloat16: float32 shards (the optimizer's), bf16 matmuls under autocast (the LM head's output is
+    bf16), a bf16 HF generation copy; log-probs within bf16 rounding of the float32 engine's, float32 gradients."""
+    from numerics import assert_within, max_abs_logit, tol
+
+    e32, e16 = _engine("float32"), _engine("bfloat16")
+    assert e16.master_fp32 and {p.dtype for p in e16.model.parameters()} == {torch.float32}
+    assert next(e16.hf_model.parameters()).dtype == torch.bfloat16
+    seen = []
+    e16.model.output_layer.register_forward_hook(lambda m, args, out: seen.append(out[0].dtype))
+    batch = _padded_batch()
+    lp32, _ = e32.compute_log_prob(batch, 1.0, 4)
+    lp16, _ = e16.compute_log_prob(batch, 1.0, 4)
+    assert seen == [torch.bfloat16]
+    # Tolerance (tests/numerics.py's rule): bf16 rounds the values on the path to a logit ~9 times per layer (the
+    # matmuls' inputs and outputs, RoPE, the bf16 residual) and twice at the head, n relative errors <= u = 2^-8 adding
+    # like a random walk: |dz| <= tol(bf16, max |z|, n) / 2 against float32 (whose own error is negligible), and
+    # log p = z - logsumexp(z) moves by at most 2 max |dz| (the logsumexp is float32).
+    n = 9 * e32.hf_config.num_hidden_layers + 2
+    bound = tol(torch.bfloat16, max_abs_logit(e32.hf_model, batch), n)
+    mask = batch["response_mask"].bool()
+    assert_within(lp16[mask], lp32[mask], bound, "bf16 vs float32 log-probs (Megatron)")
+    _, grads = _loss_and_grads(e16, batch)
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+
+
+def test_megatron_recompute_follows_gradient_checkpointing_and_leaves_loss_and_gradients_unchanged(one_process_tp):
+    """--model.gradient-checkpointing on: Megatron's full recompute, one layer at a time, applied in the update (each
+    layer runs twice: forward and the backward's recomputation), under the forward's bf16 autocast: the same loss
+    and gradients as without it, bit for bit (the recomputation repeats the same kernels on the same shapes)."""
+    off, on = _engine("bfloat16", "off"), _engine("bfloat16", "on")
+    assert off.model.config.recompute_granularity is None
+    c = on.model.config
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "uniform", 1)
+    calls = {}
+    batch = _padded_batch()
+    results = []
+    for name, engine in (("off", off), ("on", on)):
+        engine.model.decoder.layers[0].register_forward_hook(lambda m, args, out, name=name: calls.update({name: calls.get(name, 0) + 1}))
+        results.append(_loss_and_grads(engine, batch))
+    assert calls == {"off": 1, "on": 2}
+    (loss_off, g_off), (loss_on, g_on) = results
+    assert torch.equal(loss_off, loss_on) and all(torch.equal(g_off[k], g_on[k]) for k in g_off)
+    on.compute_log_prob(batch, 1.0, 4)  # outside the update: one forward, nothing to recompute
+    assert calls["on"] == 3
+
+
+def test_megatron_attention_keeps_no_scores_and_the_lm_head_reads_only_response_positions(one_process_tp):
+    """Attention by SDPA (no (b, heads, L, L) tensor: Megatron's DotProductAttention keeps the scores and softmax per
+    layer); the output layer on the keep + 1 positions that predict the response, not on every position."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from rlkit.megatron_workers import sdpa_attention_class
+
+    engine = _engine("bfloat16")
+    assert all(isinstance(layer.self_attention.core_attention, sdpa_attention_class()) for layer in engine.model.decoder.layers)
+    batch = _padded_batch()
+    b, L, R, heads = len(batch), batch["input_ids"].shape[1], batch["responses"].shape[1], engine.hf_config.num_attention_heads
+
+    class Shapes(TorchDispatchMode):
+        big = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:  # scores or probabilities: (..., L, L) over every head (not the (b, 1, L, L) mask)
+                if isinstance(t, torch.Tensor) and t.shape[-2:] == (L, L) and t.numel() >= b * heads * L * L:
+                    self.big.append(tuple(t.shape))
+            return out
+
+    logits = []
+    engine.model.output_layer.register_forward_hook(lambda m, args, out: logits.append(out[0].shape))
+    with Shapes() as mode:
+        engine.compute_log_prob(batch, 1.0, b)
+    assert mode.big == [] and logits == [(R + 1, b, engine.hf_config.vocab_size)]
