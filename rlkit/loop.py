@@ -264,6 +264,11 @@ class Run:
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
             f"{self.total_steps} steps of {cfg.data.train_batch_size} {per_step} | output {self.out_dir}"
             + (f" | resumed at step {self.start_step}" if self.start_step else "")
+            + (
+                " (async: the prompts an uninterrupted run draws, sampled afresh: the samples differ)"
+                if self.start_step and t.async_steps
+                else ""
+            )
         )
 
     def steps(self):
