@@ -236,7 +236,7 @@ def predict(s: Setup, gpu_gb: float) -> dict:
         tokens, read, vocab, code = groups * s.prompt + s.micro * s.response, s.micro * s.response, c["vocab"], s.code
     if full:
         weights = (4 * n + 8 * n) / tp  # float32 masters + AdamW's two moments
-        ref = 2 * n / tp if s.kl else 0  # bf16
+        ref = 2 * n / tp if s.kl and not s.async_ else 0  # bf16; with async the worker runs the reference pass, not the trainer
         grads = 4 * n / tp
         casts = 2 * n / tp  # autocast's bf16 copies of the weights (this GPU's shards), inside a pass
         hf_copy = 2 * n if megatron else 0  # the Megatron engine's full bf16 HF copy for generation and export
@@ -265,7 +265,8 @@ def predict(s: Setup, gpu_gb: float) -> dict:
     if s.async_:  # the generation process beside the trainer: its own bf16 model (+ reference), generating meanwhile
         own = 2 * n + (2 * n if s.kl and full else 0) + (12 * c["lora"] if s.lora else 0)
         w_gen = own + (vllm if s.rollout == "vllm" else s.gen_rows * (s.prompt + s.response) * c["kv"] * kv_bytes)
-        w_ref = own + logits_bytes(s, "log_prob", compute, read, vocab, code) if s.kl and full else own
+        # its reference pass runs with its vLLM engine awake (a generation-only worker does not sleep it between passes)
+        w_ref = own + vllm + logits_bytes(s, "log_prob", compute, read, vocab, code) + acts_lp if s.kl and full else own
         worker = max(w_gen, w_ref)
         peak = max(update, log_prob) + worker  # they run at the same time
     return dict(held=held, update=update, log_prob=log_prob, gen=gen, vllm=vllm, worker=worker, peak=peak)

@@ -225,3 +225,16 @@ def test_first_step_leaves_adamws_moments_out_of_the_passes_before_it(monkeypatc
     monkeypatch.setattr(gm, "CHUNK", 2**24)  # the run's code: 16 MiB chunks on CUDA then
     first = gm.predict(gm.Setup(model="0.5B", entropy=True, first_step=True), 24)
     assert abs(first["gen"] / gm.GiB - 4.59) < 0.03 * 4.59 and abs(first["log_prob"] / gm.GiB - 4.95) < 0.03 * 4.95
+
+
+def test_async_trainer_holds_no_reference_and_the_workers_reference_pass_sits_beside_its_vllm_share():
+    """issue #36's reading of the async rows: with --trainer.async-steps the trainer builds no frozen reference
+    (placement.py: the worker runs the reference pass), 2 bytes a parameter less; and the worker's reference pass runs
+    with its vLLM engine awake, so it counts the vLLM share."""
+    n = gm.counts("0.5B")["n"]
+    sync = gm.predict(gm.Setup(model="0.5B"), 80)
+    hf = gm.predict(gm.Setup(model="0.5B", async_=True), 80)
+    assert sync["held"] - hf["held"] == pytest.approx(2 * n)
+    vllm = gm.predict(gm.Setup(model="0.5B", async_=True, rollout="vllm"), 80)
+    own = 2 * n + 2 * n  # the worker's bf16 model and its bf16 reference
+    assert vllm["worker"] > own + vllm["vllm"]  # the reference pass's logits and activations on top of the vLLM share
