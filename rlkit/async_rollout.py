@@ -250,6 +250,7 @@ class Rollouts:
         self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
         self.timeout_s = cfg.trainer.async_timeout_s  # seconds without a message from a worker (0 = no limit)
         self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
+        self.worker_vllm = cfg.rollout.name == "vllm"
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
         self.sent = {}  # worker -> the policy version whose weights it last received
@@ -411,6 +412,8 @@ class Rollouts:
             return {w: ref for w in workers}
         if self.weights_dir is None:  # the file fallback's folder, removed by close()
             self.weights_dir = tempfile.mkdtemp(prefix="rlkit-weights-")
+        if self.worker_vllm and torch.cuda.is_available():  # on one GPU: the worker's vLLM engine wakes on these weights
+            torch.cuda.empty_cache()  # and takes its KV cache back; the trainer's cached, unused blocks must be free for it
         flat, layout = self.policy.trainable_weights(self.handoff_dtype)
         return send_weights(flat, layout, version, workers, self.weights_dir)
 

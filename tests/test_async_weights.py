@@ -94,3 +94,25 @@ def test_one_step_off_run_through_the_file_fallback_equals_the_shared_memory_run
         ]
         assert weight_dirs() <= before  # close() removed the folder this run made
     assert rows["file"] == rows["shm"]
+
+
+@pytest.mark.parametrize("rollout", ["vllm", "hf"])
+def test_the_trainer_returns_its_cached_cuda_blocks_before_a_vllm_worker_wakes(tmp_path, monkeypatch, rollout):
+    """On one GPU the async worker's vLLM engine wakes on each hand-off and takes its KV cache back; the trainer (which
+    otherwise keeps its caching allocator's unused blocks for ever) empties its cache first. CUDA emulated: the calls
+    are recorded in order. An HF worker sizes its calls from a share of the free memory: the trainer keeps its cache."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(async_rollout, "send_weights", lambda *a: calls.append("send") or {})
+
+    class Policy:
+        def trainable_weights(self, dtype=None):
+            calls.append("pack")
+            return buffer()
+
+    r = object.__new__(async_rollout.Rollouts)
+    r.actors, r.weights_dir, r.handoff_dtype, r.policy = [], str(tmp_path), None, Policy()
+    r.worker_vllm = rollout == "vllm"
+    r._pack_weights([0], 1)
+    assert calls == (["empty_cache", "pack", "send"] if rollout == "vllm" else ["pack", "send"])
