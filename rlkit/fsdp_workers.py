@@ -280,11 +280,12 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
         super().set_agent(agent)  # every process runs the turn loop on its share of the rows
 
     def sync_rollout(self) -> float | None:
-        """vLLM: gather the full weights (a collective), stream them into this process's engine, free them."""
+        """vLLM: gather the weights tensor by tensor (collectives: vllm_rollout.hf_weights / adapter_state gather each
+        shard whole), stream them into this process's engine. No unshard of the model first: state_dict() hands FSDP2's
+        sharded parameters back anyway, so a whole bf16 unshard beside them was memory and time for nothing."""
         if self.rollout_cfg.name != "vllm":
             return None
-        with self._full_weights():
-            return super().sync_rollout()
+        return super().sync_rollout()
 
     @dispatch("split")
     def compute_log_prob(self, batch: DataProto) -> DataProto:

@@ -687,3 +687,18 @@ def test_fsdp_full_weight_sync_gathers_bf16_shards():
     tied output embedding too (vLLM's reload fails a layer without its weight)."""
     for _, dtypes, extra, wrong in _spawn(_fsdp_folder_sync, 2, timeout=180):
         assert dtypes == ["torch.bfloat16"] and extra == [] and wrong == []
+
+
+def test_fsdp_vllm_sync_gathers_tensor_by_tensor_without_unsharding_the_model(monkeypatch):
+    """The FSDP workers' vLLM sync used to unshard every layer in bf16 first (_full_weights), then read state_dict(),
+    which FSDP2 hands back sharded anyway: a whole bf16 copy of the model for nothing. The sync now goes straight to
+    the tensor-by-tensor gathers (vllm_rollout.hf_weights / adapter_state; the Ray + vLLM test in test_vllm_rollout.py
+    checks the engines follow every update, full and LoRA)."""
+    from rlkit import workers
+    from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
+
+    w = object.__new__(FSDPActorRolloutRefWorker)
+    w.rollout_cfg = RolloutConfig(name="vllm")
+    monkeypatch.setattr(FSDPActorRolloutRefWorker, "_full_weights", lambda self: pytest.fail("the sync unsharded the model"))
+    monkeypatch.setattr(workers.ActorRolloutRefWorker, "sync_rollout", lambda self: 0.25)
+    assert w.sync_rollout() == 0.25
