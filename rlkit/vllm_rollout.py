@@ -172,11 +172,16 @@ def lora_adapter_plan(model, wanted: bool) -> tuple[int, str | None]:
 
 def _sync_dir(nbytes: int) -> str | None:
     """Where `nbytes` of weights for the engine are written: /dev/shm (memory, no disk) when it has room for twice that
-    (Docker's default is 64 MB), else the temp folder (None)."""
+    for every process that may write at the same time (Docker's default is 64 MB), else the temp folder (None). The
+    processes of a distributed run (FSDP ranks, each with its own engine) each write a copy at once: all of them are
+    counted as if on this node, so N ranks checking the same free space cannot all take it."""
     import shutil
 
+    import torch.distributed as dist
+
+    writers = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     try:
-        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * nbytes else None
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * nbytes * writers else None
     except OSError:
         return None
 

@@ -379,3 +379,22 @@ def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, dat
             group.close()
     finally:
         ray.shutdown()
+
+
+def test_the_sync_folder_counts_every_rank_writing_at_once(monkeypatch):
+    """N ranks (FSDP, each with its own engine) write their weights to /dev/shm at the same time: each checked the free
+    space alone, so all could take it. The check now asks room for twice the weights of every rank of the run."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from rlkit.vllm_rollout import _sync_dir
+
+    nbytes = 10 * 2**20
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=5 * nbytes))
+    assert _sync_dir(nbytes) == "/dev/shm"  # one process: room for two copies
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert _sync_dir(nbytes) == "/dev/shm"  # two ranks: 2 x 2 x 10 MiB = 40 MiB of the 50 free
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    assert _sync_dir(nbytes) is None  # three: 60 MiB, more than is free -> the temp folder
