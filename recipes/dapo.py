@@ -149,6 +149,7 @@ def main(cfg: Config) -> dict:
                     batch = rollouts.next()  # prompts + responses, response_mask: (G*n, R); uid
                 with loop.timer("reward", timings):  # one verifiable score per response
                     scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (G*n,)
+                    reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
                 gen_metrics.append((reward_metrics, len(batch)))
 
                 # ALGO LOGIC: overlong reward shaping, then keep only groups whose rewards differ

@@ -131,6 +131,7 @@ def main(cfg: Config) -> dict:
                 batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+                reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if need_ref:
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob

@@ -64,7 +64,7 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
     """One scalar per trajectory from the reward function, plus its metrics (a @batched one sees the groups: uid).
-    A training batch also reports its groups, and feeds --data.sampler difficulty (record_groups)."""
+    (A recipe then hands a training batch's scores to its loader: train.record, for --data.sampler difficulty.)"""
     groups = batch["uid"] if "uid" in batch else None  # (validation rows have none: each its own group)
     responses = decode_responses(batch, tokenizer)
     scores, metrics = reward_fn(
@@ -73,22 +73,7 @@ def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
     if "env_reward" in batch:  # an environment's episode reward (rlkit/envs.py) adds to the scorer's
         scores = scores + batch["env_reward"].to(scores)
         metrics["reward/env"] = batch["env_reward"].mean().item()
-    return scores, {**metrics, **record_groups(batch, scores)}
-
-
-def record_groups(batch: DataProto, scores: torch.Tensor) -> dict:
-    """A training batch's groups (rows sharing batch["index"]): sampler/zero_var_share, and with --data.sampler
-    difficulty each group's pass rate goes to its loader's sampler, found by the key in meta["sampler"]
-    (data.SAMPLERS). Validation batches (no key) report nothing."""
-    key = batch.meta.get("sampler")
-    if key is None or "index" not in batch:
-        return {}
-    from rlkit.data import SAMPLERS, group_scores, zero_var_share
-
-    sampler = SAMPLERS.get(key)
-    if sampler is not None:
-        return sampler.record(batch["index"], scores)
-    return zero_var_share(group_scores(batch["index"], scores))
+    return scores, metrics
 
 
 def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:

@@ -170,6 +170,7 @@ def synchronous_grpo(grpo, cfg):
         batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]
         batch = policy.generate(batch.repeat(cfg.rollout.n, interleave=True))
         scores, reward_metrics = loop.score(batch, tok, reward_fn)
+        reward_metrics |= train.record(batch, scores)
         batch = batch.union(policy.compute_ref_log_prob(batch))
         if not policy.update_is_one_step():
             batch = batch.union(policy.compute_log_prob(batch))
