@@ -183,9 +183,9 @@ def main(cfg: Config) -> dict:
         cfg, policy, train, val, reward_fn, stateful={"critic": critic, "kl_ctrl": kl_ctrl}
     )
     actor_loss, critic_loss = make_actor_loss(cfg), make_critic_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train, run, need_ref=need_ref)  # B prompts x n, each step
+    rollouts = loop.Rollouts(cfg, policy, train, need_ref=need_ref)  # B prompts x n, each step
 
-    for step in run.steps():
+    for step in run.steps(rollouts):
         timings = {}
         with loop.timer("step", timings):
             with loop.timer("gen", timings):  # rollout: policy.generate, one response per row

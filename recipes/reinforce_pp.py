@@ -122,9 +122,9 @@ def main(cfg: Config) -> dict:
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train, run, need_ref=need_ref)  # B prompts x n, each step
+    rollouts = loop.Rollouts(cfg, policy, train, need_ref=need_ref)  # B prompts x n, each step
 
-    for step in run.steps():
+    for step in run.steps(rollouts):
         timings = {}
         with loop.timer("step", timings):
             with loop.timer("gen", timings):  # rollout: policy.generate, one response per row

@@ -117,9 +117,9 @@ def main(cfg: Config) -> dict:
         return batch  # greedy_score is kept through the repeat and generate()
 
     # each step: B prompts from train, + their greedy score, x n samples
-    rollouts = loop.Rollouts(cfg, policy, train, run, prepare=greedy_baseline)
+    rollouts = loop.Rollouts(cfg, policy, train, prepare=greedy_baseline)
 
-    for step in run.steps():
+    for step in run.steps(rollouts):
         timings = {}
         with loop.timer("step", timings):
             with loop.timer("gen", timings):  # rollout: policy.generate, one response per row

@@ -280,7 +280,8 @@ class DifficultySampler:
     """`--data.sampler difficulty`: each prompt's pass rate, remembered from its latest group, weights how often it is drawn.
 
     After the reward, the recipe's `train.record(batch, scores)` (PromptLoader.record) sets each group's prompt's
-    pass rate p to the group's mean score (verifiable scores in [0, 1]). Pools and their weights (--data.sampler-weights HARD NORMAL EASY, prime-rl's rule):
+    pass rate p to the group's mean score (verifiable scores in [0, 1]). Pools and their weights
+    (--data.sampler-weights HARD NORMAL EASY, prime-rl's rule):
 
         hard    p < 0.25            weight 0.2   its groups are mostly all wrong: little to learn
         normal  0.25 <= p <= 0.75   weight 1.0   mixed groups: the GRPO signal

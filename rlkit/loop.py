@@ -197,7 +197,7 @@ class Run:
         t = cfg.trainer
         self.cfg, self.policy, self.loader, self.val_prompts, self.reward_fn = cfg, policy, train_loader, val_prompts, reward_fn
         self.stateful = dict(stateful or {})
-        self.rollouts = None  # the recipe's Rollouts (they register here): its async/ metrics are logged, it is closed with the loop
+        self.rollouts = None  # the recipe's Rollouts, from steps(rollouts): its async/ metrics are logged, it is closed with the loop
         if {"policy", "loader", "val_history", "step", "rng"} & set(self.stateful):
             raise ValueError(f"Run(stateful=...): names {sorted(self.stateful)} clash with the checkpoint's own entries")
         if not t.experiment_name:  # resolved once, before the config is saved: a resumed run finds the same folder
@@ -256,10 +256,12 @@ class Run:
             )
         )
 
-    def steps(self):
-        """Step numbers still to run (1-based); validates before the first when asked. When the loop ends, or
-        stops on an error, the recipe's Rollouts are closed (no generation process outlives the loop)."""
+    def steps(self, rollouts=None):
+        """Step numbers still to run (1-based); validates before the first when asked. `rollouts`: the recipe's
+        Rollouts, whose async/ metrics each step logs and whose loader position a checkpoint saves; when the loop
+        ends, or stops on an error, they are closed (no generation process outlives the loop)."""
         t = self.cfg.trainer
+        self.rollouts = rollouts
         if t.async_steps and self.rollouts is None:
             raise ConfigError(
                 f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no loop.Rollouts); use 0"

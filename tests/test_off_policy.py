@@ -503,7 +503,7 @@ def test_the_off_policy_lines_are_the_same_in_every_recipe():
         code = [line.split("#")[0].strip() for line in (ROOT / "recipes" / f"{name}.py").read_text().splitlines()]
         assert "weights, mask, corr = algos.rollout_weights(mb, a)" in code, name
         assert "weights=weights," in code and "metrics.update(corr)" in code, name
-        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train, run") for line in code), name
+        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train") for line in code), name
 
 
 def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction_with_them():
