@@ -191,11 +191,16 @@ class Run:
 
     `stateful`: more things a checkpoint must hold besides the policy and the data position, by name
     (a critic worker, a KL controller, ...): saved with state_of, restored with load_state_into.
+    `validate`: () -> metrics, the recipe's own validation of val_prompts in place of sampling them (rm.py: held-out
+    pairs), on the same schedule; `val_metric` names the one the summary reports.
     """
 
-    def __init__(self, cfg, policy, train_loader, val_prompts, reward_fn, stateful: dict | None = None):
+    def __init__(
+        self, cfg, policy, train_loader, val_prompts, reward_fn, stateful: dict | None = None, validate=None, val_metric="val/acc"
+    ):
         t = cfg.trainer
         self.cfg, self.policy, self.loader, self.val_prompts, self.reward_fn = cfg, policy, train_loader, val_prompts, reward_fn
+        self.validate_fn, self.val_metric = validate, val_metric
         self.stateful = dict(stateful or {})
         self.rollouts = None  # the recipe's Rollouts, from steps(rollouts): its async/ metrics are logged, it is closed with the loop
         if {"policy", "loader", "val_history", "step", "rng"} & set(self.stateful):
@@ -277,11 +282,13 @@ class Run:
     def validate(self, step: int) -> dict:
         """Run validation, print it, remember it for the final summary."""
         n, args = self.cfg.trainer.val_n, (self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
-        if n > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
+        if self.validate_fn is not None:  # the recipe's own
+            metrics = self.validate_fn()
+        elif n > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
             metrics = evaluation.validate_n(*args, n, self.cfg.rollout.val_temperature)
         else:
             metrics = validate(*args)
-        self.val_history.append((step, metrics["val/acc"]))
+        self.val_history.append((step, metrics[self.val_metric]))
         self.tracker.message(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         if step == 0:
             self.tracker.log(0, metrics)
