@@ -128,9 +128,9 @@ def main(cfg: Config) -> dict:
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train, run)  # each call: G prompts from train x n samples
+    rollouts = loop.Rollouts(cfg, policy, train)  # each call: G prompts from train x n samples
 
-    for step in run.steps():
+    for step in run.steps(rollouts):
         timings = {}
         with loop.timer("step", timings):
             # informative groups; every generation batch's reward metrics; generation batches
@@ -149,6 +149,7 @@ def main(cfg: Config) -> dict:
                     batch = rollouts.next()  # prompts + responses, response_mask: (G*n, R); uid
                 with loop.timer("reward", timings):  # one verifiable score per response
                     scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (G*n,)
+                    reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
                 gen_metrics.append((reward_metrics, len(batch)))
 
                 # ALGO LOGIC: overlong reward shaping, then keep only groups whose rewards differ

@@ -118,15 +118,16 @@ def main(cfg: Config) -> dict:
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = loop.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train, run)  # each step: B prompts from train x n samples
+    rollouts = loop.Rollouts(cfg, policy, train)  # each step: B prompts from train x n samples
 
-    for step in run.steps():
+    for step in run.steps(rollouts):
         timings = {}
         with loop.timer("step", timings):
             with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
                 batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+                reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob

@@ -183,15 +183,16 @@ def main(cfg: Config) -> dict:
         cfg, policy, train, val, reward_fn, stateful={"critic": critic, "kl_ctrl": kl_ctrl}
     )
     actor_loss, critic_loss = make_actor_loss(cfg), make_critic_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train, run, need_ref=need_ref)  # B prompts x n, each step
+    rollouts = loop.Rollouts(cfg, policy, train, need_ref=need_ref)  # B prompts x n, each step
 
-    for step in run.steps():
+    for step in run.steps(rollouts):
         timings = {}
         with loop.timer("step", timings):
             with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
                 batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+                reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if need_ref:
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob

@@ -117,15 +117,16 @@ def main(cfg: Config) -> dict:
         return batch  # greedy_score is kept through the repeat and generate()
 
     # each step: B prompts from train, + their greedy score, x n samples
-    rollouts = loop.Rollouts(cfg, policy, train, run, prepare=greedy_baseline)
+    rollouts = loop.Rollouts(cfg, policy, train, prepare=greedy_baseline)
 
-    for step in run.steps():
+    for step in run.steps(rollouts):
         timings = {}
         with loop.timer("step", timings):
             with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
                 batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
             with loop.timer("reward", timings):  # one verifiable score per response
                 scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+                reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
             with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob

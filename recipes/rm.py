@@ -386,19 +386,11 @@ def main(cfg: Config) -> dict:
         train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, t.seed
     )
     val_set = Pairs(val_pairs, tok, cfg.data, cfg.data.val_max_samples) if val_pairs else None
-    run = loop.Run(cfg, rm, train, None, None)
-    val_bs = cfg.data.val_batch_size
 
-    def validate(step: int) -> dict:  # held-out pairs: logged, and remembered for the summary
-        metrics = evaluate(rm, val_set, val_bs, cfg.center_coef)
-        run.val_history.append((step, metrics["val/pair_acc"]))
-        run.tracker.message(
-            f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-        )
-        return metrics
+    def validate() -> dict:  # held-out pairs: logged, and remembered for the summary (Run)
+        return evaluate(rm, val_set, cfg.data.val_batch_size, cfg.center_coef)
 
-    if val_set is not None and run.start_step == 0 and t.val_before_train:
-        run.tracker.log(0, validate(0))
+    run = loop.Run(cfg, rm, train, val_set, None, validate=validate, val_metric="val/pair_acc")
     for step in run.steps():
         timings = {}
         with loop.timer("step", timings):
@@ -409,10 +401,6 @@ def main(cfg: Config) -> dict:
                     return bt_loss(rewards, margin, num_pairs, cfg.center_coef)
 
                 metrics = rm.update(batch, loss_fn)
-        if val_set is not None and (
-            t.test_freq > 0 and step % t.test_freq == 0 or step == run.total_steps
-        ):
-            metrics.update(validate(step))
 
         # TRY NOT TO MODIFY: metrics, checkpoints (hf/: the export --reward.model-path loads)
         run.end_of_step(step, metrics, timings, batch)

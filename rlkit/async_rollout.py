@@ -1,6 +1,6 @@
 """Rollouts for the recipe's loop: generated here in turn (k = 0), or k steps ahead by a generation worker (k >= 1).
 
-    rollouts = Rollouts(cfg, policy, train, run)     # train: the PromptLoader of B prompts per batch
+    rollouts = Rollouts(cfg, policy, train)          # train: the PromptLoader of B prompts per batch
     batch = rollouts.next()                          # the next generated batch, (B*n, ...)
 
 Batch i is prompts(i): the loader's next B prompts, one group id uid = "i-j" per prompt, each repeated
@@ -241,10 +241,11 @@ def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
 class Rollouts:
     """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the workers."""
 
-    def __init__(self, cfg, policy, train, run=None, need_ref: bool | None = None, prepare=None):
+    def __init__(self, cfg, policy, train, need_ref: bool | None = None, prepare=None):
         """train: the PromptLoader that prompts(i) draws B prompts from (next_batch(); its position is what a
-        checkpoint saves). run: a loop.Run that logs the async/ metrics and closes this at the end of the loop, or
-        when it stops on an error. need_ref: whether the workers add ref_log_prob (default: --actor.use-kl-loss).
+        checkpoint saves). The recipe hands this to its loop.Run, `for step in run.steps(rollouts)`: the run logs
+        the async/ metrics and closes this at the end of the loop, or when it stops on an error. need_ref: whether
+        the workers add ref_log_prob (default: --actor.use-kl-loss).
         prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
         here, when the batch is queued (remax.py: its greedy baseline b(x))."""
         self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
@@ -260,8 +261,6 @@ class Rollouts:
         self.handoff_dtype = handoff_dtype(cfg.model, cfg.trainer.device)
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
-        if run is not None:
-            run.rollouts = self
         if self.k < 0:
             raise ConfigError(f"--trainer.async-steps {self.k}: must be >= 0 (0 = synchronous)")
         if self.k == 0:

@@ -9,7 +9,6 @@ every generated token is appended at the same position.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,18 +276,12 @@ def build_prompts(
     )
 
 
-# The live samplers by key. A training batch carries its sampler's key in meta["sampler"], not the sampler: the batch
-# may travel to Ray workers and back (a pickled copy would record into a copy), and loop.score must record each
-# batch's pass rates as soon as it is scored (dapo.py draws several batches a step). Weak: a sampler lives as long
-# as its loader.
-SAMPLERS: weakref.WeakValueDictionary[str, DifficultySampler] = weakref.WeakValueDictionary()
-
-
 class DifficultySampler:
     """`--data.sampler difficulty`: each prompt's pass rate, remembered from its latest group, weights how often it is drawn.
 
-    After the reward (loop.score) each group of the step updates its prompt's pass rate p = the group's mean score
-    (verifiable scores in [0, 1]). Pools and their weights (--data.sampler-weights HARD NORMAL EASY, prime-rl's rule):
+    After the reward, the recipe's `train.record(batch, scores)` (PromptLoader.record) sets each group's prompt's
+    pass rate p to the group's mean score (verifiable scores in [0, 1]). Pools and their weights
+    (--data.sampler-weights HARD NORMAL EASY, prime-rl's rule):
 
         hard    p < 0.25            weight 0.2   its groups are mostly all wrong: little to learn
         normal  0.25 <= p <= 0.75   weight 1.0   mixed groups: the GRPO signal
@@ -310,8 +303,6 @@ class DifficultySampler:
         self.size, self.weights, self.seed = size, tuple(float(w) for w in weights), seed
         self.pass_rate: dict[int, float] = {}
         self.draws, self.recorded = 0, 0
-        self.key = f"{os.getpid()}-{id(self)}"
-        SAMPLERS[self.key] = self
 
     def pool(self, p: float) -> int:
         """0 hard, 1 normal, 2 easy."""
@@ -321,8 +312,8 @@ class DifficultySampler:
         """The next batch's prompt indices: weighted, without replacement."""
         if self.draws > self.recorded:
             raise ConfigError(
-                "--data.sampler difficulty: the previous batch got no scores (this recipe scores no rollouts, e.g. sft.py or "
-                "rm.py); use --data.sampler uniform"
+                "--data.sampler difficulty: the previous batch got no scores (no train.record(batch, scores) after it: this "
+                "recipe scores no rollouts, e.g. sft.py or rm.py); use --data.sampler uniform"
             )
         w = torch.full((self.size,), self.weights[1], dtype=torch.float64)
         for i, p in self.pass_rate.items():
@@ -385,7 +376,8 @@ class PromptLoader:
 
     The order of epoch e is a permutation drawn from `seed + e`, so (epoch, position) is all the
     state there is: `state_dict()` / `load_state_dict()` restore it exactly. With a DifficultySampler
-    (`use_sampler`) the prompts are drawn by its weights instead; (epoch, position) still count the batches.
+    (`use_sampler`) the prompts are drawn by its weights instead; (epoch, position) still count the batches, and
+    `record(batch, scores)`, called by the recipe after the reward, feeds the sampler the batch's pass rates.
     """
 
     def __init__(self, prompts: PromptSet, batch_size: int, pad_id: int, shuffle: bool = True, seed: int = 0):
@@ -394,6 +386,7 @@ class PromptLoader:
         self.prompts, self.batch_size, self.pad_id, self.shuffle, self.seed = prompts, batch_size, pad_id, shuffle, seed
         self.epoch, self.position = 0, 0
         self.sampler: DifficultySampler | None = None
+        self.key = f"{os.getpid()}-{id(self)}"  # in the meta of the batches it draws: record() takes only its own
 
     def use_sampler(self, weights: tuple[float, float, float]) -> None:
         """Draw batches by difficulty (--data.sampler difficulty; loop.Run calls this before resuming)."""
@@ -420,9 +413,18 @@ class PromptLoader:
         self.position += 1
         batch = self.prompts.batch(rows, self.pad_id)
         batch.meta["epoch"] = self.epoch
-        if isinstance(self.prompts, PromptSet):  # prompts to sample: loop.score reports the groups (and feeds the sampler)
-            batch.meta["sampler"] = self.sampler.key if self.sampler is not None else "uniform"
+        batch.meta["loader"] = self.key
         return batch
+
+    def record(self, batch: DataProto, scores: torch.Tensor) -> dict:
+        """After the reward, a batch this loader drew (rows sharing batch["index"] form a group): with --data.sampler
+        difficulty each group's mean score becomes its prompt's pass rate, which weighs the next draws. Returns
+        sampler/zero_var_share (and the sampler's pool shares)."""
+        if batch.meta.get("loader") != self.key:
+            raise ValueError("PromptLoader.record: the batch was drawn by another loader (pass the one it came from)")
+        if self.sampler is not None:
+            return self.sampler.record(batch["index"], scores)
+        return zero_var_share(group_scores(batch["index"], scores))
 
     def state_dict(self) -> dict:
         state = {"epoch": self.epoch, "position": self.position}

@@ -64,7 +64,7 @@ def decode_responses(batch: DataProto, tokenizer) -> list[str]:
 
 def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
     """One scalar per trajectory from the reward function, plus its metrics (a @batched one sees the groups: uid).
-    A training batch also reports its groups, and feeds --data.sampler difficulty (record_groups)."""
+    (A recipe then hands a training batch's scores to its loader: train.record, for --data.sampler difficulty.)"""
     groups = batch["uid"] if "uid" in batch else None  # (validation rows have none: each its own group)
     responses = decode_responses(batch, tokenizer)
     scores, metrics = reward_fn(
@@ -73,22 +73,7 @@ def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
     if "env_reward" in batch:  # an environment's episode reward (rlkit/envs.py) adds to the scorer's
         scores = scores + batch["env_reward"].to(scores)
         metrics["reward/env"] = batch["env_reward"].mean().item()
-    return scores, {**metrics, **record_groups(batch, scores)}
-
-
-def record_groups(batch: DataProto, scores: torch.Tensor) -> dict:
-    """A training batch's groups (rows sharing batch["index"]): sampler/zero_var_share, and with --data.sampler
-    difficulty each group's pass rate goes to its loader's sampler, found by the key in meta["sampler"]
-    (data.SAMPLERS). Validation batches (no key) report nothing."""
-    key = batch.meta.get("sampler")
-    if key is None or "index" not in batch:
-        return {}
-    from rlkit.data import SAMPLERS, group_scores, zero_var_share
-
-    sampler = SAMPLERS.get(key)
-    if sampler is not None:
-        return sampler.record(batch["index"], scores)
-    return zero_var_share(group_scores(batch["index"], scores))
+    return scores, metrics
 
 
 def batch_metrics(batch: DataProto, scores: torch.Tensor, max_response_length: int) -> dict:
@@ -206,13 +191,18 @@ class Run:
 
     `stateful`: more things a checkpoint must hold besides the policy and the data position, by name
     (a critic worker, a KL controller, ...): saved with state_of, restored with load_state_into.
+    `validate`: () -> metrics, the recipe's own validation of val_prompts in place of sampling them (rm.py: held-out
+    pairs), on the same schedule; `val_metric` names the one the summary reports.
     """
 
-    def __init__(self, cfg, policy, train_loader, val_prompts, reward_fn, stateful: dict | None = None):
+    def __init__(
+        self, cfg, policy, train_loader, val_prompts, reward_fn, stateful: dict | None = None, validate=None, val_metric="val/acc"
+    ):
         t = cfg.trainer
         self.cfg, self.policy, self.loader, self.val_prompts, self.reward_fn = cfg, policy, train_loader, val_prompts, reward_fn
+        self.validate_fn, self.val_metric = validate, val_metric
         self.stateful = dict(stateful or {})
-        self.rollouts = None  # the recipe's Rollouts (they register here): its async/ metrics are logged, it is closed with the loop
+        self.rollouts = None  # the recipe's Rollouts, from steps(rollouts): its async/ metrics are logged, it is closed with the loop
         if {"policy", "loader", "val_history", "step", "rng"} & set(self.stateful):
             raise ValueError(f"Run(stateful=...): names {sorted(self.stateful)} clash with the checkpoint's own entries")
         if not t.experiment_name:  # resolved once, before the config is saved: a resumed run finds the same folder
@@ -271,10 +261,12 @@ class Run:
             )
         )
 
-    def steps(self):
-        """Step numbers still to run (1-based); validates before the first when asked. When the loop ends, or
-        stops on an error, the recipe's Rollouts are closed (no generation process outlives the loop)."""
+    def steps(self, rollouts=None):
+        """Step numbers still to run (1-based); validates before the first when asked. `rollouts`: the recipe's
+        Rollouts, whose async/ metrics each step logs and whose loader position a checkpoint saves; when the loop
+        ends, or stops on an error, they are closed (no generation process outlives the loop)."""
         t = self.cfg.trainer
+        self.rollouts = rollouts
         if t.async_steps and self.rollouts is None:
             raise ConfigError(
                 f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no loop.Rollouts); use 0"
@@ -290,11 +282,13 @@ class Run:
     def validate(self, step: int) -> dict:
         """Run validation, print it, remember it for the final summary."""
         n, args = self.cfg.trainer.val_n, (self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
-        if n > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
+        if self.validate_fn is not None:  # the recipe's own
+            metrics = self.validate_fn()
+        elif n > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
             metrics = evaluation.validate_n(*args, n, self.cfg.rollout.val_temperature)
         else:
             metrics = validate(*args)
-        self.val_history.append((step, metrics["val/acc"]))
+        self.val_history.append((step, metrics[self.val_metric]))
         self.tracker.message(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         if step == 0:
             self.tracker.log(0, metrics)

@@ -170,6 +170,7 @@ def synchronous_grpo(grpo, cfg):
         batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]
         batch = policy.generate(batch.repeat(cfg.rollout.n, interleave=True))
         scores, reward_metrics = loop.score(batch, tok, reward_fn)
+        reward_metrics |= train.record(batch, scores)
         batch = batch.union(policy.compute_ref_log_prob(batch))
         if not policy.update_is_one_step():
             batch = batch.union(policy.compute_log_prob(batch))
@@ -502,7 +503,7 @@ def test_the_off_policy_lines_are_the_same_in_every_recipe():
         code = [line.split("#")[0].strip() for line in (ROOT / "recipes" / f"{name}.py").read_text().splitlines()]
         assert "weights, mask, corr = algos.rollout_weights(mb, a)" in code, name
         assert "weights=weights," in code and "metrics.update(corr)" in code, name
-        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train, run") for line in code), name
+        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train") for line in code), name
 
 
 def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction_with_them():

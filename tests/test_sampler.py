@@ -84,24 +84,41 @@ def test_async_refuses_the_difficulty_sampler_in_one_line():
         check_async(Cfg())
 
 
-def test_a_sampler_is_found_by_its_batches_key_while_its_loader_lives_and_not_after():
-    import gc
+def test_each_loader_takes_its_own_batches_scores_only_and_no_module_holds_the_samplers():
+    """The feedback is the recipe's call train.record(batch, scores): two loaders in one process do not see each
+    other's scores, a batch handed to the wrong loader is refused, and no module of rlkit keeps the samplers."""
+    import sys
+    from collections.abc import Mapping
 
-    from rlkit import data, loop
-    from rlkit.protocol import DataProto
+    import numpy as np
 
-    s = DifficultySampler(4)
-    key = s.key
-    s.draws = 1
-    batch = DataProto.from_dict(tensors={"index": torch.tensor([2, 2])}, meta={"sampler": key})
-    assert data.SAMPLERS[key] is s
-    m = loop.record_groups(batch, torch.tensor([1.0, 0.0]))
-    assert s.pass_rate == {2: 0.5} and m["sampler/zero_var_share"] == 0.0
-    del s
-    gc.collect()
-    assert key not in data.SAMPLERS  # no leak: the registry does not keep a finished run's sampler
-    m = loop.record_groups(batch, torch.tensor([1.0, 1.0]))  # its key gone: the groups are still reported
-    assert m == {"sampler/zero_var_share": 1.0}
+    from rlkit.data import PromptLoader, PromptSet
+
+    def loader():
+        rows = np.array([None] * 6, dtype=object)
+        prompts = PromptSet([[1, 2]] * 6, rows, rows, rows, rows)
+        train = PromptLoader(prompts, batch_size=2, pad_id=0)
+        train.use_sampler((0.2, 1.0, 0.2))
+        return train
+
+    a, b = loader(), loader()
+    batch = a.next_batch().repeat(2, interleave=True)  # 2 prompts x 2 samples
+    with pytest.raises(ValueError, match="drawn by another loader"):
+        b.record(batch, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    m = a.record(batch, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    assert m["sampler/zero_var_share"] == 0.5 and m["sampler/seen"] == 2
+    assert len(a.sampler.pass_rate) == 2 and b.sampler.pass_rate == {}  # b saw nothing
+    b.next_batch()
+    with pytest.raises(ConfigError, match="the previous batch got no scores"):
+        b.next_batch()  # b's own batch was never recorded: a's record did not count for it
+    held = [
+        f"{name}.{var}"
+        for name, mod in list(sys.modules.items())
+        if name.startswith("rlkit")
+        for var, v in vars(mod).items()
+        if isinstance(v, Mapping) and any(x is a.sampler or x is a for x in list(v.values()))
+    ]
+    assert not held, f"a module-level registry holds the sampler: {held}"
 
 
 def test_a_resume_on_changed_data_is_refused_in_one_line():
