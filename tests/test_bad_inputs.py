@@ -454,7 +454,7 @@ def _sleeper():
 def waiting_rollouts(timeout_s: float):
     """A Rollouts waiting on one stand-in 'generation worker' (a process that sleeps and never answers)."""
     trainer = SimpleNamespace(async_steps=0, async_workers=1, async_timeout_s=timeout_s, device="cpu")
-    cfg = SimpleNamespace(trainer=trainer, rollout=SimpleNamespace(n=2), model=SimpleNamespace(lora_rank=0, dtype="auto"))
+    cfg = SimpleNamespace(trainer=trainer, rollout=SimpleNamespace(n=2, name="hf"), model=SimpleNamespace(lora_rank=0, dtype="auto"))
     r = Rollouts(cfg, None, None)
     r.k = 1
     ctx = multiprocessing.get_context("fork")
