@@ -253,7 +253,9 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     @contextmanager
     def _full_weights(self):
         """The hybrid engine's switch: every process gathers the full weights (in the compute dtype) and keeps
-        them across forward passes, so it can generate alone, at its own lengths; on exit they are freed."""
+        them across forward passes, so it can generate alone, at its own lengths; on exit they are freed. (Not for
+        the vLLM sync, the inherited sync_rollout: vllm_rollout.hf_weights / adapter_state gather tensor by tensor, and
+        state_dict() hands FSDP2's sharded parameters back anyway.)"""
         from torch.distributed.fsdp import FSDPModule
 
         modules = [m for m in self.engine.model.modules() if isinstance(m, FSDPModule)]
@@ -278,14 +280,6 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     @dispatch("all")
     def set_agent(self, agent) -> None:
         super().set_agent(agent)  # every process runs the turn loop on its share of the rows
-
-    def sync_rollout(self) -> float | None:
-        """vLLM: gather the weights tensor by tensor (collectives: vllm_rollout.hf_weights / adapter_state gather each
-        shard whole), stream them into this process's engine. No unshard of the model first: state_dict() hands FSDP2's
-        sharded parameters back anyway, so a whole bf16 unshard beside them was memory and time for nothing."""
-        if self.rollout_cfg.name != "vllm":
-            return None
-        return super().sync_rollout()
 
     @dispatch("split")
     def compute_log_prob(self, batch: DataProto) -> DataProto:
