@@ -375,7 +375,7 @@ def main(cfg: Config) -> dict:
             "recipes/rm.py takes one optimizer step per batch: "
             "--actor.ppo-mini-batch-size = --data.train-batch-size, --actor.ppo-epochs 1"
         )
-    if not cfg.center_coef >= 0:  # NaN too
+    if cfg.center_coef < 0:  # (NaN and inf: loop.setup's config.check_finite, first)
         raise ConfigError(f"--center-coef {cfg.center_coef}: must be a number >= 0 (0 = off)")
     train_pairs, t = read_pairs(cfg.data.train_files, cfg), cfg.trainer  # file errors first
     val_pairs = read_pairs(cfg.data.val_files, cfg) if cfg.data.val_files else None

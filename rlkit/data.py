@@ -347,8 +347,9 @@ class DifficultySampler:
     def load_state_dict(self, state: dict) -> None:
         pass_rate = {int(k): float(v) for k, v in state["pass_rate"].items()}
         outside = [i for i in pass_rate if not 0 <= i < self.size]
-        if state.get("size", self.size) != self.size or outside:  # the data changed: its indices name other prompts, or none
-            saved = f"{state['size']} prompts" if state.get("size", self.size) != self.size else f"a pass rate of prompt {max(outside)}"
+        size = state.get("size", self.size)  # (a checkpoint from before the size was saved: its keys are checked alone)
+        if size != self.size or outside:  # the data changed: its indices name other prompts, or none
+            saved = f"{size} prompts" if size != self.size else f"a pass rate of prompt {max(outside)}"
             raise ConfigError(
                 f"cannot resume --data.sampler difficulty: the checkpoint holds {saved}, the training set has {self.size} "
                 "prompts (the data changed since it was saved); resume with the same --data.train-files, or start a new run"

@@ -202,27 +202,27 @@ def check_teacher(cfg) -> None:
         return load_tokenizer(path, cfg.model.trust_remote_code), config.vocab_size
 
     try:
-        student = read(cfg.model)
+        student, student_vocab = read(cfg.model)
     except (OSError, ValueError):  # the student's own load says what is wrong with it
         return
     try:
-        teacher = read(dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0))
+        teacher, teacher_vocab = read(dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0))
     except (OSError, ValueError) as e:
         raise MissingFile(
             f"--teacher {cfg.teacher}: no model there ({str(e).splitlines()[0][:120]}); pass a model folder or a hub id"
         ) from e
     for what, a, b in (
-        ("vocabulary", student[0].get_vocab(), teacher[0].get_vocab()),
-        ("chat template", student[0].chat_template, teacher[0].chat_template),
+        ("vocabulary", student.get_vocab(), teacher.get_vocab()),
+        ("chat template", student.chat_template, teacher.chat_template),
     ):
         if a != b:
             raise ConfigError(
                 f"--teacher {cfg.teacher} has another {what} than --model.path {cfg.model.path}: the teacher scores the "
                 "student's token ids, so both must use the same tokenizer and chat template (pick a teacher of the same family)"
             )
-    if teacher[1] < student[1]:
+    if teacher_vocab < student_vocab:
         raise ConfigError(
-            f"--teacher {cfg.teacher} has {teacher[1]} embedding rows, fewer than the student's {student[1]} (vocab_size): "
+            f"--teacher {cfg.teacher} has {teacher_vocab} embedding rows, fewer than the student's {student_vocab} (vocab_size): "
             "it cannot score every token the student samples; pick a teacher with at least as many"
         )
 

@@ -52,7 +52,7 @@ def check_agent(cfg) -> None:
         raise ConfigError(f"--agent.max-tool-calls {a.max_tool_calls}: must be 0 (no tool calls) or more")
     if a.max_tool_response_chars < 1:
         raise ConfigError(f"--agent.max-tool-response-chars {a.max_tool_response_chars}: must be at least 1 (256 is usual)")
-    if getattr(a, "max_observation_chars", 1) < 1:
+    if a.max_observation_chars < 1:
         raise ConfigError(f"--agent.max-observation-chars {a.max_observation_chars}: must be at least 1 (8192 is the default)")
 
 
