@@ -963,13 +963,19 @@ def check_sft(ctx: dict) -> str:
     expect(passes >= want, f"{passes} forward passes in 2 steps of {cfg.data.train_batch_size} rows, micro-batches of {s['micro']}: {want}")
     detail = f"2 steps, nll {rows[-1]['actor/nll']:.3f}, {passes} micro-batches, float32 weights, bfloat16 compute"
     if not ctx["dry"]:
-        import gpu_memory as gm
-
-        want = gm.predict(gm.Setup(model="0.5B", kl=False, n=1, micro=s["micro"], prompt=s["prompt"], response=16), 24)["update"] / gm.GiB
+        want = full_update_gib(s)
         got = max(r.get("memory/update_peak_gb", 0) for r in rows)
         expect(0 < got <= 1.3 * want, f"update peak {got:.1f} GiB, the memory model's full update at this shape {want:.1f} (+30 %)")
         detail += f"; update peak {got:.1f} GiB (model {want:.1f})"
     return detail
+
+
+def full_update_gib(s: dict) -> float:
+    """The memory model's full-parameter update at the check's shape for sft and rm (GiB): micro-batches of s["micro"]
+    rows of a prompt + 16 response tokens each, n = 1, no reference copy."""
+    import gpu_memory as gm
+
+    return gm.predict(gm.Setup(model="0.5B", kl=False, n=1, micro=s["micro"], prompt=s["prompt"], response=16), 24)["update"] / gm.GiB
 
 
 def make_pairs(folder: Path, prompt_tokens: int, response_chars: int = 16) -> str:
@@ -1018,9 +1024,7 @@ def check_rm(ctx: dict) -> str:
     expect(most <= 2 * micro, f"a forward of {most} sequences (micro-batches of {micro} pairs: {2 * micro})")
     detail = f"2 steps of {cfg.data.train_batch_size} pairs, loss {losses[-1]:.3f}, <= {most} sequences a pass in bfloat16"
     if not ctx["dry"]:
-        import gpu_memory as gm
-
-        want = gm.predict(gm.Setup(model="0.5B", kl=False, n=1, micro=s["micro"], prompt=s["prompt"], response=16), 24)["update"] / gm.GiB
+        want = full_update_gib(s)
         got = torch.cuda.max_memory_allocated() / 2**30
         expect(got <= 1.3 * want, f"peak {got:.1f} GiB, the memory model's full update at this shape {want:.1f} (+30 %)")
         detail += f"; {cap}; peak {got:.1f} GiB (model {want:.1f})"
