@@ -11,8 +11,8 @@ The conventions a doc follows (each failure message repeats the one it broke):
   lines: a quote sits between `<!-- fmt:off -->` and `<!-- fmt:on -->` lines.
 - A ```bash snippet's `python recipes/X.py` / `python -m rlkit.X` / `bench/X.py` / `scripts/X.sh` paths exist
   (a `cp recipes/A.py recipes/B.py` in the same doc makes B stand for A), and each `--flag` of a recipe command
-  is in that recipe's `--help` (a bench or scripts/ Python command's in the script's argparse). A `--section.flag` named anywhere in
-  the docs is in some recipe's `--help`.
+  is in that recipe's `--help` (a bench or scripts/ Python command's in the script's argparse; a tyro script's in its
+  `--help`). A `--section.flag` named anywhere in the docs is in some recipe's `--help`.
 - No "N lines" claim (N >= 2) unless DERIVED_LINE_COUNTS computes it; count words that drift are in COUNT_CLAIMS.
 - Every metric key a recipe logs is named in docs/metrics.md or a doc it links, by its full name (`a/b/c`; in a
   list `a/b/c`, `/d` is short for `a/b/d`); `<name>` stands for an open set (a scorer's own keys), never for a key
@@ -188,7 +188,7 @@ def recipe_flags(name: str) -> frozenset[str]:
     import runpy
     from unittest import mock
 
-    path, out = ROOT / "recipes" / f"{name}.py", io.StringIO()
+    path, out = ROOT / (name if name.endswith(".py") else f"recipes/{name}.py"), io.StringIO()  # or a tyro script's path
     with mock.patch.object(sys, "argv", [str(path), "--help"]), mock.patch.dict("os.environ", {"COLUMNS": "200"}):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), pytest.raises(SystemExit):
             runpy.run_path(str(path), run_name="__main__")
@@ -272,6 +272,8 @@ def test_a_shell_snippet_runs_real_files_with_real_flags(doc, start, body):
                     f"{where}: {flag} is not an option of {path} (not in `python {path} --help`); "
                     f"close ones: {sorted(f for f in recipe_flags(name) if f.split('.')[-1] == flag.split('.')[-1])}"
                 )
+            elif "import tyro" in (ROOT / path).read_text():  # a tyro script (scripts/eval.py): its --help
+                assert flag in recipe_flags(path), f"{where}: {flag} is not an option of {path} (not in `python {path} --help`)"
             else:
                 src = (ROOT / path).read_text() + (ROOT / "bench" / "common.py").read_text()
                 assert f'"{flag}"' in src, f"{where}: {flag} is not an argument of {path} (no add_argument({flag!r}))"
@@ -292,6 +294,9 @@ def test_the_shell_checker_sees_a_wrong_flag_and_a_missing_file(tmp_path):
         check(doc, 1, ["python bench/async.py --steps 2 --nope 1"])
     with pytest.raises(AssertionError, match="--rm-step is not an argument of scripts/rm_demo.py"):
         check(doc, 1, ["python scripts/rm_demo.py run --rm-init x --rm-step 3"])
+    check(doc, 1, ["python scripts/eval.py --model m --data.val-files a.parquet -n 4 --output s.jsonl"])
+    with pytest.raises(AssertionError, match="--rollout.nope is not an option of scripts/eval.py"):
+        check(doc, 1, ["python scripts/eval.py --rollout.nope 1"])
     with pytest.raises(AssertionError, match="no module rlkit.nope"):
         check(doc, 1, ["python -m rlkit.nope"])
 
