@@ -13,6 +13,11 @@ The conventions a doc follows (each failure message repeats the one it broke):
   (a `cp recipes/A.py recipes/B.py` in the same doc makes B stand for A), and each `--flag` of a recipe command
   is in that recipe's `--help` (a bench or scripts/ Python command's in the script's argparse). A `--section.flag` named anywhere in
   the docs is in some recipe's `--help`.
+- The text beside the code is held to the same: a recipe's module docstring (its `python ...` commands as a bash
+  snippet's, the `--flags` its prose names in its own --help, and an `outputs/<recipe>/checkpoints/global_step_N` path
+  one that the default run writes, derived from the code in default_checkpoints; the docs' such paths too), the asset
+  READMEs (rlkit/assets/*/README.md: the `python X.py` / `python -m Y` they name exist), and the test files' module
+  docstrings (the recipes/bench/scripts paths and `--section.flag`s they name exist).
 - No "N lines" claim (N >= 2) unless DERIVED_LINE_COUNTS computes it; count words that drift are in COUNT_CLAIMS.
 - Every metric key a recipe logs is named in docs/metrics.md or a doc it links, by its full name (`a/b/c`; in a
   list `a/b/c`, `/d` is short for `a/b/d`); `<name>` stands for an open set (a scorer's own keys), never for a key
@@ -192,7 +197,11 @@ def recipe_flags(name: str) -> frozenset[str]:
     with mock.patch.object(sys, "argv", [str(path), "--help"]), mock.patch.dict("os.environ", {"COLUMNS": "200"}):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), pytest.raises(SystemExit):
             runpy.run_path(str(path), run_name="__main__")
-    flags = set(re.findall(r"(--[a-z0-9][\w.-]*)", out.getvalue()))
+    from collections import Counter
+
+    found = Counter(re.findall(r"(--[a-z0-9][\w.-]*)", out.getvalue()))
+    found -= Counter(re.findall(r"(--[a-z0-9][\w.-]*)", module_docstring(path)[1] and "\n".join(module_docstring(path)[1])))
+    flags = set(found)  # the options, not the description above them (the docstring, checked on its own)
     assert len(flags) > 20, out.getvalue()[:2000]
     flags.add("--help")
     if "--model.path" in flags:
@@ -241,17 +250,20 @@ def bash_snippets():
 
 @pytest.mark.parametrize("doc, start, body", list(bash_snippets()))
 def test_a_shell_snippet_runs_real_files_with_real_flags(doc, start, body):
-    aliases = copies(doc)
+    check_commands(rel(doc), start + 1, body, copies(doc))
+
+
+def check_commands(name: str, first_line: int, body: list[str], aliases: dict[str, str]) -> None:
+    """The shell commands of `body` (lines from `first_line` of file `name`) run files that exist with their flags."""
     for offset, toks in commands(body):
-        where = f"{rel(doc)}:{start + 1 + offset} `{' '.join(toks)[:80]}`"
+        where = f"{name}:{first_line + offset} `{' '.join(toks)[:80]}`"
         if toks[:1] == ["cp"]:
             assert (ROOT / toks[1]).is_file(), f"{where}: {toks[1]} does not exist"
             continue
         target = None
         for i, tok in enumerate(toks):
-            if tok == "-m" and i + 1 < len(toks) and toks[i + 1].startswith("rlkit."):
-                mod = toks[i + 1].replace(".", "/")
-                assert (ROOT / f"{mod}.py").is_file() or (ROOT / mod).is_dir(), f"{where}: no module {toks[i + 1]}"
+            if tok == "-m" and i + 1 < len(toks):
+                assert module_exists(toks[i + 1]), f"{where}: no module {toks[i + 1]}"
             m = PATH.match(tok)
             if m:
                 path = aliases.get(m[1], m[1])
@@ -277,6 +289,16 @@ def test_a_shell_snippet_runs_real_files_with_real_flags(doc, start, body):
                 assert f'"{flag}"' in src, f"{where}: {flag} is not an argument of {path} (no add_argument({flag!r}))"
 
 
+def module_exists(name: str) -> bool:
+    """`python -m name` runs something: a module or package of this checkout (rlkit.x, scripts.x), else an installed one."""
+    import importlib.util
+
+    path = ROOT / name.replace(".", "/")
+    if (ROOT / name.split(".")[0]).is_dir():
+        return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+    return importlib.util.find_spec(name.split(".")[0]) is not None
+
+
 def test_the_shell_checker_sees_a_wrong_flag_and_a_missing_file(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text("")
@@ -294,6 +316,9 @@ def test_the_shell_checker_sees_a_wrong_flag_and_a_missing_file(tmp_path):
         check(doc, 1, ["python scripts/rm_demo.py run --rm-init x --rm-step 3"])
     with pytest.raises(AssertionError, match="no module rlkit.nope"):
         check(doc, 1, ["python -m rlkit.nope"])
+    with pytest.raises(AssertionError, match="no module nopetest"):
+        check(doc, 1, ["python -m nopetest -q"])
+    check(doc, 1, ["python -m pytest -q tests/test_docs.py && python -m rlkit.checkpoint convert x"])
 
 
 @functools.cache
@@ -310,6 +335,204 @@ def test_every_dotted_flag_named_in_the_docs_is_a_recipe_option():
                 if flag not in all_recipe_flags():
                     bad.append(f"{rel(doc)}:{n}: {flag}")
     assert not bad, "flags named in the docs that no recipe's --help has (rename or remove them):\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2b. The same for the text beside the code: recipe docstrings, asset READMEs, test docstrings
+# --------------------------------------------------------------------------------------------------------------
+
+
+def module_docstring(path: Path) -> tuple[int, list[str]]:
+    """(file line of the docstring's first line, its lines) of a .py file's module docstring; (0, []) if it has none."""
+    tree = ast.parse(path.read_text())
+    node = tree.body[0] if tree.body else None
+    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+        return 0, []
+    return node.lineno, node.value.value.splitlines()
+
+
+def docstring_commands(lines: list[str]) -> list[tuple[int, list[str]]]:
+    """(index of its first line, its lines) of each `python ...` command in a docstring, with its `\\` continuations."""
+    out, k = [], 0
+    while k < len(lines):
+        if re.match(r"\s*python3? ", lines[k]):
+            first, body = k, [lines[k]]
+            while body[-1].split("#")[0].rstrip().endswith("\\") and k + 1 < len(lines):
+                k += 1
+                body.append(lines[k])
+            out.append((first, body))
+        k += 1
+    return out
+
+
+@functools.cache
+def default_checkpoints(name: str) -> tuple[str, frozenset[int]]:
+    """(output folder, the steps it holds checkpoints of) of `python recipes/<name>.py` on its defaults, derived from
+    the code, not run: loop.run_name names the folder; steps = total_training_steps, else total_epochs x batches per
+    epoch (PromptLoader: rows // batch size, the last incomplete batch dropped; dapo.py's loader draws gen_batch_size
+    prompts); a checkpoint every save_freq steps and at the last."""
+    import pyarrow.parquet as pq
+
+    from rlkit import loop
+
+    cfg, t = load_recipe(name).Config(), load_recipe(name).Config().trainer
+    rows = sum(pq.ParquetFile(ROOT / f).metadata.num_rows for f in cfg.data.train_files)
+    batch = getattr(cfg, "gen_batch_size", None) or cfg.data.train_batch_size
+    total = t.total_training_steps or t.total_epochs * (rows // batch)
+    steps = {total, *(range(t.save_freq, total + 1, t.save_freq) if t.save_freq > 0 else ())}
+    out = t.default_local_dir.format(experiment_name=t.experiment_name or loop.run_name(cfg), project_name=t.project_name)
+    return out, frozenset(steps)
+
+
+CHECKPOINT_PATH = re.compile(r"(outputs/([\w.-]+))/checkpoints/global_step_(\d+)")
+
+
+def false_checkpoint_paths(text: str) -> list[str]:
+    """The `outputs/<recipe>/checkpoints/global_step_N` paths of a text (a recipe's default run folder) that the default
+    run does not write."""
+    bad = []
+    for m in CHECKPOINT_PATH.finditer(text):
+        if m[2] in RECIPES:
+            folder, steps = default_checkpoints(m[2])
+            if m[1] != folder or int(m[3]) not in steps:
+                bad.append(f"{m[0]} (the default `python recipes/{m[2]}.py` writes {folder}/checkpoints/global_step_{sorted(steps)})")
+    return bad
+
+
+def flags_in(line: str) -> list[str]:
+    return re.findall(r"(?<![\w-])(--[a-z][\w.-]*[a-z0-9])", line)
+
+
+def recipe_docstring_claims(name: str) -> list[str]:
+    """What a recipe's module docstring says that the code contradicts: its commands (files, flags), the flags its prose
+    names (the recipe's own --help), and its example checkpoint paths (ones the default runs write)."""
+    path = ROOT / "recipes" / f"{name}.py"
+    first, lines = module_docstring(path)
+    bad, in_command = [], set()
+    for k, body in docstring_commands(lines):
+        in_command |= set(range(k, k + len(body)))
+        try:
+            check_commands(rel(path), first + k, body, {})
+        except AssertionError as e:
+            bad.append(str(e).splitlines()[0])
+    for k, line in enumerate(lines):
+        if k not in in_command:
+            bad += [f"{rel(path)}:{first + k}: {f} is not an option of {rel(path)}" for f in flags_in(line) if f not in recipe_flags(name)]
+        bad += [f"{rel(path)}:{first + k}: {p}" for p in false_checkpoint_paths(line)]
+    return bad
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_docstring_runs_real_files_with_real_flags_and_names_real_outputs(name):
+    bad = recipe_docstring_claims(name)
+    assert not bad, f"recipes/{name}.py's docstring says what the code does not do:\n" + "\n".join(bad)
+
+
+def test_the_docs_name_the_checkpoints_the_default_runs_write():
+    bad = [
+        f"{rel(doc)}:{n}: {p}"
+        for doc in DOCS
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        for p in false_checkpoint_paths(line)
+    ]
+    assert not bad, "checkpoint paths in the docs that the default runs do not write:\n" + "\n".join(bad)
+
+
+def test_the_docstring_checker_sees_a_wrong_command_flag_and_checkpoint(monkeypatch):
+    assert default_checkpoints("grpo") == ("outputs/grpo", frozenset({296}))  # 9,488 prompts // 32, saved at the end
+    assert [k for k, _ in docstring_commands(["x", "    python recipes/a.py \\", "        --b 1", "python -m c"])] == [1, 3]
+    assert false_checkpoint_paths("outputs/grpo/checkpoints/global_step_296/hf, outputs/grpo-x/checkpoints/global_step_7") == []
+    assert len(false_checkpoint_paths("`outputs/grpo/checkpoints/global_step_295/hf`")) == 1
+    doc = load_recipe("rloo").__doc__
+    for planted, match in [
+        ("    python recipes/rloo.py --actor.bogus 1", "--actor.bogus is not an option of recipes/rloo.py"),
+        ("    python recipes/nope.py", "recipes/nope.py does not exist"),
+        ("the cap bites with --rollout.nn 2", "--rollout.nn is not an option of recipes/rloo.py"),
+        ("    python recipes/grpo.py --teacher outputs/rloo/checkpoints/global_step_300/hf", "--teacher is not an option"),
+        ("load outputs/rloo/checkpoints/global_step_300/hf", "global_step_300"),
+    ]:
+        src = (ROOT / "recipes" / "rloo.py").read_text().replace(doc, doc + planted + "\n", 1)
+        monkeypatch.setattr(Path, "read_text", lambda self, src=src, real=Path.read_text: src if self.name == "rloo.py" else real(self))
+        assert any(match in b for b in recipe_docstring_claims("rloo")), (planted, recipe_docstring_claims("rloo"))
+        monkeypatch.undo()
+    assert recipe_docstring_claims("rloo") == []
+
+
+ASSET_READMES = sorted((ROOT / "rlkit" / "assets").glob("*/README.md"))
+
+
+def asset_readme_claims(path: Path) -> list[str]:
+    """The `python X.py ...` / `python -m Y ...` commands an asset README names (in code spans or fences) run files
+    and modules that exist, with the flags their scripts have."""
+    bad = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        for span in re.findall(r"`(python3? [^`]+)`", line) or ([line] if re.match(r"\s*python3? ", line) else []):
+            for _, toks in commands([span]):
+                for i, tok in enumerate(toks[:-1]):
+                    script = toks[i + 1]
+                    if (
+                        re.fullmatch(r"python3?", tok)
+                        and script.endswith(".py")
+                        and not PATH.match(script)
+                        and not (ROOT / script).is_file()
+                    ):
+                        bad.append(f"{rel(path)}:{n}: {toks[i + 1]} does not exist")
+            try:
+                check_commands(rel(path), n, [span], {})
+            except AssertionError as e:
+                bad.append(str(e).splitlines()[0])
+    return bad
+
+
+@pytest.mark.parametrize("path", ASSET_READMES, ids=[p.parent.name for p in ASSET_READMES])
+def test_an_asset_readme_names_commands_that_exist(path):
+    bad = asset_readme_claims(path)
+    assert not bad, "the rebuild commands of an asset README must run: fix the command or the file\n" + "\n".join(bad)
+
+
+def test_the_asset_readme_checker_sees_a_missing_script_and_module(tmp_path):
+    assert ASSET_READMES, "rlkit/assets/*/README.md: none found"
+    readme = tmp_path / "README.md"
+    for text, match in [
+        ("Rebuild with `python -m rlkit.embedded_nope`.", "no module rlkit.embedded_nope"),
+        ("Rebuild with `python scripts/assets/nope.py --seed 0`.", "scripts/assets/nope.py does not exist"),
+        ("Rebuild with `python nope.py`.", "nope.py does not exist"),
+    ]:
+        readme.write_text(text)
+        assert any(match in b for b in asset_readme_claims(readme)), (text, asset_readme_claims(readme))
+    readme.write_text("Rebuild with `python -m rlkit.checkpoint convert x` or `python scripts/rm_demo.py run`.")
+    assert asset_readme_claims(readme) == []
+
+
+TEST_FILES = sorted(p for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_docs.py")  # this one names placeholders
+
+
+def docstring_claims_of_test(path: Path) -> list[str]:
+    """A test file's module docstring: the recipes/bench/scripts paths it names exist, its `--section.flag`s are options."""
+    first, lines = module_docstring(path)
+    bad = []
+    for k, line in enumerate(lines):
+        for p in re.findall(r"(?<![\w/])((?:recipes|bench|scripts)/[\w/.-]*\w\.(?:py|sh))", line):
+            if not (ROOT / p).is_file():
+                bad.append(f"{rel(path)}:{first + k}: {p} does not exist")
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*\.[a-z][\w.-]*[a-z0-9])", line):
+            if flag not in all_recipe_flags():
+                bad.append(f"{rel(path)}:{first + k}: {flag} is no recipe's option")
+    return bad
+
+
+def test_test_docstrings_name_real_files_and_flags():
+    bad = [b for path in TEST_FILES for b in docstring_claims_of_test(path)]
+    assert not bad, "test docstrings naming files or flags that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_test_docstring_checker_sees_a_missing_file_and_flag(tmp_path):
+    path = tmp_path / "test_x.py"
+    path.write_text('"""Runs bench/nope.py with --trainer.nope-steps 3, as recipes/grpo.py --trainer.resume does."""\n')
+    assert [b.split(": ", 1)[1] for b in docstring_claims_of_test(path)] == [
+        "bench/nope.py does not exist",
+        "--trainer.nope-steps is no recipe's option",
+    ]
 
 
 @functools.cache
