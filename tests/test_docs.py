@@ -975,3 +975,133 @@ def test_readme_names_every_module_and_recipe():
     assert not want - listed, f"README.md's 'What is in the box' table lacks: {sorted(want - listed)} (add a row each)"
     gone = sorted(p for p in listed if not (ROOT / p).exists())
     assert not gone, f"README.md's 'What is in the box' table names files that do not exist: {gone}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 6. The recipe pages: one template, their flags tables as --help has them, their metrics the recipe's own
+# --------------------------------------------------------------------------------------------------------------
+
+RECIPE_PAGES = {f"docs/{r}.md": r for r in RECIPES if r != "grpo_tools"} | {"docs/agents.md": "grpo_tools"}
+TEMPLATE = ["What", "Run", "The formula beside the code", "Flags", "Metrics", "Results"]
+
+
+def page_sections(doc: str) -> dict[str, str]:
+    """`## heading` -> its text, in order (fenced blocks' `#` lines are not headings)."""
+    out, head, inside = {}, None, False
+    for line in (ROOT / doc).read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        if not inside and line.startswith("## "):
+            head = line[3:].strip()
+            out[head] = ""
+        elif head is not None:
+            out[head] += line + "\n"
+    return out
+
+
+@pytest.mark.parametrize("doc", sorted(RECIPE_PAGES))
+def test_a_recipe_page_follows_the_template(doc):
+    heads = list(page_sections(doc))
+    first = [next((t for t in TEMPLATE if h.startswith(t)), h) for h in heads[: len(TEMPLATE)]]
+    assert first == TEMPLATE, (
+        f"{doc}: its first sections are {heads[: len(TEMPLATE)]}; a recipe page opens with the sections {TEMPLATE}, in this "
+        "order (a heading may go on: '## Results (CPU)'); anything else goes after them, histories to docs/results.md"
+    )
+    results = page_sections(doc)[heads[5]]
+    assert re.search(rf"python recipes/{RECIPE_PAGES[doc]}\.py", results) and "|" in results, (
+        f"{doc}: its Results section holds one table and the exact `python recipes/{RECIPE_PAGES[doc]}.py ...` command that made it"
+    )
+
+
+def config_default(cfg, flag: str):
+    """The default of `--section.some-flag` / `--some-flag` in a recipe's Config (a KeyError if it has no such field)."""
+    obj, parts = cfg, flag.lstrip("-").split(".")
+    for part in parts:
+        name = part.replace("-", "_")
+        if not hasattr(obj, name):
+            raise KeyError(flag)
+        obj = getattr(obj, name)
+    return obj
+
+
+def same_default(cell: str, value) -> bool:
+    """A Flags table's default cell (`0.2`, `True`, `''`, `kl`) is the Config's value, as --help prints it."""
+    cell = cell.strip().strip("`").strip()
+    if isinstance(value, bool) or value is None:
+        return cell == str(value)
+    if isinstance(value, (int, float)):
+        try:
+            return float(cell) == float(value)
+        except ValueError:
+            return False
+    if isinstance(value, (list, tuple)):
+        return cell.split() == [str(v) for v in value]
+    return cell == (repr(value) if value == "" else str(value))
+
+
+def flags_table_claims(doc: str) -> list[str]:
+    """A recipe page's Flags table names the recipe's options with their defaults, and every option of its own (a
+    top-level Config field: --kl-coef, not a shared section's --actor.lr)."""
+    import dataclasses
+
+    name, bad, named = RECIPE_PAGES[doc], [], set()
+    cfg = load_recipe(name).Config()
+    section = next((text for head, text in page_sections(doc).items() if head.startswith("Flags")), "")
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if not row.startswith("| `--") or len(cells) < 3:
+            continue
+        for flag in re.findall(r"`(--[\w.-]+)`", cells[0]):
+            named.add(flag)
+            if flag.startswith("--no-") and f"--{flag[5:]}" in recipe_flags(name):
+                continue
+            if flag not in recipe_flags(name):
+                bad.append(f"{doc}: {flag} is not an option of recipes/{name}.py")
+                continue
+            try:
+                value = config_default(cfg, flag)
+            except KeyError:
+                continue  # an alias (--model): no field of that name
+            if not same_default(cells[1], value):
+                bad.append(f"{doc}: {flag}'s default is {value!r} in recipes/{name}.py, the table says {cells[1]}")
+    own = {
+        "--" + f.name.replace("_", "-")
+        for f in dataclasses.fields(cfg)
+        if not dataclasses.is_dataclass(getattr(cfg, f.name)) and "--" + f.name.replace("_", "-") in recipe_flags(name)
+    }
+    bad += [f"{doc}: the Flags table lacks {flag}, an option of recipes/{name}.py's own" for flag in sorted(own - named)]
+    return bad
+
+
+@pytest.mark.parametrize("doc", sorted(RECIPE_PAGES))
+def test_a_recipe_page_flags_table_is_the_recipe_help(doc):
+    bad = flags_table_claims(doc)
+    assert not bad, "a Flags table row is `| `--flag` | default | meaning |`, the default as --help prints it:\n" + "\n".join(bad)
+
+
+def test_the_flags_table_checker_sees_a_wrong_default_a_missing_flag_and_a_stale_one(monkeypatch):
+    real = Path.read_text
+    text = real(ROOT / "docs" / "gspo.md")
+    for old, new, match in [
+        ("| `--gspo-token` / `--no-gspo-token` | `False`", "| `--gspo-token` / `--no-gspo-token` | `True`", "the table says `True`"),
+        ("| `--gspo-token` / `--no-gspo-token` |", "| `--gspo-tokens` |", "--gspo-tokens is not an option"),
+        ("| `--gspo-token` / `--no-gspo-token` |", "| gspo-token |", "lacks --gspo-token"),
+    ]:
+        assert old in text, old
+        monkeypatch.setattr(Path, "read_text", lambda self, t=text.replace(old, new): t if self.name == "gspo.md" else real(self))
+        assert any(match in b for b in flags_table_claims("docs/gspo.md")), (match, flags_table_claims("docs/gspo.md"))
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("doc", sorted(RECIPE_PAGES))
+def test_a_recipe_page_names_the_metrics_its_recipe_adds(doc, logged_keys):
+    """The keys the recipe logs that grpo.py does not, named in its Metrics section (`family/*` names a family)."""
+    name = RECIPE_PAGES[doc]
+    section = next(text for head, text in page_sections(doc).items() if head.startswith("Metrics"))
+    exact, patterns = doc_keys(section)
+    families = set(re.findall(r"`(\w+)/\*`", section))
+    base = {k for k, by in logged_keys.items() if "grpo" in by}
+    own = sorted(k for k, by in logged_keys.items() if name in by and k not in base)
+    missing = [k for k in own if k not in exact and k.split("/")[0] not in families and not any(p.match(k) for p in patterns)]
+    assert "docs/metrics.md" in section or "(metrics.md" in section, f"{doc}: its Metrics section links docs/metrics.md"
+    assert not missing, f"{doc}: recipes/{name}.py logs keys its Metrics section does not name: {missing}"
