@@ -1002,7 +1002,7 @@ def page_sections(doc: str) -> dict[str, str]:
 @pytest.mark.parametrize("doc", sorted(RECIPE_PAGES))
 def test_a_recipe_page_follows_the_template(doc):
     heads = list(page_sections(doc))
-    first = [next((t for t in TEMPLATE if h.startswith(t)), h) for h in heads[: len(TEMPLATE)]]
+    first = [next((t for t in TEMPLATE if re.match(rf"{t}\b(?![-\w])", h)), h) for h in heads[: len(TEMPLATE)]]
     assert first == TEMPLATE, (
         f"{doc}: its first sections are {heads[: len(TEMPLATE)]}; a recipe page opens with the sections {TEMPLATE}, in this "
         "order (a heading may go on: '## Results (CPU)'); anything else goes after them, histories to docs/results.md"
@@ -1088,7 +1088,8 @@ def test_the_flags_table_checker_sees_a_wrong_default_a_missing_flag_and_a_stale
         ("| `--gspo-token` / `--no-gspo-token` |", "| gspo-token |", "lacks --gspo-token"),
     ]:
         assert old in text, old
-        monkeypatch.setattr(Path, "read_text", lambda self, t=text.replace(old, new): t if self.name == "gspo.md" else real(self))
+        planted = text.replace(old, new)
+        monkeypatch.setattr(Path, "read_text", lambda self, t=planted: t if self.name == "gspo.md" else real(self))
         assert any(match in b for b in flags_table_claims("docs/gspo.md")), (match, flags_table_claims("docs/gspo.md"))
         monkeypatch.undo()
 
