@@ -1106,3 +1106,30 @@ def test_a_recipe_page_names_the_metrics_its_recipe_adds(doc, logged_keys):
     missing = [k for k in own if k not in exact and k.split("/")[0] not in families and not any(p.match(k) for p in patterns)]
     assert "docs/metrics.md" in section or "(metrics.md" in section, f"{doc}: its Metrics section links docs/metrics.md"
     assert not missing, f"{doc}: recipes/{name}.py logs keys its Metrics section does not name: {missing}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 7. The default run's end point: stated in results.md, every other mention the same number
+# --------------------------------------------------------------------------------------------------------------
+
+END_POINT = re.compile(
+    r"(?i)(?:(?:default run|`python recipes/grpo\.py`).*?0\.295 (?:→|->) \**|held-out accuracy: 0\.295 at step 0 -> )(0\.\d+)"
+)
+
+
+def default_end_point() -> str:
+    """The held-out accuracy of `python recipes/grpo.py` as results.md's default-run table states it."""
+    row = next(x for x in (ROOT / "docs" / "results.md").read_text().splitlines() if x.startswith("| held-out accuracy | **0.295 → "))
+    return re.search(r"0\.295 → (0\.\d+)", row)[1]
+
+
+def test_the_default_runs_end_point_is_the_one_results_md_states():
+    want, bad = default_end_point(), []
+    for doc in DOCS:
+        if doc.name == "results.md":
+            continue
+        for n, line in enumerate(doc.read_text().splitlines(), start=1):
+            bad += [f"{rel(doc)}:{n}: 0.295 → {m[1]}" for m in END_POINT.finditer(line) if m[1] != want]
+    assert END_POINT.search("| the default run (`python recipes/grpo.py`), 296 steps | 82 s, 0.295 → 0.684 held-out |")
+    assert END_POINT.search("the last lines: `held-out accuracy: 0.295 at step 0 -> 0.684 at step 296 (+38.9 points)`")
+    assert not bad, f"the default run ends at {want} (docs/results.md); these say otherwise (link results.md instead):\n" + "\n".join(bad)
