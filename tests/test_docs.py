@@ -1133,3 +1133,34 @@ def test_the_default_runs_end_point_is_the_one_results_md_states():
     assert END_POINT.search("| the default run (`python recipes/grpo.py`), 296 steps | 82 s, 0.295 → 0.684 held-out |")
     assert END_POINT.search("the last lines: `held-out accuracy: 0.295 at step 0 -> 0.684 at step 296 (+38.9 points)`")
     assert not bad, f"the default run ends at {want} (docs/results.md); these say otherwise (link results.md instead):\n" + "\n".join(bad)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped (not `-`), spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@functools.cache
+def anchors(doc: Path) -> frozenset[str]:
+    out, inside = set(), False
+    for line in doc.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        elif not inside and re.match(r"#{1,6} ", line):
+            out.add(slug(line.lstrip("#")))
+    return frozenset(out)
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    """`[x](results.md#a-heading)`: a renamed or moved heading leaves no dead link (the recipe pages link results.md's)."""
+    assert slug("## SFT: the embedded models rebuilt by `recipes/sft.py` (2026-11-26)".lstrip("#")) == (
+        "sft-the-embedded-models-rebuilt-by-recipessftpy-2026-11-26"
+    )
+    bad = []
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text().splitlines(), start=1):
+            for target, anchor in re.findall(r"\]\(((?:[\w./-]+\.md)?)#([\w-]+)\)", line):
+                path = (doc.parent / target) if target else doc
+                if path.is_file() and anchor not in anchors(path):
+                    bad.append(f"{rel(doc)}:{n}: {target}#{anchor}")
+    assert not bad, "links to sections that do not exist (the heading was renamed?):\n" + "\n".join(bad)
