@@ -18,6 +18,11 @@ The conventions a doc follows (each failure message repeats the one it broke):
   one that the default run writes, derived from the code in default_checkpoints; the docs' such paths too), the asset
   READMEs (rlkit/assets/*/README.md: the `python X.py` / `python -m Y` they name exist), and the test files' module
   docstrings (the recipes/bench/scripts paths and `--section.flag`s they name exist).
+- A recipe's page (docs/<recipe>.md; docs/agents.md for grpo_tools.py) opens with the sections What, Run, The formula
+  beside the code, Flags, Metrics, Results, in this order. Its Flags table rows (`| `--flag` | default | meaning |`)
+  name options of the recipe with their Config defaults, and every top-level option of the recipe's own; its Metrics
+  section names every key the recipe logs beyond grpo.py's; its Results hold the `python recipes/<recipe>.py` command.
+  Every mention of the default run's end point is results.md's number; a `file.md#anchor` link finds its heading.
 - No "N lines" claim (N >= 2) unless DERIVED_LINE_COUNTS computes it; count words that drift are in COUNT_CLAIMS.
 - Every metric key a recipe logs is named in docs/metrics.md or a doc it links, by its full name (`a/b/c`; in a
   list `a/b/c`, `/d` is short for `a/b/d`); `<name>` stands for an open set (a scorer's own keys), never for a key
