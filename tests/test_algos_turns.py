@@ -28,6 +28,9 @@ def close(x, rows):
 def test_turn_returns_discount_backwards_within_each_episode():
     # gamma 0.5: row 0: G2 = 1, G1 = 0.5 + 0.5 * 1 = 1, G0 = 0 + 0.5 * 1 = 0.5
     close(algos.turn_returns(R, E, 0.5), [[0.5, 1.0, 1.0], [0, 0], [1.0], [1.0, 0.0], [0.0]])
+    junk = R.clone()
+    junk[1, 2] = junk[2, 1] = 5.0  # past an episode's last turn: never counted
+    close(algos.turn_returns(junk, E, 0.5), [[0.5, 1.0, 1.0], [0, 0], [1.0], [1.0, 0.0], [0.0]])
 
 
 def test_return_to_go_advantage_against_the_groups_episode_returns():
