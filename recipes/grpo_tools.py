@@ -86,9 +86,10 @@ class Config:
     norm_adv_by_std_in_grpo: bool = True
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
     turn_credit: Literal["outcome", "return_to_go", "step_group", "turn_baseline"] = "outcome"
-    """how an episode's rewards become each turn's advantage (docs/agents.md): outcome (the summed reward, GRPO; every
-    turn the same), return_to_go (each turn's discounted return vs the group), step_group (GiGPO: + a step advantage
-    among turns that answered the same observation), turn_baseline (leave-one-out baseline per turn index)"""
+    """how an episode's rewards become each turn's advantage (docs/agents.md): outcome (the summed
+    reward, GRPO; every turn the same), return_to_go (each turn's discounted return vs the group),
+    step_group (GiGPO: + a step advantage among turns that answered the same observation),
+    turn_baseline (a leave-one-out baseline per turn index)"""
     turn_gamma: float = 1.0
     """the discount over turns of --turn-credit return_to_go, step_group and turn_baseline"""
 
