@@ -150,3 +150,28 @@ def test_the_turn_loop_batch_carries_turn_rewards_token_aligned_through_chunks()
     assert m["agent/turn/0/reward"] == pytest.approx(0.5) and m["agent/turn/2/reward"] == 1.0
     assert m["agent/turn/1/advantage"] == pytest.approx((0.25 + 3.0) / 2)  # rows 0 and 2 both said "12" at turn 1
     assert m["agent/turn/0/length"] == len(t1) and "agent/turn/3/reward" not in m
+
+
+def test_grpo_tools_turn_credit_gives_turns_their_own_advantages_and_checks_gamma(tmp_path, monkeypatch):
+    from test_grpo_recipe import load_recipe, small_config
+
+    from rlkit.errors import ConfigError
+
+    recipe = load_recipe("grpo_tools")
+    cfg = small_config(recipe, tmp_path / "bad", steps=1, num_threads=1, save_freq=0, test_freq=0)
+    cfg.turn_gamma = 1.5
+    with pytest.raises(ConfigError, match="--turn-gamma 1.5"):
+        recipe.main(cfg)
+    seen = []
+    original = algos.turn_token_advantages
+    monkeypatch.setattr(algos, "turn_token_advantages", lambda *a: seen.append(original(*a)) or seen[-1])
+    cfg = small_config(recipe, tmp_path / "run", steps=1, num_threads=1, save_freq=0, test_freq=0)
+    cfg.agent.env, cfg.turn_credit = "guess", "turn_baseline"
+    cfg.data.val_files = []
+    recipe.main(cfg)
+    (adv,) = seen  # one training step
+    assert any(len(set(row[row != 0].tolist())) > 1 for row in adv)  # some episode's turns got different advantages
+    import json
+
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"agent/turn/0/reward", "agent/turn/0/advantage", "agent/turn/0/length", "agent/env_errors/timeout"} <= set(row)
