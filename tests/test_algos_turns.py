@@ -131,7 +131,9 @@ def test_the_turn_loop_batch_carries_turn_rewards_token_aligned_through_chunks()
     prompt = [{"role": "user", "content": "Guess."}]
     row = {"prompt": prompt, "ground_truth": "11", "extra_info": {"lo": 1, "hi": 15}}
     rows = [row, {**row, "ground_truth": "8"}, {**row, "ground_truth": "12"}]
-    eps = agent.run_turns(Scripted([t1, t2, t3]), [[5], [5], [5]], tok, None, AgentConfig(max_turns=4), 200, [eos], make_env=Shaped, rows=rows)
+    eps = agent.run_turns(
+        Scripted([t1, t2, t3]), [[5], [5], [5]], tok, None, AgentConfig(max_turns=4), 200, [eos], make_env=Shaped, rows=rows
+    )
     assert [e.turn_rewards for e in eps] == [[0.25, 0.25, 1.0], [1.0], [0.25, 1.0]]
     assert eps[0].turn_obs[1] == eps[2].turn_obs[1] != eps[0].turn_obs[2]  # both saw "higher: 9 to 15" before turn 2
     batch = agent.assemble_episodes(agent.left_pad([[5]] * 3, tok.pad_token_id), eps, 200, tok.pad_token_id)
@@ -145,7 +147,9 @@ def test_the_turn_loop_batch_carries_turn_rewards_token_aligned_through_chunks()
     # what the trainer's mini- and micro-batches see: any row split keeps each row's turns
     for part, s, lo in zip(batch.split(2), scores.split(2), (0, 2)):
         r, e, _ = agent.turn_rewards(part, s)
-        assert r.tolist() == rewards[lo : lo + len(s), : r.shape[1]].tolist() and e.tolist() == exists[lo : lo + len(s), : r.shape[1]].tolist()
+        assert (
+            r.tolist() == rewards[lo : lo + len(s), : r.shape[1]].tolist() and e.tolist() == exists[lo : lo + len(s), : r.shape[1]].tolist()
+        )
     m = agent.turn_metrics(batch, rewards, exists, algos.turn_token_advantages(rewards, batch["turn_index"], batch["response_mask"]))
     assert m["agent/turn/0/reward"] == pytest.approx(0.5) and m["agent/turn/2/reward"] == 1.0
     assert m["agent/turn/1/advantage"] == pytest.approx((0.25 + 3.0) / 2)  # rows 0 and 2 both said "12" at turn 1

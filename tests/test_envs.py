@@ -180,7 +180,8 @@ class Broken:
 
 
 @pytest.mark.parametrize(
-    "how, reason", [("raise", "raised"), ("malformed", "malformed"), ("hang", "timeout"), ("nan", "nonfinite_reward"), ("inf", "nonfinite_reward")]
+    "how, reason",
+    [("raise", "raised"), ("malformed", "malformed"), ("hang", "timeout"), ("nan", "nonfinite_reward"), ("inf", "nonfinite_reward")],
 )
 def test_an_env_step_that_fails_ends_that_episode_counted_and_the_rest_go_on(tok, how, reason):
     eos = tok.eos_token_id
@@ -209,7 +210,17 @@ def test_a_slow_step_within_the_limit_is_kept_and_no_limit_means_none(tok):
     eos = tok.eos_token_id
     t = ids_of(tok, "8") + [eos]
     for limit in (2.0, 0.0):
-        ep = agent.run_turns(Scripted([t]), [[5]], tok, None, AgentConfig(max_step_seconds=limit), 200, [eos], make_env=Slow, rows=[{**ROW, "ground_truth": "8"}])[0]
+        ep = agent.run_turns(
+            Scripted([t]),
+            [[5]],
+            tok,
+            None,
+            AgentConfig(max_step_seconds=limit),
+            200,
+            [eos],
+            make_env=Slow,
+            rows=[{**ROW, "ground_truth": "8"}],
+        )[0]
         assert (ep.reward, ep.env_error) == (1.0, "")
 
 
