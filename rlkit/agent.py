@@ -64,7 +64,8 @@ class AgentConfig:
     max_observation_chars: int = 8192
     """an environment's observation message is cut in the middle to this many characters (agent/obs_truncated)"""
     max_step_seconds: float = 120.0
-    """an environment step that takes longer ends its episode (agent/env_errors/timeout; the step is abandoned); 0 = no limit"""
+    """an environment step that takes longer ends its episode (agent/env_errors/timeout; the step is abandoned); 0 = no limit;
+    an env class with step_many (the tools) bounds its own steps"""
     sandbox_level: Literal["process", "network", "strict"] = "process"
     """the least isolation the python tool may run under, else stop before the model loads (see docs/sandbox.md)"""
 
@@ -244,9 +245,11 @@ def _within(seconds: float, fn, *args):
 def step_all(envs: list, actions: list[str], max_seconds: float = 0.0) -> list[tuple[list[dict], float, bool, str | None]]:
     """Each env's step(action) -> (obs, reward, done, error), in order; an env class with `step_many(envs, actions)`
     steps all of its episodes at once (ToolEnv: every row's tool calls together). A step that raises, takes more than
-    `max_seconds` (0: no limit; one limit per env, or per step_many call), returns something other than (a list of
-    messages with text content, a number, a flag), or a reward that is not finite, gives ([], 0.0, True, its error),
-    the error starting with its reason (ENV_ERRORS) and a colon."""
+    `max_seconds` (0: no limit), returns something other than (a list of messages with text content, a number, a
+    flag), or a reward that is not finite, gives ([], 0.0, True, its error), the error starting with its reason
+    (ENV_ERRORS) and a colon. The time limit runs each `step` on a thread of its own; `step_many` runs in this thread,
+    unlimited: it bounds its own calls (ToolEnv: each tool's time limit), and a sandbox it starts must not be tied to a
+    short-lived thread (PR_SET_PDEATHSIG fires when the thread that started a process ends)."""
     out: list = [None] * len(envs)
     by_class: dict = {}
     for k, env in enumerate(envs):
@@ -255,7 +258,7 @@ def step_all(envs: list, actions: list[str], max_seconds: float = 0.0) -> list[t
         step_many = getattr(cls, "step_many", None)
         try:
             if step_many:
-                res = list(_within(max_seconds, step_many, [envs[k] for k in ks], [actions[k] for k in ks]))
+                res = list(step_many([envs[k] for k in ks], [actions[k] for k in ks]))  # in this thread (below)
             else:
                 res = [_step(envs[k], actions[k], max_seconds) for k in ks]
             if len(res) != len(ks):
