@@ -37,7 +37,9 @@ WORKLOADS = {  # model -> (prompts, n, max new tokens): the vs_trl.py workloads,
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="embedded,random,smollm2", help="comma-separated: embedded, random, smollm2, or a path")
-    ap.add_argument("--arms", default="generate,fast,vllm", help="comma-separated: generate, fast, drop (fast, finished rows dropped), vllm")
+    ap.add_argument(
+        "--arms", default="generate,fast,vllm", help="comma-separated: generate, fast, drop (fast, finished rows dropped), vllm"
+    )
     ap.add_argument("--prompts", type=int, default=0, help="prompts per batch (0: the model's workload, WORKLOADS)")
     ap.add_argument("--n", type=int, default=0, help="samples per prompt (0: the workload's)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="response cap (0: the workload's)")
@@ -166,8 +168,10 @@ def run_model(name: str, args, work: Path) -> dict | None:
         print(f"fast sampled exactly generate's tokens: {sum(same)}/{len(same)} rounds")
     if same_drop:
         lengths = out["fast"]["response_mask"].sum(-1).float()
-        print(f"drop sampled exactly fast's tokens: {sum(same_drop)}/{len(same_drop)} rounds; response lengths (last round):"
-              f" mean {lengths.mean():.1f}, median {lengths.median():.0f}, max {lengths.max():.0f}, at the cap {int((lengths == R).sum())}/{len(lengths)}")
+        print(
+            f"drop sampled exactly fast's tokens: {sum(same_drop)}/{len(same_drop)} rounds; response lengths (last round):"
+            f" mean {lengths.mean():.1f}, median {lengths.median():.0f}, max {lengths.max():.0f}, at the cap {int((lengths == R).sum())}/{len(lengths)}"
+        )
     print(f"load average (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f}, {args.threads} thread(s)")
     sides = {k: [{"gen": s} for s in times[k]] for k in arms}
     print(common.roofline_table(model.config, groups[base], sides, ceiling, side_steps=groups))

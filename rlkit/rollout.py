@@ -370,7 +370,9 @@ class HFRollout:
                         drop_finished, swap_every, on_new_weights, swap_mode, version,
                     )  # fmt: skip
                 elif on_new_weights is not None:
-                    raise ConfigError(f"on_new_weights: {type(self.model).__name__} generates with generate (see the warning); only the fast loop swaps weights")
+                    raise ConfigError(
+                        f"on_new_weights: {type(self.model).__name__} generates with generate (see the warning); only the fast loop swaps weights"
+                    )
                 else:
                     resp, lp = self.hf_generate(ids, mask, max_new_tokens, temperature, top_p, top_k, return_log_probs, chunk)
             piece = assemble(chunk, resp, self.eos, self.tokenizer.pad_token_id)
@@ -539,4 +541,6 @@ def load_weights(model, weights) -> None:
         return
     unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
     if unexpected:
-        raise ConfigError(f"on_new_weights: {len(unexpected)} weights the model does not have ({unexpected[:3]}...): pass model.state_dict()'s keys")
+        raise ConfigError(
+            f"on_new_weights: {len(unexpected)} weights the model does not have ({unexpected[:3]}...): pass model.state_dict()'s keys"
+        )

@@ -147,7 +147,9 @@ def test_reprefill_swap_at_t_continues_as_weights_b_from_the_same_prefix(ab, tok
     R, t, T, seed = 14, 4, 1.5, 2
     calls = []
     kw = dict(temperature=T, drop_finished=drop)
-    swapped, _ = run(model, tok, rows, seed, R, skew=SWAP_SKEW, swap_every=t, on_new_weights=once(1, wb, calls), swap_mode="reprefill", **kw)
+    swapped, _ = run(
+        model, tok, rows, seed, R, skew=SWAP_SKEW, swap_every=t, on_new_weights=once(1, wb, calls), swap_mode="reprefill", **kw
+    )
     assert calls == [0, 1, 2]  # polled at t, 2t, 3t (< R): B once, then nothing new
     model.load_state_dict(wa)
     alone, _ = run(model, tok, rows, seed, R, skew=SWAP_SKEW, temperature=T)  # A alone, all R tokens
@@ -164,8 +166,8 @@ def test_reprefill_swap_at_t_continues_as_weights_b_from_the_same_prefix(ab, tok
             "attention_mask": torch.cat([rows["attention_mask"], torch.ones_like(head["responses"])], 1),
         }
     )
-    torch.set_rng_state(state)
-    tail = skewed(HFRollout(model, tok, "cpu"), SWAP_SKEW).generate(prefix, R - t, temperature=T, return_log_probs=True)  # B from the prefix
+    torch.set_rng_state(state)  # B from the prefix, the generator where A's t steps left it
+    tail = skewed(HFRollout(model, tok, "cpu"), SWAP_SKEW).generate(prefix, R - t, temperature=T, return_log_probs=True)
     model.load_state_dict(wa)
 
     assert torch.equal(swapped["responses"][:, :t], alone["responses"][:, :t])
@@ -209,7 +211,9 @@ def test_keep_kv_and_reprefill_differ_only_after_t(ab, tok, prompt_set):
     out = {}
     for mode in ("keep_kv", "reprefill"):
         model.load_state_dict(wa)
-        out[mode], _ = run(model, tok, rows, 9, R, skew=SWAP_SKEW, temperature=1.0, swap_every=t, on_new_weights=once(1, wb, []), swap_mode=mode)
+        out[mode], _ = run(
+            model, tok, rows, 9, R, skew=SWAP_SKEW, temperature=1.0, swap_every=t, on_new_weights=once(1, wb, []), swap_mode=mode
+        )
     k, r = out["keep_kv"], out["reprefill"]
     assert torch.equal(k["responses"][:, :t], r["responses"][:, :t])
     assert torch.equal(k["token_version"], r["token_version"]) or not torch.equal(k["response_mask"], r["response_mask"])
