@@ -182,7 +182,8 @@ def test_reprefill_swap_at_t_continues_as_weights_b_from_the_same_prefix(ab, tok
     assert (version[~mask] == -1).all() and mask[:, t:].any()
 
 
-def test_keep_kv_swap_keeps_the_tokens_before_t_and_stamps_versions(ab, tok, prompt_set):
+@pytest.mark.parametrize("drop", [None, 1e-9])
+def test_keep_kv_swap_keeps_the_tokens_before_t_and_stamps_versions(ab, tok, prompt_set, drop):
     """keep_kv continues on A's cache: tokens before t are A's; from t the weights are B's (the log-probs change) and
     the tokens carry version 7; a callable loader works as well as a state dict."""
     model, wa, wb = ab
@@ -190,7 +191,7 @@ def test_keep_kv_swap_keeps_the_tokens_before_t_and_stamps_versions(ab, tok, pro
     R, t, T = 12, 3, 1.5
     calls = []
     swapped, _ = run(model, tok, rows, 4, R, skew=SWAP_SKEW, temperature=T, swap_every=t,
-                     on_new_weights=once(7, lambda m: m.load_state_dict(wb), calls), swap_mode="keep_kv", version=6)  # fmt: skip
+                     on_new_weights=once(7, lambda m: m.load_state_dict(wb), calls), swap_mode="keep_kv", version=6, drop_finished=drop)  # fmt: skip
     model.load_state_dict(wa)
     alone, _ = run(model, tok, rows, 4, R, skew=SWAP_SKEW, temperature=T)
     assert torch.equal(swapped["responses"][:, :t], alone["responses"][:, :t])
@@ -240,5 +241,9 @@ def test_swap_arguments_are_checked(tiny, tok, prompt_set):
         rollout.generate(rows, 4, on_new_weights=lambda: None)
     with pytest.raises(ConfigError, match="drop_finished"):
         rollout.generate(rows, 4, drop_finished=0)
+    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    model.generation_config.suppress_tokens = [5]  # an option only generate applies: no fast loop, no swaps
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="only the fast loop"):
+        HFRollout(model, tok, "cpu").generate(rows, 4, swap_every=1, on_new_weights=lambda: None)
     with pytest.raises(ConfigError, match="does not have"):
         rollout.generate(rows, 4, temperature=0, swap_every=1, on_new_weights=lambda: (1, {"no.such.weight": torch.zeros(1)}))
