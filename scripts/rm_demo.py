@@ -158,22 +158,17 @@ def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int, layers: int
 def greedy_eval(model_dir, rm_dir, n_val: int) -> dict:
     """Greedy answers of the policy at model_dir on the first n_val held-out problems: accuracy by the exact scorer and
     the RM's mean reward on the same answers."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlkit import evaluation
     from rlkit.reward_model import RewardModel
     from rlkit.rewards import RewardFn
 
     _, val = tiny_arith.arith_problems(0)
     rows = [tiny_arith.arith_row(a, b, "val", i) for i, (a, b) in enumerate(val[:n_val])]
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        gen = model.generate(**enc, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    answers = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    answers = [t for (t,) in evaluation.chat_texts(model, tok, [r["prompt"] for r in rows], max_new_tokens=8)]
     exact = RewardFn(sandbox="off")
     truth = [r["reward_model"]["ground_truth"] for r in rows]
     acc, _ = exact([demos.ARITH_SOURCE] * len(rows), answers, truth)

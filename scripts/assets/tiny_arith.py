@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: rlkit and scripts.assets of this checkout
 
+from rlkit import evaluation  # noqa: E402
 from rlkit.demos import ARITH_DATA, ARITH_MODEL, ARITH_SOURCE  # noqa: E402
 from scripts.assets import common  # noqa: E402
 
@@ -58,18 +59,8 @@ def write_arith_parquet(out_dir: Path = ARITH_DATA, seed: int = 0) -> tuple[Path
 
 def greedy_accuracy(model, tokenizer, pairs) -> float:
     """Fraction of `pairs` whose greedy answer is exactly a+b (the held-out metric of the default run)."""
-    import torch
-
-    prompts = [
-        tokenizer.apply_chat_template(arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False) for a, b in pairs
-    ]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(
-            **enc, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
-        )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(t.strip() == str(a + b) for t, (a, b) in zip(texts, pairs)) / len(pairs)
+    texts = evaluation.chat_texts(model, tokenizer, [arith_row(a, b, "", 0)["prompt"] for a, b in pairs], max_new_tokens=6)
+    return sum(t.strip() == str(a + b) for (t,), (a, b) in zip(texts, pairs)) / len(pairs)
 
 
 def sample_answers(prompts: list[list[dict]], n: int, seed: int, model_dir=ARITH_MODEL) -> list[list[str]]:
@@ -78,27 +69,9 @@ def sample_answers(prompts: list[list[dict]], n: int, seed: int, model_dir=ARITH
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     torch.manual_seed(seed)
-    out = []
-    for s in range(0, len(prompts), 256):
-        texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts[s : s + 256]]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            gen = model.generate(
-                **enc,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                max_new_tokens=8,
-                num_return_sequences=n,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-        dec = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        out += [dec[i * n : (i + 1) * n] for i in range(len(texts))]
-    return out
+    return evaluation.chat_texts(model, tok, prompts, n, temperature=1.0, max_new_tokens=8, batch_size=256)
 
 
 def build(steps: int = 300, seed: int = 0, out_dir: Path = ARITH_MODEL, data_dir: Path = ARITH_DATA) -> Path:

@@ -205,26 +205,13 @@ def sft(
 
 def greedy_accuracy(model, processor, rows) -> float:
     """Share of `rows` whose greedy answer is exactly the colour letters (the held-out metric of the demo)."""
-    import torch
-
-    from rlkit import vlm
+    from rlkit import evaluation, vlm
 
     input_ids, attn, mm = encode(processor, rows)
-    tok = processor.tokenizer
-    extra = vlm.model_inputs({vlm.MM_KEY: mm}, input_ids, model.config, "cpu")
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attn,
-            **extra,
-            max_new_tokens=K + 2,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            suppress_tokens=vlm.vision_token_ids(model.config),
-        )
-    texts = tok.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
-    return sum(t.strip() == r["reward_model"]["ground_truth"] for t, r in zip(texts, rows)) / len(rows)
+    inputs = {"input_ids": input_ids, "attention_mask": attn, **vlm.model_inputs({vlm.MM_KEY: mm}, input_ids, model.config, "cpu")}
+    banned = vlm.vision_token_ids(model.config)
+    texts = evaluation.generate_texts(model, processor.tokenizer, inputs, max_new_tokens=K + 2, suppress_tokens=banned)
+    return sum(t.strip() == r["reward_model"]["ground_truth"] for (t,), r in zip(texts, rows)) / len(rows)
 
 
 def build(steps: int = 70, seed: int = 0, out_dir: Path = VLM_MODEL, data_dir: Path = COLOUR_DATA) -> Path:
