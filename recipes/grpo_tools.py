@@ -85,7 +85,7 @@ class Config:
 
 @dataclass
 class GuessConfig(Config):
-    """--agent.env guess: the guess-the-number demo (rlkit/demos.py) is the default model and data"""
+    """--agent.env guess: the defaults are the guess-the-number demo's (rlkit/demos.py)"""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=str(demos.GUESS_MODEL)))
     data: DataConfig = field(

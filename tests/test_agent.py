@@ -348,7 +348,6 @@ def test_batch_metrics_count_sampled_tokens_and_entropy_over_them():
 
 
 def test_mult_scorer_reads_the_answer_after_the_tool_call():
-
     call = tiny_calc.call_text(12, 34)
     assert demos.mult_score("rlkit/mult", call + "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 1.0}
     assert demos.mult_score("rlkit/mult", "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 0.0}
