@@ -6,7 +6,7 @@
 `tiny-judge/` is the embedded task's tokenizer and a ~0.5M-parameter model trained by recipes/sft.py to answer "y" or
 "n" after (reference, response) of the embedded addition task (scripts/assets/tiny_arith.py): half the examples right, half
 wrong, mostly of the reference's length (KINDS: a digit substituted, two swapped, +-1/+-10, the policy's own sampled
-mistakes), so that it must compare the digits; TEMPLATE right-aligns both numbers so equal place values sit at a
+mistakes), so that it must compare the digits; JUDGE_TEMPLATE right-aligns both numbers so equal place values sit at a
 fixed distance. `build` measures its held-out accuracy per kind (held_out_accuracy). `judge_score` (rlkit/demos.py) is
 rlkit.judge.Judge on it in mode "p_yes" (the reward is P(y)), a @batched("batch") reward function; it also reports
 the exact scorer's verdict as "acc" (so reward/acc and val/acc measure what the policy really learned while the
