@@ -627,9 +627,9 @@ def table(path: Path, rows: list[dict]) -> str:
 
 
 def script(tmp: Path, name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """recipes/<name>.py (or a module with -m) for 1 step of 4 rows into tmp/out, plus `args`."""
-    cmd = ["-m", name] if "." in name else [str(ROOT / "recipes" / f"{name}.py")]
-    if "." not in name:
+    """recipes/<name>.py for 1 step of 4 rows into tmp/out, plus `args`; a path (scripts/eval.py) runs with `args` only."""
+    cmd = [str(ROOT / name)] if name.endswith(".py") else [str(ROOT / "recipes" / f"{name}.py")]
+    if not name.endswith(".py"):
         cmd += ["--trainer.total-training-steps", "1", "--trainer.default-local-dir", str(tmp / "out")]
         cmd += ["--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4"]
     return subprocess.run([PY, *cmd, *args], capture_output=True, text=True, timeout=timeout)
@@ -674,7 +674,9 @@ def small_teacher(tmp: Path):
 
 def eval_unwritable(tmp: Path):
     (tmp / "file").write_text("")
-    return one_line_error(script(tmp, "rlkit.eval", "-n", "2", "--output", str(tmp / "file" / "s.jsonl")), "--output", "cannot write there")
+    return one_line_error(
+        script(tmp, "scripts/eval.py", "-n", "2", "--output", str(tmp / "file" / "s.jsonl")), "--output", "cannot write there"
+    )
 
 
 CASES = {  # name: (what it does / expects, the case, time limit in s)
@@ -857,7 +859,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         120,
     ),
     "opd_small_teacher": ("recipes/opd.py with a teacher of fewer embedding rows -> one line (was IndexError)", small_teacher, 120),
-    "eval_unwritable_output": ("python -m rlkit.eval --output <under a file> -> one line before sampling", eval_unwritable, 120),
+    "eval_unwritable_output": ("python scripts/eval.py --output <under a file> -> one line before sampling", eval_unwritable, 120),
 }
 
 

@@ -16,10 +16,11 @@ response's reward relative to its group as the advantage -- no value model:
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + eps)          (Dr.GRPO: no division by std)
 
-Then maximise the PPO clipped surrogate with a KL penalty to the reference (starting) policy:
+Then maximise the PPO clipped surrogate (dual clip) with a KL penalty to the reference policy:
 
-    L = -mean_t min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A) + beta * KL(pi || pi_ref),
-    rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    l_t  = -min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A),  at most -c A when A < 0  (c = 3)
+    L    = mean_t l_t + beta * KL_t,   rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    KL_t = exp(q) - q - 1,  q = log pi_ref(y_t) - log pi(y_t)   (k3 "low_var_kl", in [-10, 10])
 
 Run it:
 

@@ -2,7 +2,7 @@
 
 A sample is *correct* when its score is full marks (score >= 1), as `val/acc` counts for a scorer that
 reports no accuracy. Every estimator is computed per prompt and averaged over the prompts (each prompt
-weighs the same). Used by `python -m rlkit.eval` and by validation with `--trainer.val-n` > 1.
+weighs the same). Used by `python scripts/eval.py` and by validation with `--trainer.val-n` > 1.
 """
 
 from __future__ import annotations

@@ -70,15 +70,15 @@ CASES = {
     ),
     "not_parquet": (
         lambda c, t: (t / "train.csv").write_text("a,b\n1,2\n") and setattr(c.data, "train_files", [str(t / "train.csv")]),
-        ["train.csv is not a parquet file"],
+        ["--data.train-files", "train.csv: not a parquet file"],
     ),
     "empty_file": (
         lambda c, t: (t / "e.parquet").write_bytes(b"") or setattr(c.data, "train_files", [str(t / "e.parquet")]),
-        ["e.parquet is not a parquet file"],
+        ["--data.train-files", "e.parquet: not a parquet file"],
     ),
     "empty_dataset": (
         lambda c, t: setattr(c.data, "train_files", [_write_parquet(t / "none.parquet", [])]),
-        ["none.parquet: the dataset is empty"],
+        ["--data.train-files", "none.parquet: no rows"],
     ),
     "long_val_prompt": (
         lambda c, t: setattr(c.data, "val_files", [_write_parquet(t / "val.parquet", [_row(), _row("What is " + "1+" * 300 + "1?")])]),

@@ -132,8 +132,10 @@ def test_bad_data_and_flags_fail_with_one_line(tmp_path):
         rm.main(config(tmp_path, train, val, 1, chosen_key="better"))
     with pytest.raises(ConfigError, match="no column 'm'.*--margin-key"):
         rm.main(config(tmp_path, train, val, 1, margin_key="m"))
-    with pytest.raises(MissingFile, match="preference file not found"):
+    with pytest.raises(MissingFile, match=r"--data\.train-files: no such file .*nope\.parquet"):
         rm.main(config(tmp_path, str(tmp_path / "nope.parquet"), val, 1))
+    with pytest.raises(ConfigError, match=r"--data\.val-files .*empty\.parquet: no rows"):  # the flag of the files read
+        rm.main(config(tmp_path, train, write_pairs(tmp_path / "empty.parquet", []), 1))
     msgs = [{"role": "user", "content": "hi"}]
     bad = write_pairs(tmp_path / "bad.parquet", [{"prompt": msgs, "chosen": msgs, "rejected": msgs}])
     with pytest.raises(ConfigError, match="must end with an assistant turn"):
