@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import DataConfig
 from rlkit.data import build_prompts
 from rlkit.engine import load_tokenizer
@@ -24,7 +24,7 @@ from rlkit.rollout import DROP_MIN_ROWS, HFRollout
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(str(embedded.MODEL_DIR))
+    return load_tokenizer(str(demos.ARITH_MODEL))
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def prompt_set(tok):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    return AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def test_swap_arguments_are_checked(tiny, tok, prompt_set):
         rollout.generate(rows, 4, on_new_weights=lambda: None)
     with pytest.raises(ConfigError, match="drop_finished"):
         rollout.generate(rows, 4, drop_finished=0)
-    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    model = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
     model.generation_config.suppress_tokens = [5]  # an option only generate applies: no fast loop, no swaps
     with pytest.warns(UserWarning), pytest.raises(ConfigError, match="only the fast loop"):
         HFRollout(model, tok, "cpu").generate(rows, 4, swap_every=1, on_new_weights=lambda: None)
