@@ -11,7 +11,6 @@ from rlkit.data import build_prompts
 from rlkit.engine import load_tokenizer
 from rlkit.errors import ConfigError
 from rlkit.moe import RouterReplay, routers
-from rlkit.protocol import DataProto
 from rlkit.rollout import HFRollout
 
 EPS = torch.finfo(torch.float32).eps
