@@ -175,14 +175,15 @@ def test_routing_rides_in_the_batch_through_micro_batches(tok):
             forward(model, b.index(slice(0, 2)))
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_decode_loop_records_routing_step_by_step_as_the_teacher_forced_forward_routes(tok, n):
-    """R3 on the HF fast loop: the prefill (one per group of n when n > 1) then one column per step; the last sampled
-    token is never fed, so its column is -1. On CPU float32 the full forward routes the same experts."""
+@pytest.mark.parametrize("impl,n", [("fast", 1), ("fast", 2), ("generate", 2)])
+def test_decode_loop_records_routing_step_by_step_as_the_teacher_forced_forward_routes(tok, impl, n):
+    """R3 on the HF rollout (rlkit's fast loop and transformers' generate): the prefill (one per group of n when n > 1)
+    then one column per step; the last sampled token is never fed, so its column is -1. On CPU float32 the full
+    forward routes the same experts."""
     model = tiny_moe(tok)
     prompts = batch_of(tok, rows=3).repeat(n)
     with RouterReplay(model, "record") as rec:
-        out = HFRollout(model, tok, "cpu").generate(prompts, 6, temperature=1.0)
+        out = HFRollout(model, tok, "cpu", impl=impl).generate(prompts, 6, temperature=1.0)
     T = out["input_ids"].shape[1]
     routing = rec.routing(rows=len(out), length=T)
     assert len(rec.calls) == 6 + (n > 1) and (routing[:, -1] == -1).all()
