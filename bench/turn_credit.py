@@ -2,7 +2,7 @@
 
 The env is GuessEnv with a shaping reward on every guess: 0.5 x the share of the remaining range the guess rules
 out (a bisecting guess earns ~0.25, a scan from the bottom ~0.5/n), and 1 for finding the secret. The policy is the
-embedded tiny-guess model (rlkit/embedded_guess.py: it scans on 70 % of its turns, bisects on 30 %), trained by
+embedded tiny-guess model (scripts/assets/tiny_guess.py: it scans on 70 % of its turns, bisects on 30 %), trained by
 recipes/grpo_tools.py with each --turn-credit for the same steps and seeds. Reported: per step, the share of the
 training batch's sampled games that found the secret (the shaping aside), and the first step whose 3-step moving
 average reaches --target.
@@ -19,7 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlkit import agent, embedded_guess, envs  # noqa: E402
+from rlkit import agent, envs  # noqa: E402
+
+MAX_GUESSES = 4  # --agent.max-turns of --agent.env guess
 
 FOUND: list[float] = []  # 1/0 per finished training game since the last step's metrics
 
@@ -38,7 +40,7 @@ class ShapedGuess(envs.GuessEnv):
         if done:
             found().append(1.0)
             return obs, reward, done
-        self.turns_left = getattr(self, "turns_left", embedded_guess.MAX_GUESSES) - 1
+        self.turns_left = getattr(self, "turns_left", MAX_GUESSES) - 1
         if self.turns_left <= 0:
             found().append(0.0)
         return obs, 0.5 * (before - (self.hi - self.lo + 1)) / before, done
@@ -52,9 +54,8 @@ def run(credit: str, seed: int, steps: int, out: Path, batch: int = 16) -> list[
     sys.path.insert(0, str(ROOT / "recipes"))
     import grpo_tools
 
-    cfg = grpo_tools.Config()
-    cfg.agent.env = "guess"
-    embedded_guess.use_defaults(cfg)
+    cfg = grpo_tools.GuessConfig()  # --agent.env guess's defaults, with this file's env
+    assert cfg.agent.max_turns == MAX_GUESSES
     cfg.agent.env = f"{Path(__file__).resolve()}:make_env"
     cfg.turn_credit = credit
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = batch

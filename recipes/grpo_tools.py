@@ -6,7 +6,7 @@ ids with mask 0 -> generate again, until an answer or a limit), and the metrics 
 The tool responses are holes in the response mask: they are context for the later turns but never
 trained on (docs/agents.md).
 
-The default run is the embedded demo (rlkit/embedded_tools.py): two-digit multiplication, which the
+The default run is the embedded demo (rlkit/demos.py): two-digit multiplication, which the
 tiny model cannot do alone, and a calculator, which it was warm-started to call only sometimes.
 
 GRPO itself:
@@ -47,7 +47,7 @@ step: pi_old = pi, so rho = 1.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlkit import agent, algos, embedded_guess, embedded_tools, loop
+from rlkit import agent, algos, demos, loop
 from rlkit.agent import AgentConfig
 from rlkit.config import (
     ActorConfig,
@@ -65,13 +65,11 @@ from rlkit.tools import tools_from_names
 
 @dataclass
 class Config:
-    model: ModelConfig = field(
-        default_factory=lambda: ModelConfig(path=str(embedded_tools.MODEL_DIR))
-    )
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=str(demos.CALC_MODEL)))
     data: DataConfig = field(
         default_factory=lambda: DataConfig(
-            train_files=[str(embedded_tools.DATA_DIR / "train.parquet")],
-            val_files=[str(embedded_tools.DATA_DIR / "val.parquet")],
+            train_files=[str(demos.MULT_DATA / "train.parquet")],
+            val_files=[str(demos.MULT_DATA / "val.parquet")],
             max_response_length=64,  # sampled + tool tokens, all turns
             val_max_samples=256,
         )
@@ -92,6 +90,29 @@ class Config:
     turn_baseline (a leave-one-out baseline per turn index)"""
     turn_gamma: float = 1.0
     """the discount over turns of --turn-credit return_to_go, step_group and turn_baseline"""
+
+
+@dataclass
+class GuessConfig(Config):
+    """--agent.env guess: the defaults are the guess-the-number demo's (rlkit/demos.py)"""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=str(demos.GUESS_MODEL)))
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(
+            train_files=[str(demos.GUESS_DATA / "train.parquet")],
+            val_files=[str(demos.GUESS_DATA / "val.parquet")],
+            max_response_length=96,  # 4 guesses and 3 replies of ~20 tokens
+            val_max_samples=256,
+        )
+    )
+    agent: AgentConfig = field(
+        default_factory=lambda: AgentConfig(tools="", env="guess", max_turns=4)
+    )
+
+
+PRESETS = {
+    "guess": GuessConfig
+}  # --agent.env NAME -> the Config whose defaults the run starts from
 
 
 # ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
@@ -140,8 +161,6 @@ def turn_advantages(cfg: Config, rewards, exists, keys, uid):
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
-    if cfg.agent.env == "guess":  # rlkit/embedded_guess.py: its model and data unless given
-        embedded_guess.use_defaults(cfg)
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ConfigError(
@@ -222,4 +241,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    loop.cli(main, Config)
+    loop.cli(main, loop.preset(Config, "--agent.env", PRESETS))  # picked before parsing

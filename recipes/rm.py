@@ -46,16 +46,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rlkit import loop
+from rlkit import demos, loop
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, TrainerConfig
 from rlkit.data import PromptLoader, read_table
-from rlkit.embedded import ASSETS
 from rlkit.errors import ConfigError, NonFinite
 from rlkit.protocol import DataProto
 from rlkit.reward_model import render
 from rlkit.workers import CheckpointFiles
 
-PAIRS = ASSETS / "arith-prefs"  # the embedded pairs: correct vs the embedded model's wrong answers
+PAIRS = demos.PREFS_DATA  # the embedded pairs: correct vs the embedded model's wrong answers
 
 
 @dataclass

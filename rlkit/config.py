@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from rlkit import embedded
+from rlkit import demos
 
 
 def shown_default(text: str):
@@ -23,7 +23,7 @@ def shown_default(text: str):
 
 @dataclass
 class ModelConfig:
-    path: Annotated[str, shown_default("the embedded tiny model, rlkit/assets/tiny-arith")] = str(embedded.MODEL_DIR)
+    path: Annotated[str, shown_default("the embedded tiny model, rlkit/assets/tiny-arith")] = str(demos.ARITH_MODEL)
     """model to train: a local Hugging Face folder or a hub id"""
     trust_remote_code: bool = False
     """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
@@ -54,11 +54,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_files: Annotated[list[str], shown_default("rlkit/assets/arith/train.parquet")] = field(
-        default_factory=lambda: [str(embedded.DATA_DIR / "train.parquet")]
+        default_factory=lambda: [str(demos.ARITH_DATA / "train.parquet")]
     )
     """verl-format parquet file(s) for training (columns data_source, prompt, ability, reward_model, extra_info)"""
     val_files: Annotated[list[str], shown_default("rlkit/assets/arith/val.parquet")] = field(
-        default_factory=lambda: [str(embedded.DATA_DIR / "val.parquet")]
+        default_factory=lambda: [str(demos.ARITH_DATA / "val.parquet")]
     )
     """verl-format parquet file(s) for validation; empty to skip validation"""
     prompt_key: str = "prompt"

@@ -196,11 +196,10 @@ def _objects(values) -> np.ndarray:
 def task_columns(cfg, split: str) -> dict[str, list]:
     """The columns of a generated task (cfg.task, e.g. reasoning_gym:chain_sum) for split 'train' or 'val'."""
     from rlkit import tasks
+    from rlkit.demos import TASKS  # the generated tasks of the shipped demos
 
-    if cfg.task == "colour_codeword":  # the embedded vision-language task (rlkit/embedded_vlm.py)
-        from rlkit import embedded_vlm
-
-        return embedded_vlm.task_columns(split, cfg.task_train_size, cfg.task_val_size, cfg.task_seed)
+    if cfg.task in TASKS:
+        return TASKS[cfg.task](split, cfg.task_train_size, cfg.task_val_size, cfg.task_seed)
     train, val = tasks.train_val_rows(
         cfg.task, cfg.task_train_size, cfg.task_val_size if split == "val" else 0, cfg.task_seed, cfg.task_options, cfg.task_format
     )
@@ -237,8 +236,6 @@ def build_prompts(
             from rlkit import tasks
 
             tasks.register(str(source)[len("reasoning_gym/") :])
-        if source == "rlkit/colour_codeword":  # its scorer registers on import
-            from rlkit import embedded_vlm  # noqa: F401
     where = cfg.task or ", ".join(map(str, files))
     check_rows(cols, [where], cfg.prompt_key)
     prompts = cols[cfg.prompt_key]

@@ -34,7 +34,7 @@ LAYERS = {
     ).split(),
     "scale-out": "ray_group placement fsdp_workers megatron_workers megatron_shims vllm_rollout async_rollout".split(),
     "features": (
-        "agent tools envs sandbox judge vlm packing reward_model evaluation tasks preflight userfn demos "
+        "agent tools envs sandbox judge vlm moe packing reward_model evaluation tasks preflight userfn demos "
         "embedded embedded_guess embedded_judge embedded_tools embedded_vlm"
     ).split(),
 }

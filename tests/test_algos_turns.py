@@ -123,9 +123,9 @@ class Shaped(envs.GuessEnv):
 def test_the_turn_loop_batch_carries_turn_rewards_token_aligned_through_chunks():
     from transformers import AutoTokenizer
 
-    from rlkit import embedded
+    from rlkit import demos
 
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     eos = tok.eos_token_id
     t1, t2, t3 = (tok(x, add_special_tokens=False)["input_ids"] + [eos] for x in ("8", "12", "11"))
     prompt = [{"role": "user", "content": "Guess."}]
@@ -170,7 +170,9 @@ def test_grpo_tools_turn_credit_gives_turns_their_own_advantages_and_checks_gamm
     original = algos.turn_token_advantages
     monkeypatch.setattr(algos, "turn_token_advantages", lambda *a: seen.append(original(*a)) or seen[-1])
     cfg = small_config(recipe, tmp_path / "run", steps=1, num_threads=1, save_freq=0, test_freq=0)
-    cfg.agent.env, cfg.turn_credit = "guess", "turn_baseline"
+    guess = recipe.GuessConfig()  # what --agent.env guess starts from
+    cfg.model, cfg.data.train_files, cfg.agent = guess.model, guess.data.train_files, guess.agent
+    cfg.data.max_response_length, cfg.turn_credit = guess.data.max_response_length, "turn_baseline"
     cfg.data.val_files = []
     recipe.main(cfg)
     (adv,) = seen  # one training step

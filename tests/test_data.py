@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import DataConfig
 from rlkit.data import PromptLoader, PromptSet, _objects, build_prompts, load_parquet, read_table, render_prompts
 from rlkit.errors import ConfigError, MissingFile
@@ -31,7 +31,7 @@ def write(path, rows):
 
 @pytest.fixture(scope="module")
 def tok():
-    t = transformers.AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    t = transformers.AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     t.padding_side = "left"
     return t
 
@@ -165,7 +165,7 @@ def test_filter_overlong_drops_exactly_the_long_rows(long_file, tok):
 @pytest.fixture
 def no_template_dir(tmp_path):
     d = tmp_path / "model"
-    shutil.copytree(embedded.MODEL_DIR, d)
+    shutil.copytree(demos.ARITH_MODEL, d)
     (d / "chat_template.jinja").unlink(missing_ok=True)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)

@@ -586,7 +586,7 @@ def rlkit_names() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 # rollout / data / agent, whose `rollout.n` is a field, nor for data columns such as reward_model)
 CHECKED_MODULES = (
     "algos loop rewards engine protocol packing tools sandbox async_rollout workers placement checkpoint tracking errors "
-    "models tasks userfn vllm_rollout fsdp_workers megatron_workers megatron_shims ray_group embedded embedded_tools"
+    "models tasks userfn vllm_rollout fsdp_workers megatron_workers megatron_shims ray_group demos"
 ).split()
 
 
