@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import DataConfig
 from rlkit.data import build_prompts
 from rlkit.engine import load_tokenizer
@@ -18,7 +18,7 @@ EPS = torch.finfo(torch.float32).eps
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(str(embedded.MODEL_DIR))
+    return load_tokenizer(str(demos.ARITH_MODEL))
 
 
 def tiny_moe(tok, norm_topk_prob=True, seed=0):
