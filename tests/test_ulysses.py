@@ -4,7 +4,8 @@ Each process builds the same tiny models (same seed) and the same rows, computes
 sequence, plain sdpa) and the S = 2 values (its half of the sequence, heads swapped around attention), and sends
 both back. Compared: per-token log-probs, entropy, a loss, and every parameter's gradient (each rank's gradient
 summed over the SP group). Two GQA shapes: Qwen2 with 4 query / 2 KV heads (no replication: each rank gets one KV
-head) and Llama with 4 query / 1 KV head (S = 2 > 1 KV head: the head is replicated, r = 2). The row length 13 is
+head), Llama with 4 query / 1 KV head (S = 2 > 1 KV head: the head is replicated, r = 2) and Llama with 6 query / 3
+KV heads (S does not divide 3: each KV head repeated twice, so the order of the copies matters). The row length 13 is
 odd, so the right padding to a multiple of S is exercised too.
 
 Tolerances come from tests/numerics.py (float32 sums reordered: attention over the whole sequence is the same sum
@@ -24,17 +25,24 @@ from rlkit import algos, ulysses
 from rlkit.errors import ConfigError
 
 B, T, V = 2, 13, 64
+KINDS = ("qwen2", "llama", "llama-3kv")  # KV heads 2 (one per rank), 1 (replicated to S = 2), 3 (replicated to 6)
 
 
 def _model(kind: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    common = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64
+    )
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common, attn_implementation="sdpa"))
-    else:
+    elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **common, attn_implementation="sdpa"))
+    else:  # 6 query heads, 3 KV heads: S = 2 does not divide 3, each KV head is repeated twice (in order) to 6
+        model = LlamaForCausalLM(
+            LlamaConfig(**{**common, "hidden_size": 48, "num_attention_heads": 6}, num_key_value_heads=3, attn_implementation="sdpa")
+        )
     return model.float()
 
 
@@ -52,9 +60,11 @@ def _compare(rank, port, out):
     # the swap itself: this rank's sequence half of x becomes all positions of its head half, exactly, and back
     x = torch.randn(2, 6, 4, 3, generator=torch.Generator().manual_seed(5))
     heads = ulysses.SeqToHead.apply(ulysses.shard(x, group), group)
-    layout = torch.equal(heads, x[:, :, 2 * rank : 2 * rank + 2]) and torch.equal(ulysses.HeadToSeq.apply(heads, group), ulysses.shard(x, group))
+    layout = torch.equal(heads, x[:, :, 2 * rank : 2 * rank + 2]) and torch.equal(
+        ulysses.HeadToSeq.apply(heads, group), ulysses.shard(x, group)
+    )
     results = {}
-    for kind in ("qwen2", "llama"):
+    for kind in KINDS:
         model = _model(kind)
         ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
         # S = 1: the whole rows, plain sdpa
@@ -95,7 +105,7 @@ def test_the_all_to_all_swaps_a_sequence_shard_for_a_head_shard_and_back_exactly
     assert [layout for _, layout, _ in two_ranks] == [True, True]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])  # llama: 1 KV head, replicated to S = 2
+@pytest.mark.parametrize("kind", KINDS)
 def test_sequence_parallel_log_probs_entropy_loss_and_gradients_equal_one_process(two_ranks, kind):
     for rank, _, results in two_ranks:
         config, max_logit, (lp, ent, loss, sp_lp, sp_ent, sp_loss), ref_grads, sp_grads = results[kind]
@@ -105,7 +115,9 @@ def test_sequence_parallel_log_probs_entropy_loss_and_gradients_equal_one_proces
         assert (sp_ent - ent).abs().max() <= entropy_tol(config, max_logit, h_max), (rank, (sp_ent - ent).abs().max())
         # the loss averages B (T-1) log-probs and entropies: each within its bound, plus the mean's own rounding
         n = B * (T - 1)
-        loss_tol = log_prob_tol(config, max_logit) + 0.01 * entropy_tol(config, max_logit, h_max) + tol(torch.float32, abs(loss.item()) + 1, n)
+        loss_tol = (
+            log_prob_tol(config, max_logit) + 0.01 * entropy_tol(config, max_logit, h_max) + tol(torch.float32, abs(loss.item()) + 1, n)
+        )
         assert abs(sp_loss.item() - loss.item()) <= loss_tol
         assert set(sp_grads) == set(ref_grads)
         g_max = max(g.abs().max().item() for g in ref_grads.values())
