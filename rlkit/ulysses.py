@@ -125,10 +125,10 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     """A transformers attention function: query (B, H, T/S, D), key/value (B, H_kv, T/S, D) of this rank's
     positions -> ((B, T/S, H, D), None). Causal sdpa over all T positions on this rank's H/S heads; attention_mask
     is ignored (always None here: ulysses_mask)."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv
 
-    if ulysses_group is None:  # a call outside sp_forward (generation): plain sdpa
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if ulysses_group is None:  # no plain fallback: ulysses_mask dropped the padding mask a plain call would need
+        raise ValueError("ulysses attention needs ulysses_group=...: call the model inside `ulysses(model)` through sp_token_logprobs")
     r = kv_repeats(query.shape[1], key.shape[1], dist.get_world_size(ulysses_group))
     if r > 1:
         key, value = repeat_kv(key, r), repeat_kv(value, r)  # (B, H_kv r, T/S, D), each head r times in a row
