@@ -32,7 +32,7 @@ LAYERS = {
     "core": (  # the algorithm and the loop: what one recipe on one device needs
         "__init__ protocol algos loop config data rewards engine workers rollout checkpoint tracking errors models"
     ).split(),
-    "scale-out": "ray_group placement fsdp_workers megatron_workers megatron_shims vllm_rollout async_rollout".split(),
+    "scale-out": "ray_group placement fsdp_workers megatron_workers megatron_shims vllm_rollout async_rollout ulysses".split(),
     "features": (
         "agent tools envs sandbox judge vlm moe packing reward_model evaluation tasks preflight userfn demos "
         "embedded embedded_guess embedded_judge embedded_tools embedded_vlm"
