@@ -442,17 +442,53 @@ class TrainerConfig(RunConfig):
             raise ConfigError(f"{flag} applies to the asynchronous rollout only: add --trainer.async-steps 1 (or more), or drop it")
 
 
-# --help by audience. These options say how and where a run executes, not what it learns: --help lists them
-# after every learning option, in system.<group> boxes. Their flags (--trainer.backend, --rollout.name, ...) and
-# their place in the config (cfg.trainer.backend, cfg.rollout.name) do not change: only the help is regrouped,
-# by cli_view. group -> {section: fields}; a section a recipe lacks (critic) is skipped.
+# --help by audience. The rule: a learning option changes what the model learns (which model and data, batch sizes,
+# sampling, the loss and optimiser, the reward, the schedule and seed); every other option says how and where a run
+# executes or what it writes: output and checkpoints, validation plumbing, how rows are read or generated, the
+# off-policy correction, what a failing step does, performance knobs, scale-out, vLLM, async, the sandbox. --help
+# lists those after every learning option, in system.<group> boxes (grpo.py: <= 40 learning options first,
+# tests/test_cli.py). Their flags (--trainer.backend, --rollout.name, ...) and their place in the config
+# (cfg.trainer.backend, cfg.rollout.name) do not change: only the help is regrouped, by cli_view.
+# group -> {section: fields}; a section a recipe lacks (critic), or a field its section lacks (rm.py), is skipped.
 SYSTEM_OPTIONS = {
+    "run": {  # where the run writes, what it logs, its checkpoints
+        "trainer": ("save_freq", "max_ckpt_to_keep", "resume", "default_local_dir", "project_name", "experiment_name", "logger"),
+    },
+    "validation": {
+        "trainer": ("test_freq", "val_before_train", "val_n"),
+        "data": ("val_batch_size", "val_max_samples"),
+        "rollout": ("val_temperature",),
+    },
+    "data_loading": {  # how the rows are read, cut, or generated
+        "data": (
+            "prompt_key",
+            "truncation",
+            "filter_overlong_prompts",
+            "task",
+            "task_options",
+            "task_train_size",
+            "task_val_size",
+            "task_seed",
+            "task_format",
+        ),
+        "model": ("trust_remote_code", "freeze_vision_tower"),
+    },
+    "off_policy": {  # the correction for a sampler that is not the trainer (vllm, async): docs/off-policy.md
+        "actor": ("rollout_correction", "rollout_is_cap", "rollout_is_low"),
+        "rollout": ("log_probs",),
+    },
+    "reliability": {  # what a non-finite step or a failing scorer does
+        "actor": ("nan_policy", "max_skipped_steps"),
+        "critic": ("nan_policy", "max_skipped_steps"),
+        "reward": ("on_error", "timeout_s"),
+    },
     "performance": {
         "trainer": ("device", "num_threads"),
-        "model": ("attn_implementation", "gradient_checkpointing", "remove_padding", "share_prompt"),
+        "model": ("dtype", "attn_implementation", "gradient_checkpointing", "remove_padding", "share_prompt", "shared_prompt_attention"),
         "rollout": ("hf_impl", "micro_batch_size", "log_prob_micro_batch_size"),
-        "actor": ("max_token_len_per_micro_batch",),
-        "critic": ("max_token_len_per_micro_batch",),
+        "actor": ("ppo_micro_batch_size", "max_token_len_per_micro_batch"),
+        "critic": ("ppo_micro_batch_size", "max_token_len_per_micro_batch"),
+        "reward": ("model_micro_batch_size",),
     },
     "scale_out": {
         "trainer": (
