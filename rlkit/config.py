@@ -613,8 +613,8 @@ def check_flags(cfg) -> None:
         section = getattr(cfg, f.name)
         if dataclasses.is_dataclass(section) and hasattr(section, "check"):
             section.check()
-    b, m = cfg.data.train_batch_size, getattr(cfg.actor, "ppo_mini_batch_size", None)
-    if m is None:  # one optimizer step per batch (recipes/rm.py)
+    b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size if isinstance(cfg.actor, UpdateConfig) else None
+    if m is None:  # one optimizer step per batch (recipes/rm.py's OptimConfig)
         if b <= 0:
             raise ConfigError(f"--data.train-batch-size {b}: must be at least 1")
     elif b <= 0 or m <= 0 or b % m:

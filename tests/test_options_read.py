@@ -13,6 +13,7 @@ ray, --actor.nan-policy, --actor.clip-ratio, ... accepted and ignored).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import sys
@@ -68,6 +69,9 @@ OTHER_PATHS = {
     "trainer.async_workers": ("--trainer.async-steps", ASYNC),
     "trainer.async_timeout_s": ("--trainer.async-steps", ASYNC),
     "agent.max_observation_chars": ("an environment's observation (--agent.env)", ""),
+    "norm_adv_by_std_in_grpo": ("opd.py: --task-reward-coef > 0", ""),
+    "target_kl": ("ppo.py: --kl-ctrl adaptive", "AdaptiveKLController("),
+    "horizon": ("ppo.py: --kl-ctrl adaptive", "AdaptiveKLController("),
 }
 
 
@@ -137,7 +141,17 @@ def source(name: str) -> str:
     return (ROOT / "recipes" / f"{name}.py").read_text()
 
 
-CODE = "\n".join(p.read_text() for p in sorted((ROOT / "rlkit").glob("*.py")) if p.name != "config.py")
+def without_checks(path: Path) -> str:
+    """rlkit/config.py's code less its check functions and methods (a value only checked is not used): its
+    properties read fields too (actor.clip_low reads clip_ratio)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if hasattr(node, "body") and isinstance(node.body, list):
+            node.body = [n for n in node.body if not (isinstance(n, ast.FunctionDef) and n.name.startswith("check"))] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+CODE = "\n".join(p.read_text() if p.name != "config.py" else without_checks(p) for p in sorted((ROOT / "rlkit").glob("*.py")))
 
 
 def read_elsewhere(option: str, name: str) -> bool:
@@ -145,7 +159,7 @@ def read_elsewhere(option: str, name: str) -> bool:
     if option not in OTHER_PATHS:
         return False
     _, needs = OTHER_PATHS[option]
-    field_name = option.rsplit(".", 1)[1]
+    field_name = option.rsplit(".", 1)[-1]
     code = CODE + source(name)
     read = rf"\.{field_name}\b(?!\s*=[^=])|getattr\(\w+, \"{field_name}\""
     return needs in source(name) and re.search(read, code) is not None
