@@ -846,9 +846,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     ),
     "rm_batch_zero": (
         "recipes/rm.py --data.train-batch-size 0 -> one line (was a traceback)",
-        lambda tmp: one_line_error(
-            script(tmp, "rm", "--data.train-batch-size", "0"), "--data.train-batch-size 0"
-        ),
+        lambda tmp: one_line_error(script(tmp, "rm", "--data.train-batch-size", "0"), "--data.train-batch-size 0"),
         120,
     ),
     "opd_missing_teacher": (

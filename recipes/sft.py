@@ -260,7 +260,9 @@ def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, data, model, validation, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size and flag checks (SFT's data: checked below)
     if cfg.data.task:  # (its generated rows are prompts to sample, not conversations to imitate)
-        raise ConfigError(f"--data.task {cfg.data.task}: SFT trains on --data.train-files conversations")
+        raise ConfigError(
+            f"--data.task {cfg.data.task}: SFT trains on --data.train-files conversations"
+        )
     if cfg.rollout.temperature != 1.0:  # the engine divides the logits by it
         raise ConfigError("SFT trains log pi at temperature 1: use --rollout.temperature 1")
     if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:

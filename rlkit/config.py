@@ -181,9 +181,7 @@ class RolloutConfig:
 
 def check_lr(flag: str, value: float) -> None:
     if not 0 < value < 1:
-        raise ConfigError(
-            f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)"
-        )
+        raise ConfigError(f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)")
 
 
 @dataclass
@@ -353,9 +351,7 @@ class RewardConfig:
 
     def check(self) -> None:
         if self.model_micro_batch_size < 0:
-            raise ConfigError(
-                f"--reward.model-micro-batch-size {self.model_micro_batch_size}: must be 0 (auto) or a positive number"
-            )
+            raise ConfigError(f"--reward.model-micro-batch-size {self.model_micro_batch_size}: must be 0 (auto) or a positive number")
 
 
 @dataclass
