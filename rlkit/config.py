@@ -4,6 +4,21 @@ Each field's docstring is its `--help` text. Names follow verl's where verl has 
 (`train_batch_size`, `ppo_mini_batch_size`, `clip_ratio`, `kl_loss_coef`, ...), flattened:
 verl's `actor_rollout_ref.actor.clip_ratio` is `--actor.clip-ratio` here. A recipe adds its own
 algorithm fields next to these in its own `Config`.
+
+Sections by use: a recipe's Config takes only the fields its code reads, so every option its --help shows
+does something (tests/test_options_read.py). The sections are layered, each class the one before plus what a
+larger recipe reads, under the same flag names:
+
+    BaseModelConfig  < ModelConfig     + the policy engine's kernels and packed passes
+    BaseDataConfig   < DataConfig      + RL prompt rows: truncation, the difficulty sampler, generated tasks
+    OptimConfig      < UpdateConfig    + the engine's update loop (mini-batches, epochs, non-finite steps)
+                     < ActorConfig     + the policy loss (clip, entropy, KL, the off-policy correction)
+    RunConfig        < TrainerConfig   + sampled validation, Ray/FSDP/Megatron, the asynchronous rollout
+
+recipes/rm.py takes the first column, recipes/sft.py UpdateConfig, the RL recipes the last. An option read only
+when another one opens its path (--data.task-seed without --data.task) is refused alone with one line. Each
+section checks its own values in `check` (next to its fields); `check_flags` runs them all, and the checks that
+read two sections, before any model loads.
 """
 
 from __future__ import annotations

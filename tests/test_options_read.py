@@ -244,3 +244,35 @@ def test_the_recorder_sees_an_unread_option(tmp_path, monkeypatch):
 
     monkeypatch.setattr(config, "OptimConfig", Planted)  # what recipes/rm.py imports when loaded
     assert unhonoured("rm", tmp_path) == ["actor.ignored"]
+
+
+@pytest.mark.parametrize(
+    "section, name, value, message",
+    [
+        ("data", "task_seed", 3, "--data.task-seed applies to a generated task only: add --data.task NAME"),
+        ("data", "task_options", "min_terms=2", "--data.task-options applies to a generated task only"),
+        ("data", "sampler_weights", (1.0, 1.0, 1.0), "--data.sampler-weights applies to --data.sampler difficulty only"),
+        ("actor", "max_skipped_steps", 5, "--actor.max-skipped-steps applies to --actor.nan-policy skip only"),
+        ("trainer", "async_workers", 2, "--trainer.async-workers applies to the asynchronous rollout only"),
+        ("trainer", "async_timeout_s", 60.0, "--trainer.async-timeout-s applies to the asynchronous rollout only"),
+    ],
+)
+def test_an_option_that_needs_another_is_refused_alone(section, name, value, message):
+    """Options read only on a path another option opens were accepted and ignored without it; now one line each.
+    With that option they pass the checks."""
+    from rlkit import config
+    from rlkit.errors import ConfigError
+
+    cfg = load_recipe("grpo").Config()
+    setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.check_flags(cfg)
+    opens = {"data": ("task", "reasoning_gym:chain_sum"), "actor": ("nan_policy", "skip"), "trainer": ("async_steps", 1)}
+    key, on = ("sampler", "difficulty") if name == "sampler_weights" else opens[section]
+    setattr(getattr(cfg, section), key, on)
+    config.check_flags(cfg)
+
+
+@pytest.mark.parametrize("name", ["cispo", "gmpo", "gspo"])
+def test_a_loss_without_dual_clip_refuses_clip_ratio_c(name, tmp_path):
+    assert refused(name, "actor.clip_ratio_c", tmp_path)
