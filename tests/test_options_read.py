@@ -7,7 +7,7 @@ that is only checked is not used). An option the tiny run does not read is eithe
     statically: the field is read as an attribute by code outside rlkit/config.py, or
   - refused: set alone to a non-default value, the recipe stops with a ConfigError naming the flag before any model
     loads.
-Before the sections were split by use, recipes/rm.py showed 87 options of which 43 were neither (--trainer.backend
+Before the sections were split by use, recipes/rm.py showed 87 options of which 39 were none of these (--trainer.backend
 ray, --actor.nan-policy, --actor.clip-ratio, ... accepted and ignored).
 """
 
