@@ -467,7 +467,7 @@ SYSTEM_OPTIONS = {
     },
     "validation": {
         "trainer": ("test_freq", "val_before_train", "val_n"),
-        "data": ("val_batch_size", "val_max_samples"),
+        "data": ("val_files", "val_batch_size", "val_max_samples"),
         "rollout": ("val_temperature",),
     },
     "data_loading": {  # how the rows are read, cut, or generated
@@ -482,7 +482,7 @@ SYSTEM_OPTIONS = {
             "task_seed",
             "task_format",
         ),
-        "model": ("trust_remote_code", "freeze_vision_tower"),
+        "model": ("freeze_vision_tower",),
     },
     "off_policy": {  # the correction for a sampler that is not the trainer (vllm, async): docs/off-policy.md
         "actor": ("rollout_correction", "rollout_is_cap", "rollout_is_low"),
