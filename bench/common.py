@@ -49,13 +49,13 @@ def make_random_model(out_dir: str | Path, hidden: int = 256, layers: int = 4, s
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from rlkit import embedded
+    from rlkit import demos
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return str(out_dir)
-    base = AutoConfig.from_pretrained(embedded.MODEL_DIR)
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    base = AutoConfig.from_pretrained(demos.ARITH_MODEL)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     vocab = len(tok)
     if not sampled_eos:
         tok.add_special_tokens({"eos_token": "<|never-sampled-eos|>"})
@@ -85,10 +85,10 @@ def make_random_model(out_dir: str | Path, hidden: int = 256, layers: int = 4, s
 
 def resolve_model(name: str, work_dir: Path, hidden: int, layers: int) -> str:
     """'embedded' -> the embedded tiny model; 'random' -> a random-weight Llama made here; else a path."""
-    from rlkit import embedded
+    from rlkit import demos
 
     if name == "embedded":
-        return str(embedded.MODEL_DIR)
+        return str(demos.ARITH_MODEL)
     if name == "random":
         return make_random_model(work_dir / f"random-llama-h{hidden}-l{layers}", hidden, layers)  # fresh temp dir per run
     return name

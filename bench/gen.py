@@ -9,6 +9,12 @@ its own sampler (other tokens, same distribution). See bench/README.md and docs/
 
     python bench/gen.py                                          # embedded, random 4.3M, SmolLM2-135M if installed
     python bench/gen.py --models random --prompts 16 --n 8 --max-new-tokens 32 --rounds 7
+
+Arm `drop`: the fast loop with finished rows leaving the batch (`generate(drop_finished=--drop-finished)`); checked to
+sample exactly fast's tokens. --eos-frac F makes a random F of the vocabulary end a response (a row ends at each step
+with probability ~F: geometric, GSM8K-shaped lengths, most short, a few to the cap), the workload where dropping pays:
+
+    python bench/gen.py --models random --arms fast,drop --eos-frac 0.05 --max-new-tokens 128 --rounds 5
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ WORKLOADS = {  # model -> (prompts, n, max new tokens): the vs_trl.py workloads,
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="embedded,random,smollm2", help="comma-separated: embedded, random, smollm2, or a path")
-    ap.add_argument("--arms", default="generate,fast,vllm", help="comma-separated: generate, fast, vllm")
+    ap.add_argument(
+        "--arms", default="generate,fast,vllm", help="comma-separated: generate, fast, drop (fast, finished rows dropped), vllm"
+    )
     ap.add_argument("--prompts", type=int, default=0, help="prompts per batch (0: the model's workload, WORKLOADS)")
     ap.add_argument("--n", type=int, default=0, help="samples per prompt (0: the workload's)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="response cap (0: the workload's)")
@@ -41,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--hidden", type=int, default=256, help="random model: hidden size")
     ap.add_argument("--layers", type=int, default=4, help="random model: layers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eos-frac", type=float, default=0.0, help="a random fraction of the vocabulary ends responses (0: the model's EOS)")
+    ap.add_argument("--drop-finished", type=float, default=0.25, help="arm drop: decode's drop_finished fraction")
     return ap.parse_args(argv)
 
 
@@ -76,10 +86,12 @@ def run_model(name: str, args, work: Path) -> dict | None:
         tok = load_tokenizer(path)
     data = DataConfig()
     rows = build_prompts(data.train_files, tok, data, max_samples=P).batch(list(range(P)), tok.pad_token_id).repeat(n, interleave=True)
-    arms = {}
+    arms, extra = {}, {}
     for arm in args.arms.split(","):
-        if arm in ("generate", "fast"):
-            arms[arm] = HFRollout(model, tok, torch.device("cpu"), impl=arm)
+        if arm in ("generate", "fast", "drop"):
+            arms[arm] = HFRollout(model, tok, torch.device("cpu"), impl="generate" if arm == "generate" else "fast")
+            if arm == "drop":
+                extra[arm] = dict(drop_finished=args.drop_finished)
         elif arm == "vllm":
             from rlkit.vllm_rollout import VLLMRollout, vllm_available
 
@@ -101,7 +113,12 @@ def run_model(name: str, args, work: Path) -> dict | None:
             arms[arm].eos = [e for e in arms[arm].eos if e < model.config.vocab_size]
             torch.set_num_threads(args.threads)
         else:
-            raise SystemExit(f"unknown arm {arm!r}: generate, fast, vllm")
+            raise SystemExit(f"unknown arm {arm!r}: generate, fast, drop, vllm")
+    if args.eos_frac:  # every arm stops on the same random tokens
+        g = torch.Generator().manual_seed(1234)
+        stop = torch.randperm(model.config.vocab_size, generator=g)[: max(1, int(args.eos_frac * model.config.vocab_size))].tolist()
+        for rollout in arms.values():
+            rollout.eos = stop
     params = sum(p.numel() for p in model.parameters())
     print(
         f"\n== {name}: {params / 1e6:.2f}M params, {P} prompts x {n} samples, prompt width {rows['input_ids'].shape[1]}, <= {R} new tokens"
@@ -111,14 +128,14 @@ def run_model(name: str, args, work: Path) -> dict | None:
     groups = {k: [] for k in arms}  # each timed round's groups [(P, [R_i])], per arm (vLLM samples its own tokens)
     ceiling = common.Ceiling(model.config, decode_rows=P * n, passes=False)
     prompt_lens = rows["attention_mask"].sum(-1).tolist()
-    same = []
+    same, same_drop = [], []
     load = [os.getloadavg()[0]]
     for r in range(args.rounds + 1):
         out = {}
         for k, rollout in arms.items():
             torch.manual_seed(args.seed + r)
             start = common.now()
-            out[k] = rollout.generate(rows, R, temperature=args.temperature)
+            out[k] = rollout.generate(rows, R, temperature=args.temperature, **extra.get(k, {}))
             if r:  # round 0 warms up
                 times[k].append(common.now() - start)
                 tokens[k].append(int(out[k]["response_mask"].sum()))
@@ -127,6 +144,8 @@ def run_model(name: str, args, work: Path) -> dict | None:
             ceiling.sample(groups[next(iter(arms))][-1])
         if "generate" in out and "fast" in out:
             same.append(torch.equal(out["generate"]["responses"], out["fast"]["responses"]))
+        if "fast" in out and "drop" in out:
+            same_drop.append(torch.equal(out["fast"]["responses"], out["drop"]["responses"]))
         line = " | ".join(f"{k} {v[-1]:.3f}s {tokens[k][-1]} tok" for k, v in times.items()) if r else "warm-up"
         print(f"round {r}: {line}", flush=True)
     load.append(os.getloadavg()[0])
@@ -147,13 +166,19 @@ def run_model(name: str, args, work: Path) -> dict | None:
     print(common.fmt_table(table, ["arm", "median s/batch", "tokens/batch", "median tokens/s", f"median paired s / {base}"]))
     if same:
         print(f"fast sampled exactly generate's tokens: {sum(same)}/{len(same)} rounds")
+    if same_drop:
+        lengths = out["fast"]["response_mask"].sum(-1).float()
+        print(
+            f"drop sampled exactly fast's tokens: {sum(same_drop)}/{len(same_drop)} rounds; response lengths (last round):"
+            f" mean {lengths.mean():.1f}, median {lengths.median():.0f}, max {lengths.max():.0f}, at the cap {int((lengths == R).sum())}/{len(lengths)}"
+        )
     print(f"load average (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f}, {args.threads} thread(s)")
     sides = {k: [{"gen": s} for s in times[k]] for k in arms}
     print(common.roofline_table(model.config, groups[base], sides, ceiling, side_steps=groups))
     for rollout in arms.values():
         if hasattr(rollout, "close"):
             rollout.close()
-    return {"times": times, "tokens": tokens, "same": same}
+    return {"times": times, "tokens": tokens, "same": same, "same_drop": same_drop}
 
 
 def main(argv=None):

@@ -175,11 +175,11 @@ def make_model(folder: Path, shape: dict, eos: bool = False) -> str:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from rlkit import embedded
+    from rlkit import demos
 
     if (folder / "config.json").exists():
         return str(folder)
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     if not eos:
         tok.eos_token = None  # never stop: every response is full length
     eos_id = tok.eos_token_id if eos else None
@@ -201,12 +201,12 @@ def make_data(folder: Path, prompt_tokens: int) -> str:
     """The embedded arithmetic prompts, each padded with filler text to about `prompt_tokens` tokens (1 char ~ 1 token)."""
     import pandas as pd
 
-    from rlkit import embedded
+    from rlkit import demos
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "train.parquet"
     if not path.exists():
-        df = pd.read_parquet(embedded.DATA_DIR / "train.parquet").head(64)
+        df = pd.read_parquet(demos.ARITH_DATA / "train.parquet").head(64)
         filler = ("Think step by step. " * 64)[: max(prompt_tokens - 40, 0)]
         df["prompt"] = [[{"role": "user", "content": filler + m[0]["content"]}] for m in df["prompt"]]
         df.to_parquet(path)
@@ -913,11 +913,11 @@ def check_vlm(ctx: dict) -> str:
     import torch
     from transformers import AutoConfig
 
-    from rlkit import embedded_vlm
+    from rlkit import demos
     from rlkit.engine import vocab_size
     from rlkit.rollout import generation_rows
 
-    config = AutoConfig.from_pretrained(embedded_vlm.MODEL_DIR)
+    config = AutoConfig.from_pretrained(demos.VLM_MODEL)
     rows = generation_rows(config, 64, 8, torch.bfloat16, 2**30)  # what the CUDA path calls at every generate
     grpo, cfg = grpo_cfg(ctx, "vlm")
     cfg.model.path, cfg.data.task = "embedded-vlm", "colour_codeword"
@@ -934,7 +934,7 @@ def check_vlm(ctx: dict) -> str:
     with quiet():
         from transformers import AutoModelForImageTextToText
 
-        model = AutoModelForImageTextToText.from_pretrained(embedded_vlm.MODEL_DIR)
+        model = AutoModelForImageTextToText.from_pretrained(demos.VLM_MODEL)
     expect(vocab_size(model) == config.get_text_config().vocab_size, f"engine.vocab_size gives {vocab_size(model)} for the VLM")
     return f"{rows} generation rows a GiB from the VLM config; 2 steps, loss {train[-1]['actor/loss']:.3f}; validated"
 

@@ -277,10 +277,10 @@ def tiny_model(folder: Path, vocab: int = 151936, hidden: int = 16) -> str:
     """A random-weight Qwen2 with a real vocabulary and a tiny body (the logits dominate), with the embedded tokenizer."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from rlkit import embedded
+    from rlkit import demos
 
     if not (folder / "config.json").exists():
-        tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+        tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
         shape = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
         config = Qwen2Config(**shape, vocab_size=vocab, tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
         torch.manual_seed(0)

@@ -41,13 +41,13 @@ def main() -> None:
     common.set_threads(args.threads)
     import torch
 
-    from rlkit import algos, embedded
+    from rlkit import algos, demos
     from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
     from rlkit.data import build_prompts
     from rlkit.rollout import HFRollout
     from rlkit.workers import ActorRolloutRefWorker
 
-    model = str(embedded.MODEL_DIR) if args.model == "embedded" else args.model
+    model = str(demos.ARITH_MODEL) if args.model == "embedded" else args.model
     data = DataConfig(max_response_length=args.max_new_tokens)
     rows = {}
     for arm in args.arms.split(","):

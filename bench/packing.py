@@ -53,7 +53,7 @@ def make_model(out: Path, args) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlkit import embedded
+    from rlkit import demos
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -68,7 +68,7 @@ def make_model(out: Path, args) -> None:
     )
     Qwen2ForCausalLM(cfg).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer to load; the ids below are synthetic
-        shutil.copy(embedded.MODEL_DIR / f, out / f)
+        shutil.copy(demos.ARITH_MODEL / f, out / f)
 
 
 def make_batch(args, pad_id: int = 0):

@@ -87,9 +87,9 @@ def long_prompts(path: Path, tok, prompt_tokens: int, rows: int = 64) -> str:
     template, written as a parquet file both libraries read (same columns as the embedded data)."""
     import pandas as pd
 
-    from rlkit import embedded
+    from rlkit import demos
 
-    df = pd.read_parquet(embedded.DATA_DIR / "train.parquet").head(rows).copy()
+    df = pd.read_parquet(demos.ARITH_DATA / "train.parquet").head(rows).copy()
     filler = "Read the problem carefully, reason step by step and give the final number. "
 
     def length(text):
@@ -196,9 +196,9 @@ def build_trl(args, model_path: str, tokenizer, out_dir: Path, reward_fn, on_ste
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlkit import embedded
+    from rlkit import demos
 
-    ds = datasets.load_dataset("parquet", data_files=data_file or str(embedded.DATA_DIR / "train.parquet"), split="train")
+    ds = datasets.load_dataset("parquet", data_files=data_file or str(demos.ARITH_DATA / "train.parquet"), split="train")
 
     def arith_reward(prompts, completions, data_source, reward_model, extra_info=None, **_):
         """rlkit's own RewardFn, on TRL's decoded completions."""

@@ -6,7 +6,7 @@ ids with mask 0 -> generate again, until an answer or a limit), and the metrics 
 The tool responses are holes in the response mask: they are context for the later turns but never
 trained on (docs/agents.md).
 
-The default run is the embedded demo (rlkit/embedded_tools.py): two-digit multiplication, which the
+The default run is the embedded demo (rlkit/demos.py): two-digit multiplication, which the
 tiny model cannot do alone, and a calculator, which it was warm-started to call only sometimes.
 
 GRPO itself:
@@ -16,10 +16,11 @@ response's reward relative to its group as the advantage -- no value model:
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + eps)          (Dr.GRPO: no division by std)
 
-Then maximise the PPO clipped surrogate with a KL penalty to the reference (starting) policy:
+Then maximise the PPO clipped surrogate (dual clip) with a KL penalty to the reference policy:
 
-    L = -mean_t min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A) + beta * KL(pi || pi_ref),
-    rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    l_t  = -min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A),  at most -c A when A < 0  (c = 3)
+    L    = mean_t l_t + beta * KL_t,   rho_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    KL_t = exp(q) - q - 1,  q = log pi_ref(y_t) - log pi(y_t)   (k3 "low_var_kl", in [-10, 10])
 
 Run it:
 
@@ -45,7 +46,7 @@ step: pi_old = pi, so rho = 1.
 
 from dataclasses import dataclass, field
 
-from rlkit import agent, algos, embedded_guess, embedded_tools, loop
+from rlkit import agent, algos, demos, loop
 from rlkit.agent import AgentConfig
 from rlkit.config import (
     ActorConfig,
@@ -63,13 +64,11 @@ from rlkit.tools import tools_from_names
 
 @dataclass
 class Config:
-    model: ModelConfig = field(
-        default_factory=lambda: ModelConfig(path=str(embedded_tools.MODEL_DIR))
-    )
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=str(demos.CALC_MODEL)))
     data: DataConfig = field(
         default_factory=lambda: DataConfig(
-            train_files=[str(embedded_tools.DATA_DIR / "train.parquet")],
-            val_files=[str(embedded_tools.DATA_DIR / "val.parquet")],
+            train_files=[str(demos.MULT_DATA / "train.parquet")],
+            val_files=[str(demos.MULT_DATA / "val.parquet")],
             max_response_length=64,  # sampled + tool tokens, all turns
             val_max_samples=256,
         )
@@ -83,6 +82,29 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     norm_adv_by_std_in_grpo: bool = True
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
+
+
+@dataclass
+class GuessConfig(Config):
+    """--agent.env guess: the defaults are the guess-the-number demo's (rlkit/demos.py)"""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=str(demos.GUESS_MODEL)))
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(
+            train_files=[str(demos.GUESS_DATA / "train.parquet")],
+            val_files=[str(demos.GUESS_DATA / "val.parquet")],
+            max_response_length=96,  # 4 guesses and 3 replies of ~20 tokens
+            val_max_samples=256,
+        )
+    )
+    agent: AgentConfig = field(
+        default_factory=lambda: AgentConfig(tools="", env="guess", max_turns=4)
+    )
+
+
+PRESETS = {
+    "guess": GuessConfig
+}  # --agent.env NAME -> the Config whose defaults the run starts from
 
 
 # ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
@@ -121,8 +143,6 @@ def make_actor_loss(cfg: Config):
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
-    if cfg.agent.env == "guess":  # rlkit/embedded_guess.py: its model and data unless given
-        embedded_guess.use_defaults(cfg)
     loop.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ConfigError(
@@ -194,4 +214,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    loop.cli(main, Config)
+    loop.cli(main, loop.preset(Config, "--agent.env", PRESETS))  # picked before parsing

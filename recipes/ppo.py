@@ -12,8 +12,9 @@ into advantages, whitened over the batch, and returns, the critic's targets:
 
     delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},  R_t = A_t + V_t
 
-Actor: grpo.py's clipped surrogate, L = -mean_t min(rho_t A_t, clip(rho_t, 1-eps, 1+eps) A_t),
-rho = pi/pi_old. Critic: L_V = 1/2 mean_t max((V_t - R_t)^2, (clip(V_t, V_old_t +- c) - R_t)^2).
+Actor: grpo.py's clipped surrogate with its dual clip (c = 3), rho = pi/pi_old,
+L = -mean_t min(rho_t A_t, clip(rho_t, 1-eps, 1+eps) A_t), at most -c A_t when A_t < 0.
+Critic: L_V = 1/2 mean_t max((V_t - R_t)^2, (clip(V_t, V_old_t +- c_v) - R_t)^2), c_v: value clip.
 beta is fixed, or adaptive (Ziegler et al.): e = clip(KL / target_kl - 1, -0.2, 0.2),
 beta <- beta (1 + e B / horizon), with KL the batch mean of each response's mean KL_t and B the
 number of trajectories.

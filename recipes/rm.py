@@ -42,23 +42,19 @@ import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from rlkit import loop
+from rlkit import demos, loop
 from rlkit.config import BaseDataConfig, BaseModelConfig, OptimConfig, RunConfig
-from rlkit.data import PromptLoader
-from rlkit.embedded import ASSETS
-from rlkit.errors import ConfigError, MissingFile, NonFinite
+from rlkit.data import PromptLoader, read_table
+from rlkit.errors import ConfigError, NonFinite
 from rlkit.protocol import DataProto
 from rlkit.reward_model import render
 from rlkit.workers import CheckpointFiles
 
-PAIRS = ASSETS / "arith-prefs"  # the embedded pairs: correct vs the embedded model's wrong answers
+PAIRS = demos.PREFS_DATA  # the embedded pairs: correct vs the embedded model's wrong answers
 
 
 @dataclass
@@ -94,13 +90,8 @@ class Config:  # the sections by use: what this recipe reads, nothing of the RL 
 # -- the data: preference parquet -> rendered texts -> token ids ----------------------------------
 def read_pairs(files: list[str], cfg: Config) -> list[tuple]:
     """Each row as (prompt messages or text, chosen text, rejected text, margin)."""
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        raise MissingFile(f"preference file not found: {', '.join(missing)} (--data.train-files)")
-    try:
-        table = pa.concat_tables([pq.read_table(f) for f in files])
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ConfigError(f"{files}: not a parquet file ({str(e).splitlines()[0][:80]})") from e
+    files_flag = "--data.val-files" if files is cfg.data.val_files else "--data.train-files"
+    table = read_table(files, files_flag)
     cols = table.column_names
     for flag, key in (("--chosen-key", cfg.chosen_key), ("--rejected-key", cfg.rejected_key)):
         if key not in cols:
@@ -110,8 +101,6 @@ def read_pairs(files: list[str], cfg: Config) -> list[tuple]:
             f"{files}: no column {cfg.margin_key!r} (columns: {cols}); set --margin-key"
         )
     n = table.num_rows
-    if n == 0:
-        raise ConfigError(f"{files}: no rows; pass a file with preference pairs")
     key = cfg.data.prompt_key
     prompts = table.column(key).to_pylist() if key in cols else [None] * n
     margins = table.column(cfg.margin_key).to_pylist() if cfg.margin_key else [0.0] * n

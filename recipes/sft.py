@@ -32,7 +32,6 @@ holds RL rows (chat-message prompts, reward_model), held-out accuracy by greedy 
 """
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -47,9 +46,9 @@ from rlkit.config import (
     TrainerConfig,
     UpdateConfig,
 )
-from rlkit.data import PromptLoader, build_prompts
+from rlkit.data import PromptLoader, build_prompts, read_table
 from rlkit.engine import load_tokenizer, pack_weights
-from rlkit.errors import ConfigError, MissingFile
+from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
 from rlkit.protocol import DataProto
 from rlkit.tools import tools_from_names
@@ -100,15 +99,7 @@ def column(table, key: str, flag: str, where: str) -> list:
 def conversations(files: list[str], cfg: Config, flag: str) -> list[list[dict]]:
     """Each row as a list of chat messages ending with the assistant's answer(s)."""
     where = f"{flag} {', '.join(files)}"
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        raise MissingFile(f"{flag}: no such file {', '.join(missing)}")
-    try:
-        table = pa.concat_tables([pq.read_table(f) for f in files])
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ConfigError(f"{where}: not a parquet file ({str(e).splitlines()[0][:80]})") from e
-    if table.num_rows == 0:
-        raise ConfigError(f"{where}: no rows; pass a file with conversations")
+    table = read_table(files, flag)
     if cfg.messages_key:
         convs = column(table, cfg.messages_key, "--messages-key", where)
     else:

@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.errors import ConfigError
 
 
@@ -41,7 +41,7 @@ def shown_default(text: str):
 class BaseModelConfig:
     """The model every recipe loads: where, its dtype, LoRA, activation checkpointing (recipes/rm.py: only this)."""
 
-    path: Annotated[str, shown_default("the embedded tiny model, rlkit/assets/tiny-arith")] = str(embedded.MODEL_DIR)
+    path: Annotated[str, shown_default("the embedded tiny model, rlkit/assets/tiny-arith")] = str(demos.ARITH_MODEL)
     """model to train: a local Hugging Face folder or a hub id"""
     trust_remote_code: bool = False
     """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
@@ -80,11 +80,11 @@ class BaseDataConfig:
     """Files, lengths and batch sizes every recipe reads (recipes/rm.py: only this)."""
 
     train_files: Annotated[list[str], shown_default("rlkit/assets/arith/train.parquet")] = field(
-        default_factory=lambda: [str(embedded.DATA_DIR / "train.parquet")]
+        default_factory=lambda: [str(demos.ARITH_DATA / "train.parquet")]
     )
     """verl-format parquet file(s) for training (columns data_source, prompt, ability, reward_model, extra_info)"""
     val_files: Annotated[list[str], shown_default("rlkit/assets/arith/val.parquet")] = field(
-        default_factory=lambda: [str(embedded.DATA_DIR / "val.parquet")]
+        default_factory=lambda: [str(demos.ARITH_DATA / "val.parquet")]
     )
     """verl-format parquet file(s) for validation; empty to skip validation"""
     prompt_key: str = "prompt"

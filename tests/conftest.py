@@ -6,7 +6,12 @@ runs whole on one process, so a file's module fixtures are built once). Files ar
 last leaves the other process idle at the end (measured: the default-run learning test alone for the last ~80 s).
 """
 
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the tests import the demo builders as scripts.assets (scripts/assets/)
+    sys.path.insert(0, str(ROOT))
 
 LONG_FIRST = (  # the files with the longest tests (`pytest --durations=40`), longest first
     "test_off_policy.py",

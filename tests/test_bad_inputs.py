@@ -70,15 +70,15 @@ CASES = {
     ),
     "not_parquet": (
         lambda c, t: (t / "train.csv").write_text("a,b\n1,2\n") and setattr(c.data, "train_files", [str(t / "train.csv")]),
-        ["train.csv is not a parquet file"],
+        ["--data.train-files", "train.csv: not a parquet file"],
     ),
     "empty_file": (
         lambda c, t: (t / "e.parquet").write_bytes(b"") or setattr(c.data, "train_files", [str(t / "e.parquet")]),
-        ["e.parquet is not a parquet file"],
+        ["--data.train-files", "e.parquet: not a parquet file"],
     ),
     "empty_dataset": (
         lambda c, t: setattr(c.data, "train_files", [_write_parquet(t / "none.parquet", [])]),
-        ["none.parquet: the dataset is empty"],
+        ["--data.train-files", "none.parquet: no rows"],
     ),
     "long_val_prompt": (
         lambda c, t: setattr(c.data, "val_files", [_write_parquet(t / "val.parquet", [_row(), _row("What is " + "1+" * 300 + "1?")])]),
@@ -295,7 +295,7 @@ def test_the_tool_template_check_reads_a_built_in_models_local_folder_not_the_hu
     from test_agent import load_tools_recipe
 
     from rlkit import preflight, workers
-    from rlkit.embedded_tools import MODEL_DIR
+    from rlkit.demos import CALC_MODEL as MODEL_DIR
 
     cfg = load_tools_recipe().Config()
     cfg.model.path = "my-built-in"
@@ -382,9 +382,9 @@ def test_a_malformed_call_goes_back_to_the_model_and_counts_as_a_tool_error():
     from test_agent import Scripted, chars
     from transformers import AutoTokenizer
 
-    from rlkit import embedded
+    from rlkit import demos
 
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     turn = chars(tok, "<tool_call>" + "[" * 300 + "</tool_call>") + [tok.eos_token_id]
     sampler = Scripted([turn, [tok.eos_token_id]])
     (ep,) = agent.run_turns(sampler, [[5, 6]], tok, tools.Tools([tools.calculator]), agent.AgentConfig(), 1000, [tok.eos_token_id])

@@ -6,9 +6,10 @@ import pytest
 import torch
 import transformers
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import DataConfig
-from rlkit.data import PromptLoader, PromptSet, _objects, build_prompts, load_parquet, render_prompts
+from rlkit.data import PromptLoader, PromptSet, _objects, build_prompts, load_parquet, read_table, render_prompts
+from rlkit.errors import ConfigError, MissingFile
 
 CHATML = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -30,7 +31,7 @@ def write(path, rows):
 
 @pytest.fixture(scope="module")
 def tok():
-    t = transformers.AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    t = transformers.AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     t.padding_side = "left"
     return t
 
@@ -67,14 +68,32 @@ def test_load_parquet_empty(tmp_path, rows_empty_with_columns):
     ds = datasets.Dataset.from_list([row("What is 2+3?", "5")]).select([]) if rows_empty_with_columns else datasets.Dataset.from_list([])
     f = tmp_path / "empty.parquet"
     ds.to_parquet(str(f))
-    with pytest.raises(ValueError, match="empty"):
-        load_parquet([str(f)])
+    with pytest.raises(ConfigError, match=r"^--data\.val-files .*empty\.parquet: no rows"):
+        load_parquet([str(f)], flag="--data.val-files")
 
 
 def test_load_parquet_missing_file_names_path(tmp_path):
     f = str(tmp_path / "nope.parquet")
     with pytest.raises(FileNotFoundError, match="nope.parquet"):
         load_parquet([f])
+
+
+def test_read_table_names_the_flag_in_each_of_its_errors(tmp_path):
+    """One message shape for every reader of the user's parquet (data.load_parquet, sft.py, rm.py): the flag first."""
+    good = write(tmp_path / "good.parquet", [row("What is 2+3?", "5"), row("What is 1+1?", "2", 1)])
+    assert read_table([good, good], "--x").num_rows == 4  # the files in order, one table
+    with pytest.raises(MissingFile, match=r"^--x: no such file .*nope\.parquet$"):
+        read_table([good, str(tmp_path / "nope.parquet")], "--x")
+    (tmp_path / "t.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ConfigError, match=r"^--x .*t\.csv: not a parquet file \(.*magic bytes"):
+        read_table([good, str(tmp_path / "t.csv")], "--x")
+    other = write(tmp_path / "other.parquet", [{"question": "q"}])
+    with pytest.raises(ConfigError, match=r"^--x .*good\.parquet, .*other\.parquet: the files' columns differ"):
+        read_table([good, other], "--x")
+    empty = str(tmp_path / "empty.parquet")
+    datasets.Dataset.from_list([row("What is 2+3?", "5")]).select([]).to_parquet(empty)
+    with pytest.raises(ConfigError, match=r"^--x .*empty\.parquet: no rows"):
+        read_table([empty], "--x")
 
 
 # -- build_prompts -----------------------------------------------------------------------------
@@ -146,7 +165,7 @@ def test_filter_overlong_drops_exactly_the_long_rows(long_file, tok):
 @pytest.fixture
 def no_template_dir(tmp_path):
     d = tmp_path / "model"
-    shutil.copytree(embedded.MODEL_DIR, d)
+    shutil.copytree(demos.ARITH_MODEL, d)
     (d / "chat_template.jinja").unlink(missing_ok=True)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)

@@ -11,8 +11,18 @@ The conventions a doc follows (each failure message repeats the one it broke):
   lines: a quote sits between `<!-- fmt:off -->` and `<!-- fmt:on -->` lines.
 - A ```bash snippet's `python recipes/X.py` / `python -m rlkit.X` / `bench/X.py` / `scripts/X.sh` paths exist
   (a `cp recipes/A.py recipes/B.py` in the same doc makes B stand for A), and each `--flag` of a recipe command
-  is in that recipe's `--help` (a bench or scripts/ Python command's in the script's argparse). A `--section.flag` named anywhere in
-  the docs is in some recipe's `--help`.
+  is in that recipe's `--help` (a bench or scripts/ Python command's in the script's argparse; a tyro script's in its
+  `--help`). A `--section.flag` named anywhere in the docs is in some recipe's `--help`.
+- The text beside the code is held to the same: a recipe's module docstring (its `python ...` commands as a bash
+  snippet's, the `--flags` its prose names in its own --help, and an `outputs/<recipe>/checkpoints/global_step_N` path
+  one that the default run writes, derived from the code in default_checkpoints; the docs' such paths too), the asset
+  READMEs (rlkit/assets/*/README.md: the `python X.py` / `python -m Y` they name exist), and the test files' module
+  docstrings (the recipes/bench/scripts paths and `--section.flag`s they name exist).
+- A recipe's page (docs/<recipe>.md; docs/agents.md for grpo_tools.py) opens with the sections What, Run, The formula
+  beside the code, Flags, Metrics, Results, in this order. Its Flags table rows (`| `--flag` | default | meaning |`)
+  name options of the recipe with their Config defaults, and every top-level option of the recipe's own; its Metrics
+  section names every key the recipe logs beyond grpo.py's; its Results hold the `python recipes/<recipe>.py` command.
+  Every mention of the default run's end point is results.md's number; a `file.md#anchor` link finds its heading.
 - No "N lines" claim (N >= 2) unless DERIVED_LINE_COUNTS computes it; count words that drift are in COUNT_CLAIMS.
 - Every metric key a recipe logs is named in docs/metrics.md or a doc it links, by its full name (`a/b/c`; in a
   list `a/b/c`, `/d` is short for `a/b/d`); `<name>` stands for an open set (a scorer's own keys), never for a key
@@ -188,11 +198,15 @@ def recipe_flags(name: str) -> frozenset[str]:
     import runpy
     from unittest import mock
 
-    path, out = ROOT / "recipes" / f"{name}.py", io.StringIO()
+    path, out = ROOT / (name if name.endswith(".py") else f"recipes/{name}.py"), io.StringIO()  # or a tyro script's path
     with mock.patch.object(sys, "argv", [str(path), "--help"]), mock.patch.dict("os.environ", {"COLUMNS": "200"}):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), pytest.raises(SystemExit):
             runpy.run_path(str(path), run_name="__main__")
-    flags = set(re.findall(r"(--[a-z0-9][\w.-]*)", out.getvalue()))
+    from collections import Counter
+
+    found = Counter(re.findall(r"(--[a-z0-9][\w.-]*)", out.getvalue()))
+    found -= Counter(re.findall(r"(--[a-z0-9][\w.-]*)", module_docstring(path)[1] and "\n".join(module_docstring(path)[1])))
+    flags = set(found)  # the options, not the description above them (the docstring, checked on its own)
     assert len(flags) > 20, out.getvalue()[:2000]
     flags.add("--help")
     if "--model.path" in flags:
@@ -241,17 +255,20 @@ def bash_snippets():
 
 @pytest.mark.parametrize("doc, start, body", list(bash_snippets()))
 def test_a_shell_snippet_runs_real_files_with_real_flags(doc, start, body):
-    aliases = copies(doc)
+    check_commands(rel(doc), start + 1, body, copies(doc))
+
+
+def check_commands(name: str, first_line: int, body: list[str], aliases: dict[str, str]) -> None:
+    """The shell commands of `body` (lines from `first_line` of file `name`) run files that exist with their flags."""
     for offset, toks in commands(body):
-        where = f"{rel(doc)}:{start + 1 + offset} `{' '.join(toks)[:80]}`"
+        where = f"{name}:{first_line + offset} `{' '.join(toks)[:80]}`"
         if toks[:1] == ["cp"]:
             assert (ROOT / toks[1]).is_file(), f"{where}: {toks[1]} does not exist"
             continue
         target = None
         for i, tok in enumerate(toks):
-            if tok == "-m" and i + 1 < len(toks) and toks[i + 1].startswith("rlkit."):
-                mod = toks[i + 1].replace(".", "/")
-                assert (ROOT / f"{mod}.py").is_file() or (ROOT / mod).is_dir(), f"{where}: no module {toks[i + 1]}"
+            if tok == "-m" and i + 1 < len(toks):
+                assert module_exists(toks[i + 1]), f"{where}: no module {toks[i + 1]}"
             m = PATH.match(tok)
             if m:
                 path = aliases.get(m[1], m[1])
@@ -272,9 +289,21 @@ def test_a_shell_snippet_runs_real_files_with_real_flags(doc, start, body):
                     f"{where}: {flag} is not an option of {path} (not in `python {path} --help`); "
                     f"close ones: {sorted(f for f in recipe_flags(name) if f.split('.')[-1] == flag.split('.')[-1])}"
                 )
+            elif "import tyro" in (ROOT / path).read_text():  # a tyro script (scripts/eval.py): its --help
+                assert flag in recipe_flags(path), f"{where}: {flag} is not an option of {path} (not in `python {path} --help`)"
             else:
                 src = (ROOT / path).read_text() + (ROOT / "bench" / "common.py").read_text()
                 assert f'"{flag}"' in src, f"{where}: {flag} is not an argument of {path} (no add_argument({flag!r}))"
+
+
+def module_exists(name: str) -> bool:
+    """`python -m name` runs something: a module or package of this checkout (rlkit.x, scripts.x), else an installed one."""
+    import importlib.util
+
+    path = ROOT / name.replace(".", "/")
+    if (ROOT / name.split(".")[0]).is_dir():
+        return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+    return importlib.util.find_spec(name.split(".")[0]) is not None
 
 
 def test_the_shell_checker_sees_a_wrong_flag_and_a_missing_file(tmp_path):
@@ -292,8 +321,14 @@ def test_the_shell_checker_sees_a_wrong_flag_and_a_missing_file(tmp_path):
         check(doc, 1, ["python bench/async.py --steps 2 --nope 1"])
     with pytest.raises(AssertionError, match="--rm-step is not an argument of scripts/rm_demo.py"):
         check(doc, 1, ["python scripts/rm_demo.py run --rm-init x --rm-step 3"])
+    check(doc, 1, ["python scripts/eval.py --model m --data.val-files a.parquet -n 4 --output s.jsonl"])
+    with pytest.raises(AssertionError, match="--rollout.nope is not an option of scripts/eval.py"):
+        check(doc, 1, ["python scripts/eval.py --rollout.nope 1"])
     with pytest.raises(AssertionError, match="no module rlkit.nope"):
         check(doc, 1, ["python -m rlkit.nope"])
+    with pytest.raises(AssertionError, match="no module nopetest"):
+        check(doc, 1, ["python -m nopetest -q"])
+    check(doc, 1, ["python -m pytest -q tests/test_docs.py && python -m rlkit.checkpoint convert x"])
 
 
 @functools.cache
@@ -310,6 +345,204 @@ def test_every_dotted_flag_named_in_the_docs_is_a_recipe_option():
                 if flag not in all_recipe_flags():
                     bad.append(f"{rel(doc)}:{n}: {flag}")
     assert not bad, "flags named in the docs that no recipe's --help has (rename or remove them):\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2b. The same for the text beside the code: recipe docstrings, asset READMEs, test docstrings
+# --------------------------------------------------------------------------------------------------------------
+
+
+def module_docstring(path: Path) -> tuple[int, list[str]]:
+    """(file line of the docstring's first line, its lines) of a .py file's module docstring; (0, []) if it has none."""
+    tree = ast.parse(path.read_text())
+    node = tree.body[0] if tree.body else None
+    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+        return 0, []
+    return node.lineno, node.value.value.splitlines()
+
+
+def docstring_commands(lines: list[str]) -> list[tuple[int, list[str]]]:
+    """(index of its first line, its lines) of each `python ...` command in a docstring, with its `\\` continuations."""
+    out, k = [], 0
+    while k < len(lines):
+        if re.match(r"\s*python3? ", lines[k]):
+            first, body = k, [lines[k]]
+            while body[-1].split("#")[0].rstrip().endswith("\\") and k + 1 < len(lines):
+                k += 1
+                body.append(lines[k])
+            out.append((first, body))
+        k += 1
+    return out
+
+
+@functools.cache
+def default_checkpoints(name: str) -> tuple[str, frozenset[int]]:
+    """(output folder, the steps it holds checkpoints of) of `python recipes/<name>.py` on its defaults, derived from
+    the code, not run: loop.run_name names the folder; steps = total_training_steps, else total_epochs x batches per
+    epoch (PromptLoader: rows // batch size, the last incomplete batch dropped; dapo.py's loader draws gen_batch_size
+    prompts); a checkpoint every save_freq steps and at the last."""
+    import pyarrow.parquet as pq
+
+    from rlkit import loop
+
+    cfg, t = load_recipe(name).Config(), load_recipe(name).Config().trainer
+    rows = sum(pq.ParquetFile(ROOT / f).metadata.num_rows for f in cfg.data.train_files)
+    batch = getattr(cfg, "gen_batch_size", None) or cfg.data.train_batch_size
+    total = t.total_training_steps or t.total_epochs * (rows // batch)
+    steps = {total, *(range(t.save_freq, total + 1, t.save_freq) if t.save_freq > 0 else ())}
+    out = t.default_local_dir.format(experiment_name=t.experiment_name or loop.run_name(cfg), project_name=t.project_name)
+    return out, frozenset(steps)
+
+
+CHECKPOINT_PATH = re.compile(r"(outputs/([\w.-]+))/checkpoints/global_step_(\d+)")
+
+
+def false_checkpoint_paths(text: str) -> list[str]:
+    """The `outputs/<recipe>/checkpoints/global_step_N` paths of a text (a recipe's default run folder) that the default
+    run does not write."""
+    bad = []
+    for m in CHECKPOINT_PATH.finditer(text):
+        if m[2] in RECIPES:
+            folder, steps = default_checkpoints(m[2])
+            if m[1] != folder or int(m[3]) not in steps:
+                bad.append(f"{m[0]} (the default `python recipes/{m[2]}.py` writes {folder}/checkpoints/global_step_{sorted(steps)})")
+    return bad
+
+
+def flags_in(line: str) -> list[str]:
+    return re.findall(r"(?<![\w-])(--[a-z][\w.-]*[a-z0-9])", line)
+
+
+def recipe_docstring_claims(name: str) -> list[str]:
+    """What a recipe's module docstring says that the code contradicts: its commands (files, flags), the flags its prose
+    names (the recipe's own --help), and its example checkpoint paths (ones the default runs write)."""
+    path = ROOT / "recipes" / f"{name}.py"
+    first, lines = module_docstring(path)
+    bad, in_command = [], set()
+    for k, body in docstring_commands(lines):
+        in_command |= set(range(k, k + len(body)))
+        try:
+            check_commands(rel(path), first + k, body, {})
+        except AssertionError as e:
+            bad.append(str(e).splitlines()[0])
+    for k, line in enumerate(lines):
+        if k not in in_command:
+            bad += [f"{rel(path)}:{first + k}: {f} is not an option of {rel(path)}" for f in flags_in(line) if f not in recipe_flags(name)]
+        bad += [f"{rel(path)}:{first + k}: {p}" for p in false_checkpoint_paths(line)]
+    return bad
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_docstring_runs_real_files_with_real_flags_and_names_real_outputs(name):
+    bad = recipe_docstring_claims(name)
+    assert not bad, f"recipes/{name}.py's docstring says what the code does not do:\n" + "\n".join(bad)
+
+
+def test_the_docs_name_the_checkpoints_the_default_runs_write():
+    bad = [
+        f"{rel(doc)}:{n}: {p}"
+        for doc in DOCS
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        for p in false_checkpoint_paths(line)
+    ]
+    assert not bad, "checkpoint paths in the docs that the default runs do not write:\n" + "\n".join(bad)
+
+
+def test_the_docstring_checker_sees_a_wrong_command_flag_and_checkpoint(monkeypatch):
+    assert default_checkpoints("grpo") == ("outputs/grpo", frozenset({296}))  # 9,488 prompts // 32, saved at the end
+    assert [k for k, _ in docstring_commands(["x", "    python recipes/a.py \\", "        --b 1", "python -m c"])] == [1, 3]
+    assert false_checkpoint_paths("outputs/grpo/checkpoints/global_step_296/hf, outputs/grpo-x/checkpoints/global_step_7") == []
+    assert len(false_checkpoint_paths("`outputs/grpo/checkpoints/global_step_295/hf`")) == 1
+    doc = load_recipe("rloo").__doc__
+    for planted, match in [
+        ("    python recipes/rloo.py --actor.bogus 1", "--actor.bogus is not an option of recipes/rloo.py"),
+        ("    python recipes/nope.py", "recipes/nope.py does not exist"),
+        ("the cap bites with --rollout.nn 2", "--rollout.nn is not an option of recipes/rloo.py"),
+        ("    python recipes/grpo.py --teacher outputs/rloo/checkpoints/global_step_300/hf", "--teacher is not an option"),
+        ("load outputs/rloo/checkpoints/global_step_300/hf", "global_step_300"),
+    ]:
+        src = (ROOT / "recipes" / "rloo.py").read_text().replace(doc, doc + planted + "\n", 1)
+        monkeypatch.setattr(Path, "read_text", lambda self, src=src, real=Path.read_text: src if self.name == "rloo.py" else real(self))
+        assert any(match in b for b in recipe_docstring_claims("rloo")), (planted, recipe_docstring_claims("rloo"))
+        monkeypatch.undo()
+    assert recipe_docstring_claims("rloo") == []
+
+
+ASSET_READMES = sorted((ROOT / "rlkit" / "assets").glob("*/README.md"))
+
+
+def asset_readme_claims(path: Path) -> list[str]:
+    """The `python X.py ...` / `python -m Y ...` commands an asset README names (in code spans or fences) run files
+    and modules that exist, with the flags their scripts have."""
+    bad = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        for span in re.findall(r"`(python3? [^`]+)`", line) or ([line] if re.match(r"\s*python3? ", line) else []):
+            for _, toks in commands([span]):
+                for i, tok in enumerate(toks[:-1]):
+                    script = toks[i + 1]
+                    if (
+                        re.fullmatch(r"python3?", tok)
+                        and script.endswith(".py")
+                        and not PATH.match(script)
+                        and not (ROOT / script).is_file()
+                    ):
+                        bad.append(f"{rel(path)}:{n}: {toks[i + 1]} does not exist")
+            try:
+                check_commands(rel(path), n, [span], {})
+            except AssertionError as e:
+                bad.append(str(e).splitlines()[0])
+    return bad
+
+
+@pytest.mark.parametrize("path", ASSET_READMES, ids=[p.parent.name for p in ASSET_READMES])
+def test_an_asset_readme_names_commands_that_exist(path):
+    bad = asset_readme_claims(path)
+    assert not bad, "the rebuild commands of an asset README must run: fix the command or the file\n" + "\n".join(bad)
+
+
+def test_the_asset_readme_checker_sees_a_missing_script_and_module(tmp_path):
+    assert ASSET_READMES, "rlkit/assets/*/README.md: none found"
+    readme = tmp_path / "README.md"
+    for text, match in [
+        ("Rebuild with `python -m rlkit.embedded_nope`.", "no module rlkit.embedded_nope"),
+        ("Rebuild with `python scripts/assets/nope.py --seed 0`.", "scripts/assets/nope.py does not exist"),
+        ("Rebuild with `python nope.py`.", "nope.py does not exist"),
+    ]:
+        readme.write_text(text)
+        assert any(match in b for b in asset_readme_claims(readme)), (text, asset_readme_claims(readme))
+    readme.write_text("Rebuild with `python -m rlkit.checkpoint convert x` or `python scripts/rm_demo.py run`.")
+    assert asset_readme_claims(readme) == []
+
+
+TEST_FILES = sorted(p for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_docs.py")  # this one names placeholders
+
+
+def docstring_claims_of_test(path: Path) -> list[str]:
+    """A test file's module docstring: the recipes/bench/scripts paths it names exist, its `--section.flag`s are options."""
+    first, lines = module_docstring(path)
+    bad = []
+    for k, line in enumerate(lines):
+        for p in re.findall(r"(?<![\w/])((?:recipes|bench|scripts)/[\w/.-]*\w\.(?:py|sh))", line):
+            if not (ROOT / p).is_file():
+                bad.append(f"{rel(path)}:{first + k}: {p} does not exist")
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*\.[a-z][\w.-]*[a-z0-9])", line):
+            if flag not in all_recipe_flags():
+                bad.append(f"{rel(path)}:{first + k}: {flag} is no recipe's option")
+    return bad
+
+
+def test_test_docstrings_name_real_files_and_flags():
+    bad = [b for path in TEST_FILES for b in docstring_claims_of_test(path)]
+    assert not bad, "test docstrings naming files or flags that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_test_docstring_checker_sees_a_missing_file_and_flag(tmp_path):
+    path = tmp_path / "test_x.py"
+    path.write_text('"""Runs bench/nope.py with --trainer.nope-steps 3, as recipes/grpo.py --trainer.resume does."""\n')
+    assert [b.split(": ", 1)[1] for b in docstring_claims_of_test(path)] == [
+        "bench/nope.py does not exist",
+        "--trainer.nope-steps is no recipe's option",
+    ]
 
 
 @functools.cache
@@ -353,7 +586,7 @@ def rlkit_names() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 # rollout / data / agent, whose `rollout.n` is a field, nor for data columns such as reward_model)
 CHECKED_MODULES = (
     "algos loop rewards engine protocol packing tools sandbox async_rollout workers placement checkpoint tracking errors "
-    "models tasks userfn vllm_rollout fsdp_workers megatron_workers megatron_shims ray_group embedded embedded_tools"
+    "models tasks userfn vllm_rollout fsdp_workers megatron_workers megatron_shims ray_group demos"
 ).split()
 
 
@@ -752,3 +985,192 @@ def test_readme_names_every_module_and_recipe():
     assert not want - listed, f"README.md's 'What is in the box' table lacks: {sorted(want - listed)} (add a row each)"
     gone = sorted(p for p in listed if not (ROOT / p).exists())
     assert not gone, f"README.md's 'What is in the box' table names files that do not exist: {gone}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 6. The recipe pages: one template, their flags tables as --help has them, their metrics the recipe's own
+# --------------------------------------------------------------------------------------------------------------
+
+RECIPE_PAGES = {f"docs/{r}.md": r for r in RECIPES if r != "grpo_tools"} | {"docs/agents.md": "grpo_tools"}
+TEMPLATE = ["What", "Run", "The formula beside the code", "Flags", "Metrics", "Results"]
+
+
+def page_sections(doc: str) -> dict[str, str]:
+    """`## heading` -> its text, in order (fenced blocks' `#` lines are not headings)."""
+    out, head, inside = {}, None, False
+    for line in (ROOT / doc).read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        if not inside and line.startswith("## "):
+            head = line[3:].strip()
+            out[head] = ""
+        elif head is not None:
+            out[head] += line + "\n"
+    return out
+
+
+@pytest.mark.parametrize("doc", sorted(RECIPE_PAGES))
+def test_a_recipe_page_follows_the_template(doc):
+    heads = list(page_sections(doc))
+    first = [next((t for t in TEMPLATE if re.match(rf"{t}\b(?![-\w])", h)), h) for h in heads[: len(TEMPLATE)]]
+    assert first == TEMPLATE, (
+        f"{doc}: its first sections are {heads[: len(TEMPLATE)]}; a recipe page opens with the sections {TEMPLATE}, in this "
+        "order (a heading may go on: '## Results (CPU)'); anything else goes after them, histories to docs/results.md"
+    )
+    results = page_sections(doc)[heads[5]]
+    assert re.search(rf"python recipes/{RECIPE_PAGES[doc]}\.py", results) and "|" in results, (
+        f"{doc}: its Results section holds one table and the exact `python recipes/{RECIPE_PAGES[doc]}.py ...` command that made it"
+    )
+
+
+def config_default(cfg, flag: str):
+    """The default of `--section.some-flag` / `--some-flag` in a recipe's Config (a KeyError if it has no such field)."""
+    obj, parts = cfg, flag.lstrip("-").split(".")
+    for part in parts:
+        name = part.replace("-", "_")
+        if not hasattr(obj, name):
+            raise KeyError(flag)
+        obj = getattr(obj, name)
+    return obj
+
+
+def same_default(cell: str, value) -> bool:
+    """A Flags table's default cell (`0.2`, `True`, `''`, `kl`) is the Config's value, as --help prints it."""
+    cell = cell.strip().strip("`").strip()
+    if isinstance(value, bool) or value is None:
+        return cell == str(value)
+    if isinstance(value, (int, float)):
+        try:
+            return float(cell) == float(value)
+        except ValueError:
+            return False
+    if isinstance(value, (list, tuple)):
+        return cell.split() == [str(v) for v in value]
+    return cell == (repr(value) if value == "" else str(value))
+
+
+def flags_table_claims(doc: str) -> list[str]:
+    """A recipe page's Flags table names the recipe's options with their defaults, and every option of its own (a
+    top-level Config field: --kl-coef, not a shared section's --actor.lr)."""
+    import dataclasses
+
+    name, bad, named = RECIPE_PAGES[doc], [], set()
+    cfg = load_recipe(name).Config()
+    section = next((text for head, text in page_sections(doc).items() if head.startswith("Flags")), "")
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if not row.startswith("| `--") or len(cells) < 3:
+            continue
+        for flag in re.findall(r"`(--[\w.-]+)`", cells[0]):
+            named.add(flag)
+            if flag.startswith("--no-") and f"--{flag[5:]}" in recipe_flags(name):
+                continue
+            if flag not in recipe_flags(name):
+                bad.append(f"{doc}: {flag} is not an option of recipes/{name}.py")
+                continue
+            try:
+                value = config_default(cfg, flag)
+            except KeyError:
+                continue  # an alias (--model): no field of that name
+            if not same_default(cells[1], value):
+                bad.append(f"{doc}: {flag}'s default is {value!r} in recipes/{name}.py, the table says {cells[1]}")
+    own = {
+        "--" + f.name.replace("_", "-")
+        for f in dataclasses.fields(cfg)
+        if not dataclasses.is_dataclass(getattr(cfg, f.name)) and "--" + f.name.replace("_", "-") in recipe_flags(name)
+    }
+    bad += [f"{doc}: the Flags table lacks {flag}, an option of recipes/{name}.py's own" for flag in sorted(own - named)]
+    return bad
+
+
+@pytest.mark.parametrize("doc", sorted(RECIPE_PAGES))
+def test_a_recipe_page_flags_table_is_the_recipe_help(doc):
+    bad = flags_table_claims(doc)
+    assert not bad, "a Flags table row is `| `--flag` | default | meaning |`, the default as --help prints it:\n" + "\n".join(bad)
+
+
+def test_the_flags_table_checker_sees_a_wrong_default_a_missing_flag_and_a_stale_one(monkeypatch):
+    real = Path.read_text
+    text = real(ROOT / "docs" / "gspo.md")
+    for old, new, match in [
+        ("| `--gspo-token` / `--no-gspo-token` | `False`", "| `--gspo-token` / `--no-gspo-token` | `True`", "the table says `True`"),
+        ("| `--gspo-token` / `--no-gspo-token` |", "| `--gspo-tokens` |", "--gspo-tokens is not an option"),
+        ("| `--gspo-token` / `--no-gspo-token` |", "| gspo-token |", "lacks --gspo-token"),
+    ]:
+        assert old in text, old
+        planted = text.replace(old, new)
+        monkeypatch.setattr(Path, "read_text", lambda self, t=planted: t if self.name == "gspo.md" else real(self))
+        assert any(match in b for b in flags_table_claims("docs/gspo.md")), (match, flags_table_claims("docs/gspo.md"))
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("doc", sorted(RECIPE_PAGES))
+def test_a_recipe_page_names_the_metrics_its_recipe_adds(doc, logged_keys):
+    """The keys the recipe logs that grpo.py does not, named in its Metrics section (`family/*` names a family)."""
+    name = RECIPE_PAGES[doc]
+    section = next(text for head, text in page_sections(doc).items() if head.startswith("Metrics"))
+    exact, patterns = doc_keys(section)
+    families = set(re.findall(r"`(\w+)/\*`", section))
+    base = {k for k, by in logged_keys.items() if "grpo" in by}
+    own = sorted(k for k, by in logged_keys.items() if name in by and k not in base)
+    missing = [k for k in own if k not in exact and k.split("/")[0] not in families and not any(p.match(k) for p in patterns)]
+    assert "docs/metrics.md" in section or "(metrics.md" in section, f"{doc}: its Metrics section links docs/metrics.md"
+    assert not missing, f"{doc}: recipes/{name}.py logs keys its Metrics section does not name: {missing}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 7. The default run's end point: stated in results.md, every other mention the same number
+# --------------------------------------------------------------------------------------------------------------
+
+END_POINT = re.compile(
+    r"(?i)(?:(?:default run|`python recipes/grpo\.py`).*?0\.295 (?:→|->) \**|held-out accuracy: 0\.295 at step 0 -> )(0\.\d+)"
+)
+
+
+def default_end_point() -> str:
+    """The held-out accuracy of `python recipes/grpo.py` as results.md's default-run table states it."""
+    row = next(x for x in (ROOT / "docs" / "results.md").read_text().splitlines() if x.startswith("| held-out accuracy | **0.295 → "))
+    return re.search(r"0\.295 → (0\.\d+)", row)[1]
+
+
+def test_the_default_runs_end_point_is_the_one_results_md_states():
+    want, bad = default_end_point(), []
+    for doc in DOCS:
+        if doc.name == "results.md":
+            continue
+        for n, line in enumerate(doc.read_text().splitlines(), start=1):
+            bad += [f"{rel(doc)}:{n}: 0.295 → {m[1]}" for m in END_POINT.finditer(line) if m[1] != want]
+    assert END_POINT.search("| the default run (`python recipes/grpo.py`), 296 steps | 82 s, 0.295 → 0.684 held-out |")
+    assert END_POINT.search("the last lines: `held-out accuracy: 0.295 at step 0 -> 0.684 at step 296 (+38.9 points)`")
+    assert not bad, f"the default run ends at {want} (docs/results.md); these say otherwise (link results.md instead):\n" + "\n".join(bad)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped (not `-`), spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@functools.cache
+def anchors(doc: Path) -> frozenset[str]:
+    out, inside = set(), False
+    for line in doc.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        elif not inside and re.match(r"#{1,6} ", line):
+            out.add(slug(line.lstrip("#")))
+    return frozenset(out)
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    """`[x](results.md#a-heading)`: a renamed or moved heading leaves no dead link (the recipe pages link results.md's)."""
+    assert slug("## SFT: the embedded models rebuilt by `recipes/sft.py` (2026-11-26)".lstrip("#")) == (
+        "sft-the-embedded-models-rebuilt-by-recipessftpy-2026-11-26"
+    )
+    bad = []
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text().splitlines(), start=1):
+            for target, anchor in re.findall(r"\]\(((?:[\w./-]+\.md)?)#([\w-]+)\)", line):
+                path = (doc.parent / target) if target else doc
+                if path.is_file() and anchor not in anchors(path):
+                    bad.append(f"{rel(doc)}:{n}: {target}#{anchor}")
+    assert not bad, "links to sections that do not exist (the heading was renamed?):\n" + "\n".join(bad)

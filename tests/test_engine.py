@@ -9,7 +9,7 @@ import torch
 from numerics import assert_within, entropy_tol, grad_tol, log_prob_tol, max_abs_logit, tol
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlkit import algos, embedded
+from rlkit import algos, demos
 from rlkit.config import ActorConfig, DataConfig, ModelConfig
 from rlkit.data import build_prompts
 from rlkit.engine import TorchEngine, load_model, load_tokenizer, trim_padding
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 T = 0.7  # the temperature log-probs are computed at
 B = 8  # rows per test batch
 pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (tests/numerics.py)
-CONFIG = AutoConfig.from_pretrained(embedded.MODEL_DIR)  # the tiny model's sizes, for the rounding bounds (numerics.py)
+CONFIG = AutoConfig.from_pretrained(demos.ARITH_MODEL)  # the tiny model's sizes, for the rounding bounds (numerics.py)
 
 
 def make_engine(lora_rank: int = 0, gradient_checkpointing: bool = False, **actor) -> TorchEngine:
@@ -31,7 +31,7 @@ def make_engine(lora_rank: int = 0, gradient_checkpointing: bool = False, **acto
 
 @pytest.fixture(scope="module")
 def prompt_set():
-    tok = load_tokenizer(str(embedded.MODEL_DIR))
+    tok = load_tokenizer(str(demos.ARITH_MODEL))
     return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=16)
 
 
@@ -245,7 +245,7 @@ def test_lora_reference_is_the_base_model_without_a_copy(prompt_set):
     eng = make_engine(lora_rank=4)
     assert eng.ref_model is None
     assert [v for v in vars(eng).values() if isinstance(v, torch.nn.Module)] == [eng.model]  # one model in memory
-    base = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL, dtype=torch.float32).eval()
     batch = sample(eng, prompt_set)
     mask = batch["response_mask"].bool()
     with torch.no_grad():
@@ -702,7 +702,7 @@ def test_hf_rollout_log_probs_match_the_trainers():
 
     torch.manual_seed(0)
     engine = TorchEngine(ModelConfig(), ActorConfig())
-    prompts = build_prompts([str(embedded.DATA_DIR / "val.parquet")], engine.tokenizer, DataConfig(), max_samples=6)
+    prompts = build_prompts([str(demos.ARITH_DATA / "val.parquet")], engine.tokenizer, DataConfig(), max_samples=6)
     batch = HFRollout(engine.model, engine.tokenizer, engine.device).generate(
         prompts.batch(list(range(6)), engine.tokenizer.pad_token_id).repeat(2), 8, temperature=0.7, return_log_probs=True
     )
@@ -729,7 +729,7 @@ def test_on_policy_update_without_old_log_probs_equals_the_update_with_them():
 
     torch.manual_seed(0)
     a, b = TorchEngine(ModelConfig(), ActorConfig(lr=1e-3)), TorchEngine(ModelConfig(), ActorConfig(lr=1e-3))
-    prompts = build_prompts([str(embedded.DATA_DIR / "val.parquet")], a.tokenizer, DataConfig(), max_samples=8)
+    prompts = build_prompts([str(demos.ARITH_DATA / "val.parquet")], a.tokenizer, DataConfig(), max_samples=8)
     batch = HFRollout(a.model, a.tokenizer, a.device).generate(prompts.batch(list(range(8)), a.tokenizer.pad_token_id).repeat(2), 8)
     batch["advantages"] = torch.randn(len(batch), 1) * batch["response_mask"]
     with_old = batch.union(DataProto.from_dict(tensors={"old_log_probs": a.compute_log_prob(batch, 1.0, 16)[0]}))

@@ -5,11 +5,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlkit import agent, embedded, embedded_guess, envs, loop
+from rlkit import agent, demos, envs, loop
 from rlkit.agent import AgentConfig
 from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
 from rlkit.rewards import RewardFn
+from scripts.assets import tiny_guess
 
 PROMPT = [{"role": "user", "content": "Guess my number, 1 to 15."}]
 ROW = {"prompt": PROMPT, "ground_truth": "11", "extra_info": {"lo": 1, "hi": 15}, "data_source": "rlkit/env"}
@@ -17,7 +18,7 @@ ROW = {"prompt": PROMPT, "ground_truth": "11", "extra_info": {"lo": 1, "hi": 15}
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(embedded.MODEL_DIR)  # ChatML, byte-level BPE
+    return AutoTokenizer.from_pretrained(demos.ARITH_MODEL)  # ChatML, byte-level BPE
 
 
 def test_guess_env_replies_with_the_range_left_and_rewards_the_find():
@@ -142,15 +143,53 @@ def test_loop_score_adds_the_env_reward():
 def test_guess_demo_data_and_defaults():
     import datasets
 
-    train = datasets.Dataset.from_parquet(str(embedded_guess.DATA_DIR / "train.parquet"))
-    val = datasets.Dataset.from_parquet(str(embedded_guess.DATA_DIR / "val.parquet"))
+    train = datasets.Dataset.from_parquet(str(demos.GUESS_DATA / "train.parquet"))
+    val = datasets.Dataset.from_parquet(str(demos.GUESS_DATA / "val.parquet"))
     held_out = {r["reward_model"]["ground_truth"] for r in val}
     assert len(held_out) == 5 and not held_out & {r["reward_model"]["ground_truth"] for r in train}
     assert set(train["data_source"]) == {"rlkit/env"}
     # the mixed strategy's games: binary search finds every secret of 1..15 within 4 guesses
     import random
 
-    assert all(embedded_guess.play(s, 1.0, random.Random(0))[-1] == s for s in range(1, 16))
+    assert all(tiny_guess.play(s, 1.0, random.Random(0))[-1] == s for s in range(1, 16))
+
+
+def run_config(monkeypatch, *argv):
+    """The config `python recipes/grpo_tools.py ARGV` runs with: the recipe as a script, stopped where main() starts."""
+    import runpy
+    import sys
+
+    from test_grpo_recipe import ROOT
+
+    class Parsed(Exception):
+        pass
+
+    def stop(cfg):
+        raise Parsed(cfg)
+
+    monkeypatch.setattr(loop, "setup", stop)
+    monkeypatch.setattr(sys, "argv", ["grpo_tools.py", *argv])
+    with pytest.raises(Parsed) as e:
+        runpy.run_path(str(ROOT / "recipes" / "grpo_tools.py"), run_name="__main__")
+    return e.value.args[0]
+
+
+def test_agent_env_guess_is_a_preset_and_explicit_flags_win(monkeypatch):
+    """--agent.env guess starts from the guess demo's defaults (its model, data, no tools, 4 turns, 96 tokens), chosen
+    before parsing: a flag given explicitly keeps its value even when it equals the tool demo's default."""
+    cfg = run_config(monkeypatch, "--agent.env", "guess")
+    assert (cfg.model.path, cfg.data.train_files, cfg.data.val_files) == (
+        str(demos.GUESS_MODEL),
+        [str(demos.GUESS_DATA / "train.parquet")],
+        [str(demos.GUESS_DATA / "val.parquet")],
+    )
+    assert (cfg.agent.env, cfg.agent.tools, cfg.agent.max_turns, cfg.data.max_response_length) == ("guess", "", 4, 96)
+    cfg = run_config(monkeypatch, "--agent.max-turns", "3", "--agent.env=guess", "--data.max-response-length", "64")
+    assert (cfg.agent.max_turns, cfg.data.max_response_length, cfg.model.path) == (3, 64, str(demos.GUESS_MODEL))
+    cfg = run_config(monkeypatch, "--agent.env", "guess", "--model", str(demos.CALC_MODEL), "--agent.tools", "calculator")
+    assert (cfg.model.path, cfg.agent.tools) == (str(demos.CALC_MODEL), "calculator")
+    cfg = run_config(monkeypatch)  # no preset: the tool demo
+    assert (cfg.model.path, cfg.agent.env, cfg.agent.tools, cfg.agent.max_turns) == (str(demos.CALC_MODEL), "tools", "calculator", 3)
 
 
 class Broken:

@@ -1,8 +1,11 @@
-"""Evaluation: the estimators on hand-computed values, `python -m rlkit.eval` end to end, and --trainer.val-n."""
+"""Evaluation: the estimators on hand-computed values, `python scripts/eval.py` end to end, and --trainer.val-n."""
 
+import importlib.util
 import json
 import math
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,17 @@ from rlkit.rewards import arith_score, gsm8k_flexible_score, gsm8k_lenient_score
 # pass@k is a product of at most n float64 factors, each rounded once: relative error <= n * 2**-52 (~1e-13 for
 # n = 500), so 1e-12 holds on any CPU; the hand values below are exact decimals.
 TOL = 1e-12
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_eval():
+    """scripts/eval.py as a module (registered, as an import would: tyro reads its Config's annotations)."""
+    if "rlkit_eval_script" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("rlkit_eval_script", ROOT / "scripts" / "eval.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["rlkit_eval_script"]
 
 
 def test_pass_at_k_hand_values():
@@ -86,8 +100,7 @@ def test_scorers_expose_the_answer_they_compare():
 
 def test_eval_command_end_to_end(tmp_path, capsys):
     """The embedded model on 4 val prompts x 4 samples: the printed numbers are the estimators of the jsonl's scores."""
-    from rlkit import eval as rlkit_eval
-
+    rlkit_eval = load_eval()
     cfg = rlkit_eval.Config(n=4, output=str(tmp_path / "s.jsonl"), num_threads=1)
     cfg.data.val_max_samples = 4
     metrics = rlkit_eval.main(cfg)
@@ -111,9 +124,10 @@ def test_eval_command_end_to_end(tmp_path, capsys):
 def test_eval_flags_match_the_recipes_and_mistakes_are_one_line():
     import tyro
 
-    from rlkit import eval as rlkit_eval
     from rlkit.errors import ConfigError
     from rlkit.loop import expand_aliases
+
+    rlkit_eval = load_eval()
 
     args = expand_aliases(["--model", "m", "-n", "3", "--data.val-files", "a.parquet", "--rollout.temperature", "0.7"])
     cfg = tyro.cli(rlkit_eval.Config, args=args)
@@ -164,9 +178,10 @@ def test_resume_accepts_another_val_n_and_checkpoints_saved_before_it():
 def test_an_unwritable_output_stops_before_the_model_loads(tmp_path, monkeypatch):
     """Issue #34 FAIL 11: --output where no file can be written (a folder, a path under a file) was a traceback after all
     the sampling, the samples lost; now one line before the model loads (root-proof: no permission bits involved)."""
-    from rlkit import eval as rlkit_eval
     from rlkit import workers
     from rlkit.errors import ConfigError
+
+    rlkit_eval = load_eval()
 
     monkeypatch.setattr(workers, "ActorRolloutRefWorker", lambda *a, **k: pytest.fail("the model loaded before --output was checked"))
     (tmp_path / "file").write_text("")
@@ -180,3 +195,29 @@ def test_no_parsed_answer_reports_no_maj_at_k():
     correct = [[True, False, False, False], [True, True, False, True]]
     assert "maj@2" not in estimates(correct, [[None] * 4, [None] * 4])
     assert estimates(correct, [[None] * 4, ["5", "5", None, "5"]])["maj@4"] == 0.5  # prompt 1 has no answer: wrong
+
+
+def test_chat_texts_greedy_and_sampled_on_the_shipped_model():
+    """evaluation.chat_texts, the asset builders' sampling (a model in memory): greedy, the shipped tiny-arith answers
+    its 512 held-out problems with its README's accuracy (0.295, measured when it was built); sampled, n texts per
+    prompt, reproducible from the seed, decoded without the end-of-turn token."""
+    import pandas as pd
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlkit import demos
+
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
+    val = pd.read_parquet(demos.ARITH_DATA / "val.parquet")
+    prompts = [[dict(m) for m in p] for p in val["prompt"]]
+    truth = [r["ground_truth"] for r in val["reward_model"]]
+    greedy = evaluation.chat_texts(model, tok, prompts, max_new_tokens=6)
+    assert len(greedy) == 512 and all(len(t) == 1 for t in greedy)
+    assert sum(t.strip() == g for (t,), g in zip(greedy, truth)) / 512 == pytest.approx(0.295, abs=0.01)  # 151 of 512 here
+    torch.manual_seed(0)
+    sampled = evaluation.chat_texts(model, tok, prompts[:4], n=5, temperature=1.0, batch_size=3)
+    torch.manual_seed(0)
+    assert evaluation.chat_texts(model, tok, prompts[:4], n=5, temperature=1.0, batch_size=3) == sampled
+    texts = [t for row in sampled for t in row]
+    assert [len(row) for row in sampled] == [5] * 4 and len(set(texts)) > 4 and not any("<|im" in t for t in texts)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import DataConfig
 from rlkit.data import build_prompts
 from rlkit.engine import load_tokenizer
@@ -24,7 +24,7 @@ SAMPLING = [(0.0, 1.0, 0), (1.0, 1.0, 0), (2.0, 1.0, 0), (0.7, 0.9, 20), (1.3, 0
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(str(embedded.MODEL_DIR))
+    return load_tokenizer(str(demos.ARITH_MODEL))
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def prompt_set(tok):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    return AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_growing_layer_holds_what_dynamic_layer_concatenates_in_one_buffer():
 
 def test_fast_falls_back_to_generate_when_generation_config_asks_for_more(tiny, tok, prompt_set):
     """A generation_config option only generate applies (here suppress_tokens) sends fast to generate, with a warning."""
-    model = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR).eval()
+    model = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
     model.generation_config = GenerationConfig(**{**model.generation_config.to_dict(), "suppress_tokens": [tok.convert_tokens_to_ids("5")]})
     rows = prompt_set.batch(list(range(4)), tok.pad_token_id)
     with pytest.warns(UserWarning, match="suppress_tokens"):

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
-from rlkit import algos, embedded  # noqa: E402
+from rlkit import algos, demos  # noqa: E402
 from rlkit.data import PromptLoader, build_prompts  # noqa: E402
 from rlkit.placement import build_critic, build_policy  # noqa: E402
 
@@ -89,7 +89,7 @@ def test_one_update_agrees_across_one_and_two_fsdp_workers(tmp_path, local_ray, 
     assert two_metrics["actor/grad_norm"] == pytest.approx(local_metrics["actor/grad_norm"], rel=1e-4)
     assert two_metrics["actor/pg_loss"] == pytest.approx(local_metrics["actor/pg_loss"], rel=1e-4, abs=1e-6)
     # the Hugging Face export (LoRA merged) gathered from the shards is the one-process export
-    base = load_file(embedded.MODEL_DIR / "model.safetensors")
+    base = load_file(demos.ARITH_MODEL / "model.safetensors")
     hf_local, hf_two = (load_file(tmp_path / f"hf-{w}/model.safetensors") for w in ("local", 2))
     assert set(hf_two) == set(hf_local) == set(base)
     assert _max_diff(hf_two, hf_local) <= 0.01 * _max_diff(hf_local, base)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_packing import P, make_batch
 
-from rlkit import algos, embedded, packing
+from rlkit import algos, demos, packing
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
 from rlkit.engine import TorchEngine, load_tokenizer
 from rlkit.protocol import DataProto
@@ -251,7 +251,7 @@ def _fsdp_adapter(rank: int, port: int, out, folder):
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
-        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), folder)
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL), folder)
         back = {k: v.detach().clone() for k, v in loaded.named_parameters() if "lora_" in k}
     out.put(
         (
@@ -376,7 +376,7 @@ def real_vocab_model(tmp_path_factory):
     c.tie_word_embeddings = True
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(c).save_pretrained(path)
-    load_tokenizer(str(embedded.MODEL_DIR)).save_pretrained(path)
+    load_tokenizer(str(demos.ARITH_MODEL)).save_pretrained(path)
     return str(path)
 
 
@@ -494,7 +494,7 @@ def test_hf_generation_kv_cache_is_in_the_compute_dtype_under_autocast(impl):
 
     eng = TorchEngine(ModelConfig(dtype="bfloat16"), ActorConfig(), device="cpu")
     assert eng.master_fp32
-    rollout = make_rollout(eng, RolloutConfig(hf_impl=impl), DataConfig(), str(embedded.MODEL_DIR), 0)
+    rollout = make_rollout(eng, RolloutConfig(hf_impl=impl), DataConfig(), str(demos.ARITH_MODEL), 0)
     caches = []  # the cache every forward of the generation reads and fills
     eng.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw["past_key_values"]), with_kwargs=True)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])

@@ -157,10 +157,10 @@ def body_heavy(tmp_path_factory):
     """A Qwen2 whose activations, not its logits, dominate: hidden 256, 4 layers, vocabulary 512."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from rlkit import embedded
+    from rlkit import demos
 
     folder = tmp_path_factory.mktemp("body-heavy")
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(**BODY, tie_word_embeddings=True, pad_token_id=tok.pad_token_id)).save_pretrained(folder)
     tok.save_pretrained(folder)

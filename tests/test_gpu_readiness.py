@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit import algos, embedded, loop
+from rlkit import algos, demos, loop
 from rlkit.checkpoint import rng_state
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
 from rlkit.data import build_prompts
@@ -28,7 +28,7 @@ B = 8
 
 @pytest.fixture(scope="module")
 def prompt_set():
-    tok = load_tokenizer(str(embedded.MODEL_DIR))
+    tok = load_tokenizer(str(demos.ARITH_MODEL))
     return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=B)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit import embedded
+from rlkit import demos
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_grpo_runs_learns_parameters_writes_metrics_and_checkpoints(tmp_path):
 
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("global_step_*"))
     assert ckpts == ["global_step_2", "global_step_3"]
-    before = load_file(embedded.MODEL_DIR / "model.safetensors")
+    before = load_file(demos.ARITH_MODEL / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/global_step_3/hf/model.safetensors")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before), f"unchanged parameters: {set(before) - set(changed)}"
@@ -123,7 +123,7 @@ def test_lora_run_trains_only_the_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints/global_step_2/hf")
-    base = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
+    base = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL)
     diffs = [n for (n, p), (_, q) in zip(merged.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
     assert diffs and all("proj" in n for n in diffs)  # linear layers merged with the adapter; embeddings untouched
 
@@ -184,7 +184,7 @@ def _row(prompt="What is 1+1?", answer="2"):
 def _remote_code_model(folder):
     import shutil
 
-    shutil.copytree(embedded.MODEL_DIR, folder)
+    shutil.copytree(demos.ARITH_MODEL, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(
         model_type="my_custom", auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
@@ -235,7 +235,7 @@ def test_bad_input_ends_with_one_clear_message(tmp_path, case):
         expect = ["'reward_model' must be a struct with a 'ground_truth' field"]
     elif case == "empty_dataset":
         rows = rows[:0]
-        expect = ["empty"]
+        expect = ["no rows"]
     elif case == "remote_code":
         args += ["--model.path", str(_remote_code_model(tmp_path / "remote"))]
         expect = ["ships its own modelling code", "--model.trust-remote-code"]

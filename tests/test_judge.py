@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.errors import ConfigError
 from rlkit.judge import Judge, parse_score, question_of
 from rlkit.rewards import RewardFn
+from scripts.assets import common, tiny_arith, tiny_judge
 
 # Judged texts of different lengths, so that a batch pads some of them.
 QUESTIONS = ["What is 2+3?", "What is 40+17?", "What is 9+9?", "What is 12+30?", "What is 1+1?"]
@@ -22,8 +23,8 @@ REFERENCES = ["5", "57", "18", "42", "2"]
 def judge_dir(tmp_path_factory):
     """A random tiny judge (the embedded tokenizer, a 2-layer model): its numbers are arbitrary but fixed."""
     out = tmp_path_factory.mktemp("judge")
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
-    model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden=64, seed=3)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
+    model = common.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden=64, seed=3)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -141,10 +142,9 @@ def test_the_shipped_embedded_judge_compares_the_digits():
     Measured on this set: right 0.953, same length 0.980 (194 of 198), length 0.969; on all 512 held-out problems
     right 0.979, same length 0.977; the first build (a length detector) had 0.003 on same-length answers. The bounds
     leave ~5 points of margin for another CPU's rounding of the P(y) near 0.5."""
-    from rlkit import embedded_judge
 
-    _, val = embedded.arith_problems(0)
-    judge = Judge(str(embedded_judge.MODEL_DIR), embedded_judge.TEMPLATE, yes="y", no="n", batch_size=256)
-    acc = embedded_judge.held_out_accuracy(judge, val[:64], seed=1)  # no policy samples: 64 x 5 rows, ~1 s
+    _, val = tiny_arith.arith_problems(0)
+    judge = Judge(str(demos.JUDGE_MODEL), demos.JUDGE_TEMPLATE, yes="y", no="n", batch_size=256)
+    acc = tiny_judge.held_out_accuracy(judge, val[:64], seed=1)  # no policy samples: 64 x 5 rows, ~1 s
     assert acc["counts"]["same_length"] >= 150, acc
     assert acc["right"] >= 0.9 and acc["same_length"] >= 0.93 and acc["length"] >= 0.9, acc

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: bas
 from test_fsdp import _max_diff, _rollout_batch  # noqa: E402
 from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
-from rlkit import embedded  # noqa: E402
+from rlkit import demos  # noqa: E402
 from rlkit.placement import build_policy  # noqa: E402
 from rlkit.ray_group import free_port  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_megatron_engine_needs_the_ray_backend_and_a_dividing_tp_size(tmp_path):
     from transformers import AutoConfig
 
     with pytest.raises(ConfigError, match="--trainer.tp-size 3 must divide"):
-        build_gpt(AutoConfig.from_pretrained(embedded.MODEL_DIR), 3)
+        build_gpt(AutoConfig.from_pretrained(demos.ARITH_MODEL), 3)
 
 
 def test_hf_megatron_mapping_round_trips_for_llama_and_qwen2_shapes():
@@ -160,7 +160,7 @@ def test_tp2_agrees_with_one_process_exports_hf_and_resumes(tmp_path, local_ray)
     assert (lp - batch["old_log_probs"])[mask].abs().max() < 1e-4
     assert metrics["actor/pg_loss"] == pytest.approx(local_metrics["actor/pg_loss"], rel=1e-4, abs=1e-6)
     assert metrics["actor/grad_norm"] == pytest.approx(local_metrics["actor/grad_norm"], rel=1e-4)
-    base = load_file(embedded.MODEL_DIR / "model.safetensors")
+    base = load_file(demos.ARITH_MODEL / "model.safetensors")
     hf_local, hf_meg = (load_file(tmp_path / f"hf-{w}/model.safetensors") for w in ("local", "megatron"))
     assert set(hf_meg) == set(hf_local)
     # AdamW's first steps are ~lr * sign(g): where a gradient is ~0 (rare tokens' rows of the tied embedding) float32
@@ -193,7 +193,7 @@ def test_tp2_in_bf16_with_recompute_stays_within_bf16_rounding_of_float32(tmp_pa
         group.close()
     for r in range(2):  # the shards the optimizer steps are float32 masters
         assert {v.dtype for v in torch.load(tmp_path / f"ckpt/rank{r}.pt", weights_only=True)["model"].values()} == {torch.float32}
-    hf = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
+    hf = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL)
     # the bound of test_megatron_bf16_computes_over_float32_masters_and_matches_float32 (derived there)
     n = 9 * hf.config.num_hidden_layers + 2
     bound = tol(torch.bfloat16, max_abs_logit(hf, batch), n)
@@ -234,7 +234,7 @@ def test_grpo_recipe_with_megatron_tp2_matches_fsdp_at_step_1_exports_hf_and_res
         assert {"actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"} <= set(_finite_metrics(r))
     assert rows[0]["actor/grad_norm"] > 0 and rows[1]["actor/kl_loss"] != 0  # step 2 starts from moved weights
     # the HF export: loads with from_pretrained, every tensor moved by the two updates
-    base = load_file(embedded.MODEL_DIR / "model.safetensors")
+    base = load_file(demos.ARITH_MODEL / "model.safetensors")
     after = load_file(full / "checkpoints/global_step_2/hf/model.safetensors")
     assert set(after) == set(base) and all(not torch.equal(after[k], base[k]) for k in base)
     assert AutoModelForCausalLM.from_pretrained(full / "checkpoints/global_step_2/hf").config.vocab_size == 275
@@ -272,7 +272,7 @@ def test_ppo_recipe_with_a_megatron_tp2_actor_and_an_fsdp_critic(tmp_path, local
     for r in rows:
         assert {"actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/values/mean"} <= set(_finite_metrics(r))
         assert r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0
-    base = load_file(embedded.MODEL_DIR / "model.safetensors")
+    base = load_file(demos.ARITH_MODEL / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/global_step_2/hf/model.safetensors")
     assert all(not torch.equal(after[k], base[k]) for k in base)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints/global_step_2/hf").config.vocab_size == 275
@@ -299,7 +299,7 @@ def _engine(dtype: str, checkpointing: str = "off"):
     from rlkit.megatron_workers import MegatronEngine
 
     torch.manual_seed(0)
-    cfg = ModelConfig(path=str(embedded.MODEL_DIR), dtype=dtype, gradient_checkpointing=checkpointing)
+    cfg = ModelConfig(path=str(demos.ARITH_MODEL), dtype=dtype, gradient_checkpointing=checkpointing)
     return MegatronEngine(cfg, ActorConfig(use_kl_loss=False), device="cpu")
 
 

@@ -135,11 +135,11 @@ def test_rewards_come_from_the_tasks_verifier():
 
 @needs_gym
 def test_data_task_builds_batches_like_parquet_and_the_script_writes_the_same_rows(tmp_path):
-    from rlkit import embedded
+    from rlkit import demos
     from rlkit.data import build_prompts
     from rlkit.engine import load_tokenizer
 
-    tok = load_tokenizer(str(embedded.MODEL_DIR))
+    tok = load_tokenizer(str(demos.ARITH_MODEL))
     cfg = DataConfig(
         task="reasoning_gym:chain_sum", task_options=EASY, task_format="number", task_train_size=50, task_val_size=40, max_prompt_length=128
     )

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
-from rlkit import algos, embedded, loop
+from rlkit import algos, demos, loop
 from rlkit.protocol import DataProto
 
 
@@ -24,7 +24,7 @@ def test_new_recipe_runs_and_updates_the_policy(tmp_path, name, extra):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert {"critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "val/acc"} <= set(rows[2])
-    before = load_file(embedded.MODEL_DIR / "model.safetensors")
+    before = load_file(demos.ARITH_MODEL / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/global_step_2/hf/model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit import algos, embedded
+from rlkit import algos, demos
 from rlkit.protocol import DataProto
 from rlkit.rollout import HFRollout
 
@@ -74,7 +74,7 @@ def test_ppo_trains_actor_and_critic_with_n_1_and_checkpoints_both(tmp_path):
     assert set(summary) >= {"val_acc_before", "val_acc_after"}
 
     # the actor: every parameter moved
-    before = load_file(embedded.MODEL_DIR / "model.safetensors")
+    before = load_file(demos.ARITH_MODEL / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/global_step_3/hf/model.safetensors")
     assert all(not torch.equal(before[k], after[k]) for k in before)
     # the critic: in the checkpoint, its body moved away from the policy checkpoint it started from, and it has a value head
@@ -170,7 +170,7 @@ def test_critic_values_sit_at_the_response_positions(lora_rank):
 
     tok = eng.tokenizer
     prompts = build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=6).batch(list(range(6)), tok.pad_token_id)
-    policy_model = load_model(str(embedded.MODEL_DIR), torch.float32, torch.device("cpu"))
+    policy_model = load_model(str(demos.ARITH_MODEL), torch.float32, torch.device("cpu"))
     batch = HFRollout(policy_model, tok, torch.device("cpu")).generate(prompts, 8, temperature=2.0)
     lengths = batch["response_mask"].sum(-1)
     assert len(set(lengths.tolist())) > 1
@@ -178,7 +178,7 @@ def test_critic_values_sit_at_the_response_positions(lora_rank):
     values = critic.compute_values(batch)["values"]
     assert values.shape == batch["responses"].shape
 
-    manual = AutoModelForTokenClassification.from_pretrained(embedded.MODEL_DIR, num_labels=1).eval()
+    manual = AutoModelForTokenClassification.from_pretrained(demos.ARITH_MODEL, num_labels=1).eval()
     with torch.no_grad():
         manual.score.weight.copy_(head)
         manual.score.bias.zero_()

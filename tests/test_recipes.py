@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 from test_grpo_recipe import ROOT, load_recipe, read_jsonl, run_cli, small_config
 
-from rlkit import embedded
+from rlkit import demos
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,7 @@ def test_recipe_runs_and_updates_the_policy(tmp_path, name, extra):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert {"critic/score/mean", "actor/pg_loss", "actor/grad_norm", "val/acc"} <= set(rows[2])
-    before = load_file(embedded.MODEL_DIR / "model.safetensors")
+    before = load_file(demos.ARITH_MODEL / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/global_step_2/hf/model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file
 from test_grpo_recipe import ROOT, _comparable, read_jsonl, run_cli
 
-from rlkit import embedded
+from rlkit import demos
 
 
 def _args(tmp_path, out):
     train = tmp_path / "train16.parquet"
     if not train.exists():
-        ds = datasets.load_dataset("parquet", data_files=str(embedded.DATA_DIR / "train.parquet"), split="train")
+        ds = datasets.load_dataset("parquet", data_files=str(demos.ARITH_DATA / "train.parquet"), split="train")
         ds.select(range(16)).to_parquet(str(train))
     # 16 prompts / 8 per step = 2 steps per epoch: steps 3 and 5 start a new epoch
     return [

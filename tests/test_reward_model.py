@@ -5,7 +5,7 @@ import torch
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import RewardConfig
 from rlkit.reward_model import RewardModel
 from rlkit.rewards import RewardFn
@@ -17,7 +17,7 @@ OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{
 def rm_path(tmp_path_factory):
     """A 1-output classifier with random weights and a chat template unlike the policy's."""
     path = tmp_path_factory.mktemp("rm")
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
     tok.chat_template = OTHER_TEMPLATE
     torch.manual_seed(0)
     config = LlamaConfig(

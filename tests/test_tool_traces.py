@@ -8,8 +8,9 @@ import pyarrow.parquet as pq
 from test_grpo_recipe import ROOT
 from test_sft import sft
 
-from rlkit import agent, embedded_tools, tools
+from rlkit import agent, demos, tools
 from rlkit.engine import load_tokenizer
+from scripts.assets import tiny_calc
 
 spec = importlib.util.spec_from_file_location("make_tool_traces", ROOT / "scripts" / "make_tool_traces.py")
 make_tool_traces = importlib.util.module_from_spec(spec)
@@ -27,8 +28,8 @@ def test_a_trace_is_what_the_turn_loop_renders_and_the_mask_covers_the_models_tu
     # the turn loop: the prompt as rendered for RL, the model's call + end of turn, the tool suffix, the answer + end
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     schemas = tools.Tools([tools.calculator]).schemas
-    prompt = enc(tools.render_prompt(tok, embedded_tools.mult_row(a, b, "", 0)["prompt"], schemas))
-    call, answer = enc(embedded_tools.call_text(a, b)) + [tok.eos_token_id], enc(f"={a * b}") + [tok.eos_token_id]
+    prompt = enc(tools.render_prompt(tok, tiny_calc.mult_row(a, b, "", 0)["prompt"], schemas))
+    call, answer = enc(tiny_calc.call_text(a, b)) + [tok.eos_token_id], enc(f"={a * b}") + [tok.eos_token_id]
     suffix = agent.tool_suffix_ids(tok, [{"role": "tool", "name": "calculator", "content": str(a * b)}], tok.eos_token)
     loop = prompt + call + suffix + answer
     assert ids[: len(loop)] == loop and all(m == 0 for m in mask[len(loop) :])  # after it: the template's trailing text
@@ -38,7 +39,7 @@ def test_a_trace_is_what_the_turn_loop_renders_and_the_mask_covers_the_models_tu
     sft_q = {m[1]["content"] for m in pq.read_table(paths["sft"]).column("messages").to_pylist()}
     rl = pq.read_table(paths["train"]).to_pylist() + pq.read_table(paths["val"]).to_pylist()
     assert len(rl) == 9 and not sft_q & {r["prompt"][0]["content"] for r in rl}
-    assert all(r["data_source"] == embedded_tools.DATA_SOURCE for r in rl)
+    assert all(r["data_source"] == demos.MULT_SOURCE for r in rl)
 
 
 def test_sft_trains_on_a_messages_only_parquet(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit import embedded
+from rlkit import demos
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
 from rlkit.data import build_prompts
 from rlkit.vllm_rollout import hf_weights, vllm_available
@@ -52,7 +52,7 @@ def test_lora_weights_are_streamed_merged_under_hf_names():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR)
+    base = AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -92,7 +92,7 @@ def test_lora_adapter_goes_to_dev_shm_only_when_two_adapters_fit(monkeypatch):
     from rlkit.agent import left_pad
     from rlkit.vllm_rollout import adapter_folder
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), LoraConfig(r=8, target_modules="all-linear"))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL), LoraConfig(r=8, target_modules="all-linear"))
     nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     usage, real = collections.namedtuple("usage", "total used free"), shutil.disk_usage
     for free, where in [(nbytes * 3, "/dev/shm"), (nbytes * 3 // 2, tempfile.gettempdir())]:
@@ -104,8 +104,8 @@ def test_lora_adapter_goes_to_dev_shm_only_when_two_adapters_fit(monkeypatch):
         return
     from rlkit.vllm_rollout import VLLMRollout
 
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
-    r = VLLMRollout(model, tok, str(embedded.MODEL_DIR), torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
+    r = VLLMRollout(model, tok, str(demos.ARITH_MODEL), torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
     try:  # /dev/shm still holds 1.5 adapters: the engine's adapters go to the temp folder, a sync and a generate work
         first = r.lora_request.lora_path
         r.sync_weights()
@@ -124,9 +124,9 @@ def test_lora_adapter_plan():
     from rlkit.vllm_rollout import lora_adapter_plan
 
     def peft(**kw):
-        return get_peft_model(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), LoraConfig(task_type="CAUSAL_LM", **kw))
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL), LoraConfig(task_type="CAUSAL_LM", **kw))
 
-    assert lora_adapter_plan(AutoModelForCausalLM.from_pretrained(embedded.MODEL_DIR), True) == (0, None)  # no LoRA
+    assert lora_adapter_plan(AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL), True) == (0, None)  # no LoRA
     assert lora_adapter_plan(peft(r=8, target_modules="all-linear"), True) == (8, None)
     assert lora_adapter_plan(peft(r=12, target_modules="all-linear"), True) == (16, None)  # vLLM's ranks: 1, 8, 16, 32, ...
     assert "no-lora-adapter-sync" in lora_adapter_plan(peft(r=8, target_modules="all-linear"), False)[1]
@@ -148,7 +148,7 @@ def test_unknown_rollout_name_is_rejected():
 def long_model(tmp_path_factory):
     """The embedded model with max_position_embeddings 1024 (RoPE: the weights work past 128)."""
     path = tmp_path_factory.mktemp("longtiny")
-    shutil.copytree(embedded.MODEL_DIR, path, dirs_exist_ok=True)
+    shutil.copytree(demos.ARITH_MODEL, path, dirs_exist_ok=True)
     cfg = json.loads((path / "config.json").read_text())
     cfg["max_position_embeddings"] = 1024
     (path / "config.json").write_text(json.dumps(cfg))

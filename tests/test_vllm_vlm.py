@@ -21,10 +21,11 @@ import torch
 from test_grpo_recipe import load_recipe, read_jsonl
 from test_vlm import vlm_config
 
-from rlkit import embedded_vlm, vlm
+from rlkit import demos, vlm
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
 from rlkit.errors import ConfigError
 from rlkit.vllm_rollout import fold_image_pads, vllm_available
+from scripts.assets import tiny_vlm
 
 LOGPROB_ATOL = 1e-4
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
@@ -47,8 +48,8 @@ def test_unserved_architecture_and_ray_workers_are_refused_with_one_line(monkeyp
     with pytest.raises(ConfigError, match="serves Qwen3VLForConditionalGeneration only with torchvision installed"):
         serve_vlm(SimpleNamespace(architectures=["Qwen3VLForConditionalGeneration"]))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    processor = embedded_vlm.build_processor()
-    model = embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer))
+    processor = tiny_vlm.build_processor()
+    model = tiny_vlm.build_model(tiny_vlm.tiny_config(processor.tokenizer))
     with pytest.raises(ConfigError, match="runs its engine in the trainer's process only"):
         VLLMRollout(model, processor.tokenizer, "unused", torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
 
@@ -59,9 +60,7 @@ def worker():
 
     data = DataConfig(task="colour_codeword", max_response_length=5)
     actor = ActorConfig(use_kl_loss=False)
-    return ActorRolloutRefWorker(
-        ModelConfig(path=str(embedded_vlm.MODEL_DIR)), actor, RolloutConfig(name="vllm"), data, device="cpu", seed=1
-    )
+    return ActorRolloutRefWorker(ModelConfig(path=str(demos.VLM_MODEL)), actor, RolloutConfig(name="vllm"), data, device="cpu", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +166,9 @@ def test_random_tiny_qwen25_vl_log_probs_match_the_trainer(tmp_path):
     from rlkit.data import build_prompts
     from rlkit.workers import ActorRolloutRefWorker
 
-    processor = embedded_vlm.build_processor("qwen2_5_vl")
+    processor = tiny_vlm.build_processor("qwen2_5_vl")
     folder = tmp_path / "qwen2_5_vl"
-    embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind="qwen2_5_vl"), seed=0).save_pretrained(folder)
+    tiny_vlm.build_model(tiny_vlm.tiny_config(processor.tokenizer, kind="qwen2_5_vl"), seed=0).save_pretrained(folder)
     processor.save_pretrained(folder)
     data = DataConfig(task="colour_codeword", task_val_size=8, max_response_length=5)
     w = ActorRolloutRefWorker(
@@ -192,9 +191,9 @@ def test_grpo_step_with_vllm_rollout(tmp_path, kind):
     if kind == "embedded":
         path = "embedded-vlm"
     else:
-        processor = embedded_vlm.build_processor(kind)
+        processor = tiny_vlm.build_processor(kind)
         folder = tmp_path / kind
-        embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind=kind), seed=0).save_pretrained(folder)
+        tiny_vlm.build_model(tiny_vlm.tiny_config(processor.tokenizer, kind=kind), seed=0).save_pretrained(folder)
         processor.save_pretrained(folder)
         path = str(folder)
     grpo = load_recipe("grpo")

@@ -9,22 +9,23 @@ import pytest
 import torch
 from test_grpo_recipe import load_recipe, read_jsonl
 
-from rlkit import embedded_vlm, vlm
+from rlkit import demos, vlm
 from rlkit.protocol import DataProto
+from scripts.assets import tiny_vlm
 
 
 @pytest.fixture(scope="module")
 def processor():
-    return embedded_vlm.build_processor()
+    return tiny_vlm.build_processor()
 
 
 @pytest.fixture(scope="module")
 def model(processor):
-    return embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer), seed=0).eval()
+    return tiny_vlm.build_model(tiny_vlm.tiny_config(processor.tokenizer), seed=0).eval()
 
 
 def rows_with_distinct_images(n: int) -> list[dict]:
-    return embedded_vlm.task_rows(n, seed=7, split="train")
+    return demos.task_rows(n, seed=7, split="train")
 
 
 def test_placeholders_become_image_parts_and_pad_tokens_match_the_grid(processor):
@@ -68,7 +69,7 @@ def test_rollout_never_samples_a_vision_token(processor, model):
     tok = processor.tokenizer
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     rows = rows_with_distinct_images(4)
-    input_ids, attn, mm = embedded_vlm.encode(processor, rows)
+    input_ids, attn, mm = tiny_vlm.encode(processor, rows)
     prompts = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attn}, non_tensors={vlm.MM_KEY: mm})
     hook = model.lm_head.register_forward_hook(
         lambda m, i, out: out.index_add(-1, torch.tensor([pad]), torch.full((*out.shape[:-1], 1), 100.0))
@@ -96,10 +97,10 @@ def test_log_probs_use_mrope_positions_and_do_not_depend_on_the_micro_batch(proc
     from rlkit.engine import TorchEngine
     from rlkit.rollout import HFRollout
 
-    engine = TorchEngine(ModelConfig(path=str(embedded_vlm.MODEL_DIR)), None, "cpu", need_ref=False)
+    engine = TorchEngine(ModelConfig(path=str(demos.VLM_MODEL)), None, "cpu", need_ref=False)
     assert engine.vlm and not engine.remove_padding
     rows = rows_with_distinct_images(5)
-    input_ids, attn, mm = embedded_vlm.encode(processor, rows)
+    input_ids, attn, mm = tiny_vlm.encode(processor, rows)
     mm_col = np.empty(len(mm), dtype=object)
     mm_col[:] = mm
     prompts = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attn}, non_tensors={vlm.MM_KEY: mm_col})
@@ -159,15 +160,13 @@ def test_vlm_recipe_step_updates_the_language_model_and_exports_the_processor(tm
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and np.isfinite(rows[1]["actor/pg_loss"])
     hf = tmp_path / "checkpoints/global_step_1/hf"
-    before = load_file(embedded_vlm.MODEL_DIR / "model.safetensors")
+    before = load_file(demos.VLM_MODEL / "model.safetensors")
     after = load_file(hf / "model.safetensors")
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all("visual" not in k for k in moved)
     assert any(k.startswith("model.layers.") for k in moved)  # the language model (saved in the hub checkpoint's names)
     proc = vlm.load_processor(str(hf))
-    ids, mm = vlm.render(
-        proc, [[{"role": "user", "content": embedded_vlm.QUESTION}]], [[vlm.png_bytes(embedded_vlm.draw("RGB", random.Random(0)))]]
-    )
+    ids, mm = vlm.render(proc, [[{"role": "user", "content": demos.QUESTION}]], [[vlm.png_bytes(demos.draw("RGB", random.Random(0)))]])
     assert mm[0]["image_grid_thw"].tolist() == [[1, 2, 6]]
     # Where torchvision is installed AutoProcessor also builds the video processor: transformers must find its
     # settings in the export (here the image processor's own file, as in hub checkpoints), or it stops with an OSError.
@@ -181,8 +180,8 @@ def test_random_tiny_qwen25_and_qwen3_vl_run_a_grpo_step(tmp_path, kind):
     """A Qwen2.5-VL-shaped model (window-attention vision tower) and a Qwen3-VL-shaped one (patch 16, interleaved
     M-RoPE, deepstack), built from random configs, take the same path as a hub checkpoint
     (--model Qwen/Qwen2.5-VL-3B-Instruct): rollout, log-probs, update, export."""
-    processor = embedded_vlm.build_processor(kind)
-    model = embedded_vlm.build_model(embedded_vlm.tiny_config(processor.tokenizer, kind=kind), seed=0)
+    processor = tiny_vlm.build_processor(kind)
+    model = tiny_vlm.build_model(tiny_vlm.tiny_config(processor.tokenizer, kind=kind), seed=0)
     folder = tmp_path / kind
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
@@ -207,7 +206,7 @@ def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
         vlm.render(processor, [rows[0]["prompt"], [{"role": "user", "content": "<image><image>Two?"}]], [r["images"] for r in rows])
     cfg = DataConfig(task="colour_codeword", task_train_size=4, task_val_size=2, truncation="left")
     with pytest.raises(ConfigError, match="--data.truncation left would cut image tokens"):
-        build_prompts([], load_tokenizer(str(embedded_vlm.MODEL_DIR)), cfg, split="train")
+        build_prompts([], load_tokenizer(str(demos.VLM_MODEL)), cfg, split="train")
 
 
 def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
@@ -217,8 +216,8 @@ def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
     from rlkit.data import build_prompts
     from rlkit.engine import load_tokenizer
 
-    tok = load_tokenizer(str(embedded_vlm.MODEL_DIR))
-    files = [str(embedded_vlm.DATA_DIR / "val.parquet")]
+    tok = load_tokenizer(str(demos.VLM_MODEL))
+    files = [str(demos.COLOUR_DATA / "val.parquet")]
     from_file = build_prompts(files, tok, DataConfig(train_files=files, val_files=[]), max_samples=8)
     generated = build_prompts([], tok, DataConfig(task="colour_codeword", task_val_size=8), split="val")
     assert from_file.input_ids == generated.input_ids
@@ -247,7 +246,7 @@ def test_vlm_grpo_step_on_ray_with_two_fsdp_workers(tmp_path):
         ray.shutdown()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[-1]["step"] == 1 and rows[-1]["actor/grad_norm"] > 0
-    before = load_file(embedded_vlm.MODEL_DIR / "model.safetensors")
+    before = load_file(demos.VLM_MODEL / "model.safetensors")
     after = load_file(tmp_path / "checkpoints/global_step_1/hf/model.safetensors")
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all("visual" not in k for k in moved)
@@ -258,11 +257,11 @@ def test_rows_with_two_one_and_no_images_collate_and_split_back(processor):
     """Images per row 2, 0, 1: the batch's pixels are the rows' in order (image j owns grid_thw[j].prod() rows), a row
     without images adds none, and split_by_image returns each row's own."""
     rng = random.Random(0)
-    imgs = [[vlm.png_bytes(embedded_vlm.draw(s, rng)) for s in seqs] for seqs in (["RGB", "CMY"], [], ["BBB"])]
+    imgs = [[vlm.png_bytes(demos.draw(s, rng)) for s in seqs] for seqs in (["RGB", "CMY"], [], ["BBB"])]
     prompts = [
         [{"role": "user", "content": "<image>then<image>Name the colours."}],
         [{"role": "user", "content": "Name the colours."}],
-        [{"role": "user", "content": embedded_vlm.QUESTION}],
+        [{"role": "user", "content": demos.QUESTION}],
     ]
     ids, mm = vlm.render(processor, prompts, imgs)
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -323,4 +322,4 @@ def test_an_image_column_not_named_images_is_refused_with_a_hint(tmp_path):
         str(path)
     )
     with pytest.raises(ConfigError, match="column 'image' is not read; name it 'images'"):
-        build_prompts([str(path)], load_tokenizer(str(embedded_vlm.MODEL_DIR)), DataConfig(train_files=[str(path)], val_files=[]))
+        build_prompts([str(path)], load_tokenizer(str(demos.VLM_MODEL)), DataConfig(train_files=[str(path)], val_files=[]))

@@ -13,45 +13,27 @@
 The supervised games are built token in / token out, like the rollouts (the reply segments come from
 `rlkit.agent.tool_suffix_ids`, masked). Rebuild everything, deterministically, with::
 
-    python -m rlkit.embedded_guess        # 300 SFT steps: 3.5 min of CPU (17 min on 2 shared cores)
+    python scripts/assets/tiny_guess.py        # 300 SFT steps: 3.5 min of CPU (17 min on 2 shared cores)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
+import sys
 from pathlib import Path
 
-from rlkit.embedded import ASSETS, build_model, build_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: rlkit and scripts.assets of this checkout
 
-MODEL_DIR = ASSETS / "tiny-guess"
-DATA_DIR = ASSETS / "guess"
+from rlkit.demos import GUESS_DATA, GUESS_MODEL  # noqa: E402
+from scripts.assets import common  # noqa: E402
+
 LO, HI, MAX_GUESSES = 1, 15, 4
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def use_defaults(cfg) -> None:
-    """--agent.env guess on recipes/grpo_tools.py: this demo's model, data and limits wherever the command line left
-    the tool demo's defaults (no tools offered, --agent.max-turns 4, --data.max-response-length 96)."""
-    from rlkit import embedded_tools
-
-    if cfg.model.path == str(embedded_tools.MODEL_DIR):
-        cfg.model.path = str(MODEL_DIR)
-    if cfg.data.train_files == [str(embedded_tools.DATA_DIR / "train.parquet")]:
-        cfg.data.train_files = [str(DATA_DIR / "train.parquet")]
-    if cfg.data.val_files == [str(embedded_tools.DATA_DIR / "val.parquet")]:
-        cfg.data.val_files = [str(DATA_DIR / "val.parquet")]
-    if cfg.agent.tools == "calculator":
-        cfg.agent.tools = ""
-    if cfg.agent.max_turns == 3:
-        cfg.agent.max_turns = MAX_GUESSES
-    if cfg.data.max_response_length == 64:  # 4 guesses and 3 replies of ~20 tokens
-        cfg.data.max_response_length = 96
 
 
 def guess_row(secret: int, split: str, index: int) -> dict:
@@ -102,13 +84,16 @@ def trace(secret: int, guesses: list[int]) -> list[dict]:
 
 
 def build(
-    steps: int = 300, midpoint_share: float = 0.3, games: int = 4000, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR
+    steps: int = 300,
+    midpoint_share: float = 0.3,
+    games: int = 4000,
+    seed: int = 0,
+    out_dir: Path = GUESS_MODEL,
+    data_dir: Path = GUESS_DATA,
 ) -> Path:
     """Write the task parquet files and train + save the guessing model."""
     import datasets
     import torch
-
-    from rlkit.embedded import save_asset, sft_traces, warm_start
 
     torch.manual_seed(seed)
     train, val = secrets(seed)
@@ -121,21 +106,23 @@ def build(
     corpus = [
         f"Guess my number, {LO} to {HI}. higher: {a} to {b} lower: {a} to {b} a number please" for a in range(LO, HI + 1) for b in (a, HI)
     ]
-    tok = build_tokenizer(corpus + ["user assistant system"])
+    tok = common.build_tokenizer(corpus + ["user assistant system"])
     tok.chat_template = CHAT_TEMPLATE
-    model = build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
+    model = common.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
     convs = [trace(s, play(s, midpoint_share, rng)) for s in (rng.choice(train) for _ in range(games))]
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     # the supervised pass is recipes/sft.py (lr 2e-3, warm-up 50, batch 64)
-    model = warm_start(model, tok, sft_traces(convs, steps, 64, seed), steps, lr=2e-3, warmup=50, seed=seed, max_response_length=128)
-    return save_asset(
+    model = common.warm_start(
+        model, tok, common.sft_traces(convs, steps, 64, seed), steps, lr=2e-3, warmup=50, seed=seed, max_response_length=128
+    )
+    return common.save_asset(
         model,
         tok,
         out_dir,
         f"rlkit's embedded guess-the-number model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps on "
         f"{games} games of {LO}..{HI}, {midpoint_share:.0%} of the turns bisecting, the rest scanning up (seed {seed}). "
-        "Rebuild with `python -m rlkit.embedded_guess`.\n",
+        "Rebuild with `python scripts/assets/tiny_guess.py`.\n",
     )
 
 
@@ -144,9 +131,7 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=300, help="SFT steps")
     ap.add_argument("--midpoint-share", type=float, default=0.3, help="share of the supervised turns that bisect")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    ap.add_argument("--out", type=Path, default=GUESS_MODEL)
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
+    common.set_threads()
     print(json.dumps({"saved": str(build(args.steps, args.midpoint_share, seed=args.seed, out_dir=args.out))}))

@@ -1,7 +1,7 @@
 """Evaluate a model with n samples per prompt: mean@n, unbiased pass@k, maj@k (docs/eval.md).
 
-    python -m rlkit.eval -n 4                                     # the embedded model on its val set
-    python -m rlkit.eval --model outputs/grpo/checkpoints/global_step_296/hf \\
+    python scripts/eval.py -n 4                                   # the embedded model on its val set
+    python scripts/eval.py --model outputs/grpo/checkpoints/global_step_296/hf \\
         --data.val-files gsm8k/test.parquet --data.max-response-length 512 -n 16
 
 Samples every prompt of --data.val-files (at most --data.val-max-samples) n times at --rollout.temperature,
@@ -21,9 +21,12 @@ from typing import Annotated
 import torch
 import tyro
 
-from rlkit import evaluation
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig
-from rlkit.errors import ConfigError
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlkit import evaluation  # noqa: E402
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig  # noqa: E402
+from rlkit.errors import ConfigError  # noqa: E402
 
 
 @dataclass

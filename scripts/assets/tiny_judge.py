@@ -1,13 +1,13 @@
 """The embedded judge demo: a tiny model trained to answer "is this response correct? y/n" gives GRPO its reward.
 
-    python -m rlkit.embedded_judge                     # build rlkit/assets/tiny-judge (~30 min on 2 busy CPU cores)
-    python recipes/grpo.py --reward.custom-fn rlkit.embedded_judge:judge_score
+    python scripts/assets/tiny_judge.py                     # build rlkit/assets/tiny-judge (~30 min on 2 busy CPU cores)
+    python recipes/grpo.py --reward.custom-fn rlkit.demos:judge_score
 
 `tiny-judge/` is the embedded task's tokenizer and a ~0.5M-parameter model trained by recipes/sft.py to answer "y" or
-"n" after (reference, response) of the embedded addition task (rlkit/embedded.py): half the examples right, half
+"n" after (reference, response) of the embedded addition task (scripts/assets/tiny_arith.py): half the examples right, half
 wrong, mostly of the reference's length (KINDS: a digit substituted, two swapped, +-1/+-10, the policy's own sampled
-mistakes), so that it must compare the digits; TEMPLATE right-aligns both numbers so equal place values sit at a
-fixed distance. `build` measures its held-out accuracy per kind (held_out_accuracy). `judge_score` is
+mistakes), so that it must compare the digits; JUDGE_TEMPLATE right-aligns both numbers so equal place values sit at a
+fixed distance. `build` measures its held-out accuracy per kind (held_out_accuracy). `judge_score` (rlkit/demos.py) is
 rlkit.judge.Judge on it in mode "p_yes" (the reward is P(y)), a @batched("batch") reward function; it also reports
 the exact scorer's verdict as "acc" (so reward/acc and val/acc measure what the policy really learned while the
 judge's P(y) is what it is trained on). docs/judge.md.
@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
+import sys
 from pathlib import Path
 
-from rlkit import embedded
-from rlkit.judge import Judge, question_of
-from rlkit.rewards import batched
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: rlkit and scripts.assets of this checkout
 
-MODEL_DIR = embedded.ASSETS / "tiny-judge"
-TEMPLATE = "{reference:>4}\n{response:>4}"  # right-aligned: equal place values 5 tokens apart; no {question} (see build)
-YES, NO = "y", "n"
-
+from rlkit.demos import ARITH_MODEL, JUDGE_MODEL, JUDGE_TEMPLATE, NO, YES  # noqa: E402
+from rlkit.judge import Judge  # noqa: E402
+from scripts.assets import common, tiny_arith  # noqa: E402
 
 KINDS = ("substitution", "swap", "near", "policy", "length")
 """How a wrong response is wrong: substitution (one digit replaced, same length), swap (two different digits
@@ -74,13 +71,13 @@ def wrong_answer(answer: int, rng: random.Random, kind: str | None = None, sampl
 
 def policy_mistakes(pairs, samples: int = 4, seed: int = 0) -> dict:
     """{(a, b): the distinct wrong answers among `samples` of the embedded policy's at temperature 1}."""
-    prompts = [embedded.arith_row(a, b, "", 0)["prompt"] for a, b in pairs]
-    answers = embedded.sample_answers(prompts, samples, seed)
+    prompts = [tiny_arith.arith_row(a, b, "", 0)["prompt"] for a, b in pairs]
+    answers = tiny_arith.sample_answers(prompts, samples, seed)
     return {(a, b): sorted({x.strip() for x in xs} - {str(a + b)}) for (a, b), xs in zip(pairs, answers)}
 
 
 def prompt(a: int, b: int, response: str) -> str:
-    return TEMPLATE.format(question=f"What is {a}+{b}?", reference=str(a + b), response=response)
+    return JUDGE_TEMPLATE.format(question=f"What is {a}+{b}?", reference=str(a + b), response=response)
 
 
 def examples(pairs, rng: random.Random, mistakes: dict) -> list[list[dict]]:
@@ -123,42 +120,29 @@ def held_out_accuracy(judge: Judge, pairs, seed: int = 1, mistakes: dict | None 
     return out
 
 
-def build(steps: int = 1200, seed: int = 0, out_dir: Path = MODEL_DIR, hidden: int = 128, lr: float = 1e-3, wd: float = 0.1) -> dict:
+def build(steps: int = 1200, seed: int = 0, out_dir: Path = JUDGE_MODEL, hidden: int = 128, lr: float = 1e-3, wd: float = 0.1) -> dict:
     """Train + save the judge; returns its held-out accuracy by kind of response (held_out_accuracy)."""
     import torch
     from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
-    tok = AutoTokenizer.from_pretrained(embedded.MODEL_DIR)
-    train, val = embedded.arith_problems(0)  # the task's own split: the judge never trains on a held-out problem
+    tok = AutoTokenizer.from_pretrained(ARITH_MODEL)
+    train, val = tiny_arith.arith_problems(0)  # the task's own split: the judge never trains on a held-out problem
     mistakes = policy_mistakes(train[:3000] + val, seed=seed)  # the policy kind on 3,000 of the train problems
     rng = random.Random(seed)
-    model = embedded.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden=hidden, seed=seed)
+    model = common.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, hidden=hidden, seed=seed)
     # the supervised pass is recipes/sft.py (warm-up 50, batch 64)
-    convs = examples(embedded.sft_traces(train, steps, 64, seed), rng, mistakes)
-    model = embedded.warm_start(model, tok, convs, steps, lr=lr, warmup=50, seed=seed, weight_decay=wd)
-    out_dir = embedded.save_asset(model, tok, out_dir)
-    acc = held_out_accuracy(Judge(str(out_dir), TEMPLATE, yes=YES, no=NO, batch_size=256), val, seed + 1, mistakes)
+    convs = examples(common.sft_traces(train, steps, 64, seed), rng, mistakes)
+    model = common.warm_start(model, tok, convs, steps, lr=lr, warmup=50, seed=seed, weight_decay=wd)
+    out_dir = common.save_asset(model, tok, out_dir)
+    acc = held_out_accuracy(Judge(str(out_dir), JUDGE_TEMPLATE, yes=YES, no=NO, batch_size=256), val, seed + 1, mistakes)
     (out_dir / "README.md").write_text(
         f"rlkit's embedded judge: {sum(x.numel() for x in model.parameters()):,} parameters (hidden {hidden}), {steps} SFT "
         f"steps (lr {lr}, weight decay {wd}) answering y/n to (reference, response) of the embedded addition task (seed {seed}). "
         f"Held-out verdict accuracy on the task's 512 held-out problems, by kind of response: {json.dumps(acc)}. "
-        "Rebuild with `python -m rlkit.embedded_judge`.\n"
+        "Rebuild with `python scripts/assets/tiny_judge.py`.\n"
     )
     return {"saved": str(out_dir), "held_out": acc}
-
-
-_JUDGE = Judge(str(MODEL_DIR), TEMPLATE, yes=YES, no=NO, batch_size=64)  # loaded at its first call
-
-
-@batched("batch")
-def judge_score(data_sources, solution_strs, ground_truths, extra_infos, groups, prompts) -> list[dict]:
-    """The reward is the tiny judge's P(y); "acc" is the exact scorer's verdict (rlkit/arith), for measurement only."""
-    p = _JUDGE.score([question_of(q) for q in prompts], [s.strip() for s in solution_strs], ground_truths)
-    return [{"score": x, "acc": float(s.strip() == str(t))} for x, s, t in zip(p, solution_strs, ground_truths)]
-
-
-judge_score.in_process = True  # the judge model runs in the trainer; nothing parses text here
 
 
 if __name__ == "__main__":
@@ -168,9 +152,7 @@ if __name__ == "__main__":
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--wd", type=float, default=0.1, help="AdamW weight decay")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    ap.add_argument("--out", type=Path, default=JUDGE_MODEL)
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
+    common.set_threads()
     print(json.dumps(build(args.steps, args.seed, args.out, args.hidden, args.lr, args.wd)))

