@@ -477,6 +477,10 @@ class _Env:
     def step(self, action):
         if self.how == "huge":
             return [{"role": "user", "content": "x" * 10_000_000}], 0.0, False
+        if self.how == "hang":
+            time.sleep(3600)  # a step that never returns
+        if self.how in ("nan", "inf"):
+            return [{"role": "user", "content": "go on"}], float(self.how), False
         return [], float(int("9" * 5000)), True
 
 
@@ -501,6 +505,37 @@ def env_bad_actions(tmp: Path):
         if getattr(ep, stat) != 1:
             return f"{how}: {stat} = {getattr(ep, stat)}"
     return None if time.monotonic() - start < 30 else f"took {time.monotonic() - start:.0f} s"
+
+
+def env_step_faults(tmp: Path):
+    """A turn loop of 4 episodes: one env step hangs, one returns a NaN reward, one an infinite one, one is GuessEnv:
+    the three end with their reasons (agent/env_errors/timeout, nonfinite_reward) after --agent.max-step-seconds 1,
+    the fourth finds its number, and the batch's rewards stay finite, within 30 s."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    from rlkit import agent, demos, envs
+
+    tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
+    turn = tok("8", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    sample = lambda contexts, budgets: [(turn, [0.0] * len(turn)) for _ in contexts]  # noqa: E731
+    made = iter([_Env("hang"), _Env("nan"), _Env("inf"), envs.GuessEnv()])
+    rows = [{}] * 3 + [{"prompt": [{"role": "user", "content": "Guess."}], "ground_truth": "8", "extra_info": {}}]
+    cfg = agent.AgentConfig(max_turns=2, max_step_seconds=1.0)
+    start = time.monotonic()
+    eps = agent.run_turns(sample, [[5]] * 4, tok, None, cfg, 4096, [tok.eos_token_id], make_env=lambda: next(made), rows=rows)
+    seconds = time.monotonic() - start
+    reasons = [e.env_error for e in eps]
+    if reasons != ["timeout", "nonfinite_reward", "nonfinite_reward", ""] or eps[3].reward != 1.0:
+        return f"reasons {reasons}, rewards {[e.reward for e in eps]}"
+    batch = agent.assemble_episodes(agent.left_pad([[5]] * 4, tok.pad_token_id), eps, 4096, tok.pad_token_id)
+    m = agent.agent_metrics(batch)
+    if (m["agent/env_errors/timeout"], m["agent/env_errors/nonfinite_reward"]) != (1.0, 2.0):
+        return f"metrics {m}"
+    if not all(math.isfinite(e.reward) for e in eps) or not batch["turn_reward"].isfinite().all():
+        return "a non-finite reward reached the batch"
+    return None if seconds < 30 else f"took {seconds:.0f} s"
 
 
 def _boxed(code: str, need: str, **env) -> str | None:
@@ -790,6 +825,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     ),
     "reward_prints_at_import": ("a reward file printing 9 KB at import -> the run trains, status 0", reward_prints_at_import, 240),
     "reward_hangs_raise": ("--reward.on-error raise and every call hanging -> one line within 5 s", reward_hangs_raise, 120),
+    "env_step_faults": ("env steps that hang, or give a NaN or inf reward -> that episode ends, reason counted", env_step_faults, 120),
     "env_bad_actions": ("a 5,000-digit guess, an env raising on the action, a 10 MB observation -> counted, cut", env_bad_actions, 120),
     "sandbox_disk_fill": ("sandboxed code writes files in a loop -> ENOSPC at the quota", sandbox_disk_fill, 120),
     "sandbox_credentials": ("gh, kaggle, .env, $HF_HOME/token credential files -> unreadable in the sandbox", sandbox_credentials, 120),

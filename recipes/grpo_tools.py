@@ -45,6 +45,7 @@ step: pi_old = pi, so rho = 1.
 """
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rlkit import agent, algos, demos, loop
 from rlkit.agent import AgentConfig
@@ -82,6 +83,13 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     norm_adv_by_std_in_grpo: bool = True
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
+    turn_credit: Literal["outcome", "return_to_go", "step_group", "turn_baseline"] = "outcome"
+    """how an episode's rewards become each turn's advantage (docs/agents.md): outcome (the summed
+    reward, GRPO; every turn the same), return_to_go (each turn's discounted return vs the group),
+    step_group (GiGPO: + a step advantage among turns that answered the same observation),
+    turn_baseline (a leave-one-out baseline per turn index)"""
+    turn_gamma: float = 1.0
+    """the discount over turns of --turn-credit return_to_go, step_group and turn_baseline"""
 
 
 @dataclass
@@ -141,6 +149,16 @@ def make_actor_loss(cfg: Config):
     return actor_loss
 
 
+# ALGO LOGIC: per-turn advantages (B*n, T) from per-turn rewards (--turn-credit; rlkit/algos.py)
+def turn_advantages(cfg: Config, rewards, exists, keys, uid):
+    g, std = cfg.turn_gamma, cfg.norm_adv_by_std_in_grpo
+    if cfg.turn_credit == "return_to_go":  # (G_ik - mean_g G_.0) / std_g G_.0
+        return algos.return_to_go_advantage(rewards, exists, uid, g, std)
+    if cfg.turn_credit == "step_group":  # A^E_i + A^S_ik, step groups: same uid, same observation
+        return algos.step_group_advantage(rewards, exists, uid, keys, g, 1.0, std)
+    return algos.per_turn_baseline_advantage(rewards, exists, uid, g)  # G_ik - mean_{j != i} G_jk
+
+
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size checks
@@ -149,6 +167,8 @@ def main(cfg: Config) -> dict:
             "GRPO needs --rollout.n >= 2: "
             "the advantage compares each response with the others of its group"
         )
+    if not 0.0 <= cfg.turn_gamma <= 1.0:
+        raise ConfigError(f"--turn-gamma {cfg.turn_gamma}: must be in [0, 1] (1 = no discount)")
     # rlkit/tools.py: calculator, python
     tools = tools_from_names(
         cfg.agent.tools, cfg.agent.max_tool_response_chars, cfg.agent.sandbox_level
@@ -197,6 +217,12 @@ def main(cfg: Config) -> dict:
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
             advantages = algos.grpo_advantage(scores, batch["uid"], cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
+            # ALGO LOGIC: or per turn: each sampled token gets its turn's advantage (--turn-credit)
+            turns = agent.turn_rewards(batch, scores)  # rewards, exists, keys: (B*n, T)
+            if cfg.turn_credit != "outcome":
+                adv = turn_advantages(cfg, *turns, batch["uid"])  # (B*n, T)
+                mask = batch["response_mask"]
+                batch["advantages"] = algos.turn_token_advantages(adv, batch["turn_index"], mask)
 
             with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
                 actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
@@ -209,6 +235,7 @@ def main(cfg: Config) -> dict:
         }
         # turns, tool calls / errors / timeouts / time, stopped by a limit, tokens
         metrics.update(agent.agent_metrics(batch))
+        metrics.update(agent.turn_metrics(batch, turns[0], turns[1], batch["advantages"]))
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

@@ -28,7 +28,11 @@ Limits (AgentConfig): assistant turns, tool calls, and the response budget (samp
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -59,6 +63,9 @@ class AgentConfig:
     """a tool's output is cut in the middle to this many characters"""
     max_observation_chars: int = 8192
     """an environment's observation message is cut in the middle to this many characters (agent/obs_truncated)"""
+    max_step_seconds: float = 120.0
+    """an environment step that takes longer ends its episode (agent/env_errors/timeout; the step is abandoned); 0 = no limit;
+    an env class with step_many (the tools) bounds its own steps"""
     sandbox_level: Literal["process", "network", "strict"] = "process"
     """the least isolation the python tool may run under, else stop before the model loads (see docs/sandbox.md)"""
 
@@ -78,15 +85,20 @@ class Episode:
     tool_time: float = 0.0
     stopped_by_limit: bool = False
     env_errors: int = 0  # steps whose env raised or returned something malformed (the episode ended there)
+    env_error: str = ""  # why: one of ENV_ERRORS (raised, malformed, timeout, nonfinite_reward); "" = none
     obs_truncated: int = 0  # observation messages cut to --agent.max-observation-chars
     done: bool = False
     reward: float = 0.0  # the sum of the env's step rewards
+    turn_of: list[int] = field(default_factory=list)  # per response id: the assistant turn (0, 1, ...) it was sampled in; -1 not sampled
+    turn_rewards: list[float] = field(default_factory=list)  # per turn: the env's reward for it (0 for a turn no step followed)
+    turn_obs: list[int] = field(default_factory=list)  # per turn: a hash of the observation it answered (step groups)
     env_reward: bool = False  # whether the env gives rewards (then `reward` is added to the scorer's)
 
     def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
         self.mask += [int(sampled)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+        self.turn_of += [self.turns if sampled else -1] * len(ids)  # (turns counts the turns before this one)
 
     def finish(self, by_limit: bool) -> None:
         self.done, self.stopped_by_limit = True, by_limit
@@ -140,6 +152,7 @@ def run_turns(
     envs = [make_env() for _ in prompts]
     for e, env, row in zip(episodes, envs, rows):
         first = env.reset(row)
+        e.turn_obs.append(obs_key(first))
         base = row.get("prompt")
         if base is not None and not isinstance(base, str) and first != list(base):  # the env shows its own first observation
             e.prompt = tokenizer(render_prompt(tokenizer, first, []), add_special_tokens=False)["input_ids"]
@@ -150,16 +163,20 @@ def run_turns(
             e = episodes[i]
             e.append(ids, True, log_probs)
             e.turns += 1
+            e.turn_rewards.append(0.0)  # the env's reward for this turn, if a step follows
             if not ids or ids[-1] not in eos:  # the token budget ran out inside the turn
                 e.finish(by_limit=True)
             else:
                 stepping.append((i, ids))
         actions = [tokenizer.decode(ids[:-1]) for _, ids in stepping]  # the turn's text without its end-of-turn token
-        for (i, ids), (obs, reward, done, error) in zip(stepping, step_all([envs[i] for i, _ in stepping], actions)):
+        steps = step_all([envs[i] for i, _ in stepping], actions, cfg.max_step_seconds)
+        for (i, ids), (obs, reward, done, error) in zip(stepping, steps):
             e = episodes[i]
             e.reward += reward
-            if error:  # the model's action broke the env: this episode ends here, the run goes on
+            e.turn_rewards[-1] = reward
+            if error:  # the model's action broke the env (or the env broke): this episode ends here, the run goes on
                 e.env_errors += 1
+                e.env_error = error.split(":", 1)[0]  # its reason, one of ENV_ERRORS
                 if not _warned:
                     _warned.append(error)
                     logger.warning("an environment step failed (counted in agent/env_errors, the episode ends): %s", error)
@@ -177,6 +194,7 @@ def run_turns(
                     e.finish(by_limit=True)
                 else:
                     e.append(suffix, False)
+                    e.turn_obs.append(obs_key(obs))  # what the next turn answers
     for e, env in zip(episodes, envs):
         for key in ENV_STATS:
             setattr(e, key, getattr(env, key, getattr(e, key)))
@@ -187,10 +205,51 @@ def run_turns(
 ENV_STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_time")  # an env's own counters, copied to its Episode
 
 
-def step_all(envs: list, actions: list[str]) -> list[tuple[list[dict], float, bool, str | None]]:
+ENV_ERRORS = ("raised", "malformed", "timeout", "nonfinite_reward")  # why an env step ended its episode: agent/env_errors/<reason>
+
+
+def obs_key(messages: list[dict]) -> int:
+    """A stable 48-bit hash of an observation's messages (the same in every process: Ray workers): step groups' anchor."""
+    text = json.dumps(messages, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "little")
+
+
+class StepTimeout(Exception):
+    pass
+
+
+def _within(seconds: float, fn, *args):
+    """fn(*args), or StepTimeout if it has not returned after `seconds` (0: no limit). The call runs on a daemon thread
+    that is abandoned when late: a hung env cannot be killed from Python, but its episode ends and the run goes on."""
+    if not seconds:
+        return fn(*args)
+    box: list = []
+
+    def call():
+        try:
+            box.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller
+            box.append((False, e))
+
+    t = threading.Thread(target=call, daemon=True, name="rlkit-env-step")
+    t.start()
+    t.join(seconds)
+    if not box:
+        raise StepTimeout(f"the step took more than --agent.max-step-seconds {seconds:g}")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def step_all(envs: list, actions: list[str], max_seconds: float = 0.0) -> list[tuple[list[dict], float, bool, str | None]]:
     """Each env's step(action) -> (obs, reward, done, error), in order; an env class with `step_many(envs, actions)`
-    steps all of its episodes at once (ToolEnv: every row's tool calls together). A step that raises or returns
-    something other than (a list of messages with text content, a number, a flag) gives ([], 0.0, True, its error)."""
+    steps all of its episodes at once (ToolEnv: every row's tool calls together). A step that raises, takes more than
+    `max_seconds` (0: no limit), returns something other than (a list of messages with text content, a number, a
+    flag), or a reward that is not finite, gives ([], 0.0, True, its error), the error starting with its reason
+    (ENV_ERRORS) and a colon. The time limit runs each `step` on a thread of its own; `step_many` runs in this thread,
+    unlimited: it bounds its own calls (ToolEnv: each tool's time limit), and a sandbox it starts must not be tied to a
+    short-lived thread (PR_SET_PDEATHSIG fires when the thread that started a process ends)."""
     out: list = [None] * len(envs)
     by_class: dict = {}
     for k, env in enumerate(envs):
@@ -199,9 +258,9 @@ def step_all(envs: list, actions: list[str]) -> list[tuple[list[dict], float, bo
         step_many = getattr(cls, "step_many", None)
         try:
             if step_many:
-                res = list(step_many([envs[k] for k in ks], [actions[k] for k in ks]))
+                res = list(step_many([envs[k] for k in ks], [actions[k] for k in ks]))  # in this thread (below)
             else:
-                res = [_step(envs[k], actions[k]) for k in ks]
+                res = [_step(envs[k], actions[k], max_seconds) for k in ks]
             if len(res) != len(ks):
                 raise ValueError(f"{cls.__name__}.step_many gave {len(res)} results for {len(ks)} episodes")
         except Exception as e:
@@ -211,27 +270,41 @@ def step_all(envs: list, actions: list[str]) -> list[tuple[list[dict], float, bo
     return out
 
 
-def _step(env, action: str):
+def _step(env, action: str, max_seconds: float = 0.0):
     try:
-        return env.step(action)
+        return _within(max_seconds, env.step, action)
     except Exception as e:
         return e
 
 
 def _checked(res) -> tuple[list[dict], float, bool, str | None]:
-    """A step's result as (obs, reward, done, None), or ([], 0.0, True, its error) for an exception or a malformed result."""
+    """A step's result as (obs, reward, done, None), or ([], 0.0, True, "<reason>: <error>") for an exception (raised,
+    timeout), a malformed result (malformed) or a reward that is NaN or infinite (nonfinite_reward)."""
+    if isinstance(res, Exception):
+        return [], 0.0, True, f"{'timeout' if isinstance(res, StepTimeout) else 'raised'}: {type(res).__name__}: {str(res)[:200]}"
     try:
-        if isinstance(res, Exception):
-            raise res
         obs, reward, done = res
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in obs):
             raise TypeError("the observation must be a list of messages with text 'content'")
-        return list(obs), float(reward), bool(done), None
+        obs, reward, done = list(obs), float(reward), bool(done)
     except Exception as e:
-        return [], 0.0, True, f"{type(e).__name__}: {str(e)[:200]}"
+        return [], 0.0, True, f"malformed: {type(e).__name__}: {str(e)[:200]}"
+    if not math.isfinite(reward):
+        return [], 0.0, True, f"nonfinite_reward: the step's reward is {reward}"
+    return obs, reward, done, None
 
 
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "stopped_by_limit", "env_errors", "obs_truncated")
+
+
+def _turns_of(mask: list[int]) -> list[int]:
+    """An Episode built by hand (no turn_of): each run of sampled ids is a turn."""
+    out, k, prev = [], -1, 0
+    for m in mask:
+        k += m and not prev
+        out.append(k if m else -1)
+        prev = m
+    return out
 
 
 def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, pad_id: int) -> DataProto:
@@ -241,12 +314,21 @@ def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, p
     mask = torch.zeros((B, width), dtype=torch.long)
     real = torch.zeros((B, width), dtype=torch.long)  # 1 on every response token, sampled or tool
     log_probs = torch.zeros((B, width))
+    turn = torch.full((B, width), -1, dtype=torch.long)  # the turn of each sampled token, -1 elsewhere
+    turn_reward = torch.zeros((B, width))  # each turn's env reward, on the turn's last sampled token
+    turn_obs = torch.zeros((B, width), dtype=torch.long)  # the hash of the observation each sampled token's turn answered
     for i, e in enumerate(episodes):
         n = len(e.ids)
         responses[i, :n] = torch.tensor(e.ids, dtype=torch.long)
         mask[i, :n] = torch.tensor(e.mask)
         real[i, :n] = 1
         log_probs[i, :n] = torch.tensor(e.log_probs)
+        turn[i, :n] = torch.tensor(e.turn_of if len(e.turn_of) == n else _turns_of(e.mask), dtype=torch.long)
+        for k, r in enumerate(e.turn_rewards):
+            at = (turn[i] == k).nonzero()
+            if len(at):
+                turn_reward[i, at[-1]] = r
+                turn_obs[i, at[:, 0]] = e.turn_obs[k]
     if any(e.prompt != ids[m.bool()].tolist() for e, ids, m in zip(episodes, prompts["input_ids"], prompts["attention_mask"])):
         padded, prompts = left_pad([e.prompt for e in episodes], pad_id), prompts.select(tensor_keys=[])  # an env's own first observation
         for key in ("input_ids", "attention_mask"):
@@ -260,9 +342,14 @@ def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, p
     out["attention_mask"] = attn
     out["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
     out["rollout_log_probs"] = log_probs * mask
+    out["turn_index"] = turn  # (B, R) token-aligned, so mini- and micro-batches, packing and Ray shards keep them
+    out["turn_reward"] = turn_reward  # (B, R)
+    out["turn_obs"] = turn_obs  # (B, R)
     out["agent_tool_tokens"] = (real - mask).sum(-1).float()  # (B,)
     for key in EPISODE_STATS:
         out[f"agent_{key}"] = torch.tensor([float(getattr(e, key)) for e in episodes])
+    for reason in ENV_ERRORS:
+        out[f"agent_env_error_{reason}"] = torch.tensor([float(e.env_error == reason) for e in episodes])
     if any(e.env_reward for e in episodes):  # an environment's reward: rlkit.loop.score adds it to the scorer's
         out["env_reward"] = torch.tensor([e.reward for e in episodes])  # (B,)
     return out
@@ -304,7 +391,39 @@ def agent_metrics(batch: DataProto) -> dict:
         "agent/obs_truncated/mean": batch["agent_obs_truncated"].mean().item(),
         "agent/sampled_tokens/mean": mask.sum(-1).mean().item(),
         "agent/tool_tokens/mean": batch["agent_tool_tokens"].mean().item(),
+        # episodes ended by an env fault, per reason (ENV_ERRORS)
+        **{f"agent/env_errors/{r}": batch[f"agent_env_error_{r}"].sum().item() for r in ENV_ERRORS if f"agent_env_error_{r}" in batch},
     }
+
+
+def turn_rewards(batch: DataProto, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-turn tables (B, T) from the batch's token-aligned turn tensors: rewards, the mask of turns that exist,
+    and the observation keys. The scorer's part of each score (scores - env_reward) is added to the episode's last
+    turn, so a row's turn rewards sum to its score (T = the batch's most turns)."""
+    idx = batch["turn_index"]
+    T = max(int(idx.max()) + 1, 1)
+    onehot = (idx[:, :, None] == torch.arange(T)[None, None, :]).float()  # (B, R, T)
+    exists = onehot.sum(1) > 0  # (B, T)
+    rewards = torch.einsum("brt,br->bt", onehot, batch["turn_reward"].float())
+    keys = batch["turn_obs"].gather(1, onehot.argmax(1)) * exists  # the key on each turn's first token
+    last = (exists.long().cumsum(1) == exists.sum(1, keepdim=True)) & exists  # the last turn of each row
+    rest = scores.float() - rewards.sum(1)  # the scorer's part
+    rewards = rewards + last.float() * rest[:, None]
+    return rewards, exists, keys
+
+
+def turn_metrics(batch: DataProto, rewards: torch.Tensor, exists: torch.Tensor, advantages: torch.Tensor) -> dict:
+    """Per turn index k (0, 1, ...): the mean reward, advantage (over its sampled tokens) and sampled length of the
+    episodes that reached turn k."""
+    idx, out = batch["turn_index"], {}
+    for k in range(rewards.shape[1]):
+        on = idx == k
+        if not exists[:, k].any():
+            continue
+        out[f"agent/turn/{k}/reward"] = rewards[exists[:, k], k].mean().item()
+        out[f"agent/turn/{k}/advantage"] = advantages[on].float().mean().item() if on.any() else 0.0
+        out[f"agent/turn/{k}/length"] = on.sum(1)[exists[:, k]].float().mean().item()
+    return out
 
 
 # ----------------------------------------------------------------------------- backends

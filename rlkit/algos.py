@@ -320,6 +320,104 @@ def rloo_advantage(scores: Tensor, uid) -> Tensor:
     return torch.where(n > 1, scores - leave_one_out_mean, scores)
 
 
+# --- turn-level credit for multi-turn episodes (recipes/grpo_tools.py --turn-credit, docs/agents.md) ---
+# rewards (B, T): row i's reward for its turn k (rlkit.agent.turn_rewards: the env's step reward, plus the scorer's
+# score on the last turn); exists (B, T): whether row i had a turn k (an episode's turns are 0..K_i-1);
+# keys (B, T): a hash of the observation turn k answered. Each returns advantages (B, T), 0 where no turn;
+# turn_token_advantages puts them on the tokens.
+
+
+def turn_returns(rewards: Tensor, exists: Tensor, gamma: float = 1.0) -> Tensor:
+    """Discounted return-to-go over turns: G_ik = r_ik + gamma * G_i,k+1, and 0 past the episode's last turn."""
+    G, carry = torch.zeros_like(rewards), rewards.new_zeros(rewards.shape[0])
+    for k in reversed(range(rewards.shape[1])):
+        carry = (rewards[:, k] + gamma * carry) * exists[:, k]
+        G[:, k] = carry
+    return G
+
+
+def _turn_groups(uid, exists: Tensor, keys: Tensor | None = None):
+    """The existing turns (rows b, turns k) and their group ids: (uid, k), or (uid, key) when keys are given."""
+    b, k = exists.nonzero(as_tuple=True)
+    g = group_ids(uid)[b].tolist()
+    second = (keys[b, k] if keys is not None else k).tolist()
+    return b, k, list(zip(g, second))
+
+
+def return_to_go_advantage(rewards: Tensor, exists: Tensor, uid, gamma: float = 1.0, norm_by_std: bool = True, eps: float = 1e-6):
+    """Each turn's discounted return-to-go against its group's episode returns (GRPO's statistics):
+
+        A_ik = (G_ik - mean_g(G_.0)) / (std_g(G_.0) + eps),   G_ik = sum_{l>=k} gamma^(l-k) r_il
+
+    std_g unbiased, singleton groups mean 0 and std 1, as grpo_advantage; norm_by_std=False: no division. With gamma=1
+    and a reward on the last turn only, G_ik = G_i0 and this is the outcome advantage on every turn."""
+    G = turn_returns(rewards.float(), exists, gamma)
+    G0 = G[:, 0]
+    g = group_ids(uid).to(G.device)
+    count = torch.bincount(g).to(G.dtype)
+    mean = G0.new_zeros(len(count)).index_add_(0, g, G0) / count
+    std = (G0.new_zeros(len(count)).index_add_(0, g, (G0 - mean[g]) ** 2) / (count - 1).clamp_min(1)).sqrt()
+    mean, std = mean.masked_fill(count == 1, 0.0), std.masked_fill(count == 1, 1.0)
+    adv = (G - mean[g][:, None]) / (std[g][:, None] + eps) if norm_by_std else G - mean[g][:, None]
+    return adv * exists
+
+
+def step_group_advantage(
+    rewards: Tensor, exists: Tensor, uid, keys: Tensor, gamma: float = 1.0, omega: float = 1.0, norm_by_std: bool = True
+):
+    """GiGPO (Feng et al. 2025): the episode's group advantage plus a step advantage within its anchor-state group:
+
+        A_ik = A^E_i + omega * A^S_ik
+        A^E_i  = grpo_advantage(sum_l r_il over the uid group)
+        A^S_ik = grpo_advantage(G_ik over the step group {(j, l): uid_j = uid_i, key_jl = key_ik}),  0 for a
+                 step group of one (no other turn answered the same observation: no step-level comparison)
+
+    G_ik is the discounted return-to-go (turn_returns); keys: the observation hashes (identical observations, one group)."""
+    G = turn_returns(rewards.float(), exists, gamma)
+    episode = grpo_advantage(rewards.float().mul(exists).sum(1), uid, norm_by_std)
+    b, k, groups = _turn_groups(uid, exists, keys)
+    step = grpo_advantage(G[b, k], groups, norm_by_std)
+    size = torch.bincount(group_ids(groups))[group_ids(groups)]
+    adv = torch.zeros_like(G)
+    adv[b, k] = episode[b] + omega * torch.where(size > 1, step, torch.zeros_like(step))
+    return adv
+
+
+def per_turn_index_advantage(rewards: Tensor, exists: Tensor, uid, gamma: float = 1.0, norm_by_std: bool = True):
+    """The natural per-turn-index normalisation, BIASED (verl RFC #7244); here to test against, not offered by a flag:
+
+        A_ik = (G_ik - mean_{j in g, K_j > k} G_jk) / (std_{j in g, K_j > k} G_jk + eps)
+
+    The baseline includes G_ik itself and is taken over the rows that reached turn k, so it depends on row i's own
+    action at turn k: E[A_ik grad log pi(a_ik)] is not the policy gradient (tests/test_algos_turns.py derives a case)."""
+    G = turn_returns(rewards.float(), exists, gamma)
+    b, k, groups = _turn_groups(uid, exists)
+    adv = torch.zeros_like(G)
+    adv[b, k] = grpo_advantage(G[b, k], groups, norm_by_std)
+    return adv
+
+
+def per_turn_baseline_advantage(rewards: Tensor, exists: Tensor, uid, gamma: float = 1.0):
+    """The unbiased per-turn baseline: leave-one-out over the OTHER rows of the group that reached turn k, no std:
+
+        A_ik = G_ik - 1/(n_k - 1) sum_{j in g, j != i, K_j > k} G_jk      (n_k: the rows of g with a turn k)
+        A_ik = G_ik                                                         (no other row reached turn k)
+
+    The other rows are sampled independently of row i's action a_ik, so the baseline is too: E[A_ik grad log pi(a_ik)]
+    = E[G_ik grad log pi(a_ik)], the policy gradient of turn k (rloo_advantage on the (uid, k) groups)."""
+    G = turn_returns(rewards.float(), exists, gamma)
+    b, k, groups = _turn_groups(uid, exists)
+    adv = torch.zeros_like(G)
+    adv[b, k] = rloo_advantage(G[b, k], groups)
+    return adv
+
+
+def turn_token_advantages(adv: Tensor, turn_index: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) per-turn advantages -> (B, R) per-token: each sampled token gets its turn's (turn_index: -1 off turns)."""
+    on = turn_index >= 0
+    return adv.gather(1, turn_index.clamp(min=0).clamp(max=adv.shape[1] - 1)) * on * mask
+
+
 def reinforce_pp_advantage(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0):
     """REINFORCE++ (Hu 2025): discounted return, whitened over the whole batch.
 

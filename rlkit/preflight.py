@@ -50,6 +50,8 @@ def check_agent(cfg) -> None:
         raise ConfigError(f"--agent.max-tool-response-chars {a.max_tool_response_chars}: must be at least 1 (256 is usual)")
     if a.max_observation_chars < 1:
         raise ConfigError(f"--agent.max-observation-chars {a.max_observation_chars}: must be at least 1 (8192 is the default)")
+    if not getattr(a, "max_step_seconds", 0) >= 0:  # NaN too
+        raise ConfigError(f"--agent.max-step-seconds {a.max_step_seconds}: must be 0 (no limit) or more (120 is the default)")
 
 
 def check_async(cfg) -> None:

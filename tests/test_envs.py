@@ -1,6 +1,9 @@
 """Environments (rlkit/envs.py) on the turn loop: the Env protocol, GuessEnv, the gymnasium-style adapter, token in /
 token out, the env's reward in the score; the embedded guess demo's data and model."""
 
+import threading
+import time
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -208,27 +211,59 @@ class Broken:
             return [], float(int(action.strip() * 5000)), True  # ValueError: the int-string limit
         if self.how == "huge":
             return [{"role": "user", "content": "x" * 10_000_000}], 0.25, False  # a 10 MB observation
+        if self.how == "hang":
+            threading.Event().wait()  # never returns
+        if self.how in ("nan", "inf"):
+            return [{"role": "user", "content": "go on"}], float(self.how), False
         return None  # malformed
 
 
-@pytest.mark.parametrize("how", ["raise", "malformed"])
-def test_an_env_step_that_fails_ends_that_episode_counted_and_the_rest_go_on(tok, how):
+@pytest.mark.parametrize(
+    "how, reason",
+    [("raise", "raised"), ("malformed", "malformed"), ("hang", "timeout"), ("nan", "nonfinite_reward"), ("inf", "nonfinite_reward")],
+)
+def test_an_env_step_that_fails_ends_that_episode_counted_and_the_rest_go_on(tok, how, reason):
     eos = tok.eos_token_id
     t = ids_of(tok, "8") + [eos]
     made = iter([Broken(how), envs.GuessEnv()])
     rows = [ROW, {**ROW, "ground_truth": "8"}]
-    eps = agent.run_turns(
-        Scripted([t, t]), [[5], [5]], tok, None, AgentConfig(max_turns=4), 200, [eos], make_env=lambda: next(made), rows=rows
-    )
-    assert (eps[0].done, eps[0].env_errors, eps[0].reward, eps[0].stopped_by_limit) == (True, 1, 0.0, False)
-    assert (eps[1].env_errors, eps[1].reward) == (0, 1.0)
+    start = time.monotonic()
+    cfg = AgentConfig(max_turns=4, max_step_seconds=0.5)  # a step that hangs is abandoned after 0.5 s
+    eps = agent.run_turns(Scripted([t, t]), [[5], [5]], tok, None, cfg, 200, [eos], make_env=lambda: next(made), rows=rows)
+    assert time.monotonic() - start < 5
+    assert (eps[0].done, eps[0].env_errors, eps[0].reward, eps[0].stopped_by_limit, eps[0].env_error) == (True, 1, 0.0, False, reason)
+    assert (eps[1].env_errors, eps[1].reward, eps[1].env_error) == (0, 1.0, "")
     out = agent.assemble_episodes(agent.left_pad([[5], [5]], tok.pad_token_id), eps, 200, tok.pad_token_id)
-    assert agent.agent_metrics(out)["agent/env_errors/mean"] == 0.5
+    m = agent.agent_metrics(out)
+    assert m["agent/env_errors/mean"] == 0.5 and m[f"agent/env_errors/{reason}"] == 1.0
+    assert sum(m[f"agent/env_errors/{r}"] for r in agent.ENV_ERRORS) == 1.0
+    assert out["turn_reward"].sum(1).tolist() == [0.0, 1.0]  # the faulty step's reward is 0, not NaN
+
+
+def test_a_slow_step_within_the_limit_is_kept_and_no_limit_means_none(tok):
+    class Slow(envs.GuessEnv):
+        def step(self, action):
+            time.sleep(0.3)
+            return super().step(action)
+
+    eos = tok.eos_token_id
+    t = ids_of(tok, "8") + [eos]
+    for limit in (2.0, 0.0):
+        ep = agent.run_turns(
+            Scripted([t]),
+            [[5]],
+            tok,
+            None,
+            AgentConfig(max_step_seconds=limit),
+            200,
+            [eos],
+            make_env=Slow,
+            rows=[{**ROW, "ground_truth": "8"}],
+        )[0]
+        assert (ep.reward, ep.env_error) == (1.0, "")
 
 
 def test_a_huge_observation_is_cut_and_counted(tok):
-    import time
-
     eos = tok.eos_token_id
     t = ids_of(tok, "8") + [eos]
     start = time.monotonic()
