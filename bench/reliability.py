@@ -883,10 +883,8 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         120,
     ),
     "rm_batch_zero": (
-        "recipes/rm.py --data.train-batch-size 0 (and mini-batch 0) -> one line (was a traceback)",
-        lambda tmp: one_line_error(
-            script(tmp, "rm", "--data.train-batch-size", "0", "--actor.ppo-mini-batch-size", "0"), "--data.train-batch-size 0"
-        ),
+        "recipes/rm.py --data.train-batch-size 0 -> one line (was a traceback)",
+        lambda tmp: one_line_error(script(tmp, "rm", "--data.train-batch-size", "0"), "--data.train-batch-size 0"),
         120,
     ),
     "opd_missing_teacher": (

@@ -103,6 +103,10 @@ def main(cfg: Config) -> dict:
             "CISPO needs --rollout.n >= 2: "
             "the advantage compares each response with the others of its group"
         )
+    if cfg.actor.clip_ratio_c != ActorConfig.clip_ratio_c:  # read by the PPO clip loss only
+        raise ConfigError(
+            "--actor.clip-ratio-c: CISPO's loss has no dual clip (its weights are capped instead)"
+        )
     policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     tok = policy.tokenizer
     train = PromptLoader(

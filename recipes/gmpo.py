@@ -101,6 +101,10 @@ def main(cfg: Config) -> dict:
             "GMPO needs --rollout.n >= 2: "
             "the advantage compares each response with the others of its group"
         )
+    if cfg.actor.clip_ratio_c != ActorConfig.clip_ratio_c:  # read by the PPO clip loss only
+        raise ConfigError(
+            "--actor.clip-ratio-c: GMPO's loss has no dual clip (its ratio is clipped in log space)"
+        )
     policy = build_policy(cfg)  # actor + rollout + reference: here, or on Ray (docs/scaling.md)
     tok = policy.tokenizer
     train = PromptLoader(

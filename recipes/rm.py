@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from rlkit import demos, loop
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, TrainerConfig
+from rlkit.config import BaseDataConfig, BaseModelConfig, OptimConfig, RunConfig
 from rlkit.data import PromptLoader, read_table
 from rlkit.errors import ConfigError, NonFinite
 from rlkit.protocol import DataProto
@@ -58,10 +58,10 @@ PAIRS = demos.PREFS_DATA  # the embedded pairs: correct vs the embedded model's 
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(
-        default_factory=lambda: DataConfig(
+class Config:  # the sections by use: what this recipe reads, nothing of the RL engine (rlkit/config.py)
+    model: BaseModelConfig = field(default_factory=BaseModelConfig)
+    data: BaseDataConfig = field(
+        default_factory=lambda: BaseDataConfig(
             train_files=[str(PAIRS / "train.parquet")],
             val_files=[str(PAIRS / "val.parquet")],
             train_batch_size=64,
@@ -69,13 +69,9 @@ class Config:
             max_response_length=16,
         )
     )
-    actor: ActorConfig = field(
-        default_factory=lambda: ActorConfig(
-            lr=1e-3, warmup_steps=10, ppo_mini_batch_size=64, use_kl_loss=False
-        )
-    )
-    trainer: TrainerConfig = field(
-        default_factory=lambda: TrainerConfig(total_training_steps=150, test_freq=50)
+    actor: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=10))
+    trainer: RunConfig = field(
+        default_factory=lambda: RunConfig(total_training_steps=150, test_freq=50)
     )
     chosen_key: str = "chosen"
     """the column of preferred responses (a string, or chat messages ending with the answer)"""
@@ -156,7 +152,7 @@ def split_turn(prompt, response, row: int, files) -> tuple:
 class Pairs:
     """Tokenized pairs; batch(rows) stacks the chosen rows then the rejected rows, right-padded."""
 
-    def __init__(self, pairs: list[tuple], tok, cfg: DataConfig, max_samples: int = -1):
+    def __init__(self, pairs: list[tuple], tok, cfg: BaseDataConfig, max_samples: int = -1):
         pairs = pairs[:max_samples] if max_samples > 0 else pairs
         limit = cfg.max_prompt_length + cfg.max_response_length
         self.ids, self.margins = [], [m for *_, m in pairs]
@@ -359,11 +355,6 @@ def evaluate(rm: RewardTrainer, pairs: Pairs, batch_size: int, center_coef: floa
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size and flag checks (the pairs: read_pairs below)
-    if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
-        raise ConfigError(
-            "recipes/rm.py takes one optimizer step per batch: "
-            "--actor.ppo-mini-batch-size = --data.train-batch-size, --actor.ppo-epochs 1"
-        )
     if cfg.center_coef < 0:  # (NaN and inf: loop.setup's config.check_finite, first)
         raise ConfigError(f"--center-coef {cfg.center_coef}: must be a number >= 0 (0 = off)")
     train_pairs, t = read_pairs(cfg.data.train_files, cfg), cfg.trainer  # file errors first

@@ -39,12 +39,12 @@ import torch
 
 from rlkit import algos, loop
 from rlkit.config import (
-    ActorConfig,
     DataConfig,
     ModelConfig,
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
+    UpdateConfig,
 )
 from rlkit.data import PromptLoader, build_prompts, read_table
 from rlkit.engine import load_tokenizer, pack_weights
@@ -60,10 +60,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(train_batch_size=64))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=1))
-    actor: ActorConfig = field(
-        default_factory=lambda: ActorConfig(
-            lr=1e-3, warmup_steps=100, ppo_mini_batch_size=64, use_kl_loss=False
-        )
+    actor: UpdateConfig = field(  # the optimiser and update loop, no policy loss (rlkit/config.py)
+        default_factory=lambda: UpdateConfig(lr=1e-3, warmup_steps=100, ppo_mini_batch_size=64)
     )
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(
@@ -252,6 +250,10 @@ def fresh_weights(policy, cfg: Config) -> None:
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, data, model, validation, logging, resume
     loop.setup(cfg)  # threads, seed, batch-size and flag checks (SFT's data: checked below)
+    if cfg.data.task:  # (its generated rows are prompts to sample, not conversations to imitate)
+        raise ConfigError(
+            f"--data.task {cfg.data.task}: SFT trains on --data.train-files conversations"
+        )
     if cfg.rollout.temperature != 1.0:  # the engine divides the logits by it
         raise ConfigError("SFT trains log pi at temperature 1: use --rollout.temperature 1")
     if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:

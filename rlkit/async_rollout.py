@@ -50,7 +50,7 @@ import uuid
 
 import torch
 
-from rlkit.errors import ConfigError, RunFailed
+from rlkit.errors import RunFailed
 from rlkit.protocol import DataProto
 
 ASYNC_KV_BUDGET_FRACTION = 0.25  # the generation worker's share of the free GPU memory for HF generation (the trainer's: 0.5)
@@ -261,15 +261,9 @@ class Rollouts:
         self.handoff_dtype = handoff_dtype(cfg.model, cfg.trainer.device)
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
-        if self.k < 0:
-            raise ConfigError(f"--trainer.async-steps {self.k}: must be >= 0 (0 = synchronous)")
-        if self.k == 0:
+        if self.k == 0:  # (the flags' ranges and what cannot run beside them: config.TrainerConfig.check, preflight.check_async)
             return
-        if self.n_workers < 1:
-            raise ConfigError(f"--trainer.async-workers {self.n_workers}: must be >= 1")
         t = cfg.trainer
-        if t.backend == "ray" and t.engine == "megatron":
-            raise ConfigError(f"--trainer.async-steps {self.k} does not run with --trainer.engine megatron yet; use --trainer.engine fsdp")
         need_ref = cfg.actor.use_kl_loss if need_ref is None else need_ref
         args = (cfg.model, cfg.actor, cfg.rollout, cfg.data, t, need_ref, getattr(policy, "turn_loop", None))
         atexit.register(self.close)  # a script that never reaches loop.Run's close still stops the workers

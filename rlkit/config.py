@@ -4,6 +4,21 @@ Each field's docstring is its `--help` text. Names follow verl's where verl has 
 (`train_batch_size`, `ppo_mini_batch_size`, `clip_ratio`, `kl_loss_coef`, ...), flattened:
 verl's `actor_rollout_ref.actor.clip_ratio` is `--actor.clip-ratio` here. A recipe adds its own
 algorithm fields next to these in its own `Config`.
+
+Sections by use: a recipe's Config takes only the fields its code reads, so every option its --help shows
+does something (tests/test_options_read.py). The sections are layered, each class the one before plus what a
+larger recipe reads, under the same flag names:
+
+    BaseModelConfig  < ModelConfig     + the policy engine's kernels and packed passes
+    BaseDataConfig   < DataConfig      + RL prompt rows: truncation, the difficulty sampler, generated tasks
+    OptimConfig      < UpdateConfig    + the engine's update loop (mini-batches, epochs, non-finite steps)
+                     < ActorConfig     + the policy loss (clip, entropy, KL, the off-policy correction)
+    RunConfig        < TrainerConfig   + sampled validation, Ray/FSDP/Megatron, the asynchronous rollout
+
+recipes/rm.py takes the first column, recipes/sft.py UpdateConfig, the RL recipes the last. An option read only
+when another one opens its path (--data.task-seed without --data.task) is refused alone with one line. Each
+section checks its own values in `check` (next to its fields); `check_flags` runs them all, and the checks that
+read two sections, before any model loads.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ from typing import Annotated, Literal
 import tyro
 
 from rlkit import demos
+from rlkit.errors import ConfigError
 
 
 def shown_default(text: str):
@@ -22,7 +38,9 @@ def shown_default(text: str):
 
 
 @dataclass
-class ModelConfig:
+class BaseModelConfig:
+    """The model every recipe loads: where, its dtype, LoRA, activation checkpointing (recipes/rm.py: only this)."""
+
     path: Annotated[str, shown_default("the embedded tiny model, rlkit/assets/tiny-arith")] = str(demos.ARITH_MODEL)
     """model to train: a local Hugging Face folder or a hub id"""
     trust_remote_code: bool = False
@@ -37,6 +55,12 @@ class ModelConfig:
     """LoRA target modules: 'all-linear' or a comma-separated list such as 'q_proj,v_proj'"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute activations in the backward: less memory, ~30 % slower update (auto: on for 10M+ parameters on a GPU)"""
+
+
+@dataclass
+class ModelConfig(BaseModelConfig):
+    """+ the policy engine's attention kernel and packed passes (rlkit/engine.py), vision towers."""
+
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
     """attention kernel: auto = flash_attention_2 on CUDA when flash-attn imports with its kernel, else sdpa"""
     remove_padding: bool = True
@@ -52,7 +76,9 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class BaseDataConfig:
+    """Files, lengths and batch sizes every recipe reads (recipes/rm.py: only this)."""
+
     train_files: Annotated[list[str], shown_default("rlkit/assets/arith/train.parquet")] = field(
         default_factory=lambda: [str(demos.ARITH_DATA / "train.parquet")]
     )
@@ -67,10 +93,6 @@ class DataConfig:
     """prompt token budget; longer prompts are handled by `truncation`"""
     max_response_length: int = 8
     """maximum number of generated tokens per response"""
-    truncation: Literal["error", "left", "right", "middle"] = "error"
-    """what to do with a prompt over max_prompt_length: error (names the row), or keep the end (left), the start (right), both ends (middle)"""
-    filter_overlong_prompts: bool = False
-    """drop prompts over max_prompt_length when loading, instead of applying `truncation`"""
     train_batch_size: int = 32
     """prompts per training step (each sampled rollout.n times)"""
     val_batch_size: int = 512
@@ -79,6 +101,25 @@ class DataConfig:
     """use at most this many validation prompts (-1 = all)"""
     shuffle: bool = True
     """shuffle the training prompts every epoch (seeded by trainer.seed)"""
+
+    def check(self) -> None:
+        for flag, value in {
+            "--data.max-prompt-length": self.max_prompt_length,
+            "--data.max-response-length": self.max_response_length,
+            "--data.val-batch-size": self.val_batch_size,
+        }.items():
+            if value <= 0:
+                raise ConfigError(f"{flag} {value}: must be at least 1")
+
+
+@dataclass
+class DataConfig(BaseDataConfig):
+    """+ the RL prompt rows: truncation, the difficulty sampler, generated tasks (rlkit/data.py, rlkit/tasks.py)."""
+
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """what to do with a prompt over max_prompt_length: error (names the row), or keep the end (left), the start (right), both ends (middle)"""
+    filter_overlong_prompts: bool = False
+    """drop prompts over max_prompt_length when loading, instead of applying `truncation`"""
     sampler: Literal["uniform", "difficulty"] = "uniform"
     """how the RL recipes draw training prompts: uniform (epoch by epoch), or difficulty (weighted by each prompt's last pass rate: hard/normal/easy pools, data.DifficultySampler)"""
     sampler_weights: tuple[float, float, float] = (0.2, 1.0, 0.2)
@@ -95,6 +136,17 @@ class DataConfig:
     """seed of the generated task data"""
     task_format: Literal["direct", "default", "plain", "number"] = "direct"
     """how the answer is asked for and read: reasoning-gym's system prompt (direct/default), none (plain: the whole response; number: its last number); README.md"""
+
+    def check(self) -> None:
+        super().check()
+        default = DataConfig()
+        if self.task is None:  # the generated task's options are read only with one
+            for name in ("task_options", "task_train_size", "task_val_size", "task_seed", "task_format"):
+                if getattr(self, name) != getattr(default, name):
+                    flag = "--data." + name.replace("_", "-")
+                    raise ConfigError(f"{flag} applies to a generated task only: add --data.task NAME, or drop it")
+        if self.sampler != "difficulty" and tuple(self.sampler_weights) != default.sampler_weights:
+            raise ConfigError("--data.sampler-weights applies to --data.sampler difficulty only: add it, or drop the weights")
 
 
 @dataclass
@@ -130,9 +182,27 @@ class RolloutConfig:
     log_probs: bool = False
     """hf: also keep the sampler's own log-probs, for the rollout_corr/ metrics and the correction (docs/off-policy.md)"""
 
+    def check(self) -> None:
+        if not self.temperature > 0:  # NaN too
+            raise ConfigError(
+                f"--rollout.temperature {self.temperature}: training samples responses, which needs a temperature > 0 (1.0 is "
+                "usual); greedy decoding (0) is only for --rollout.val-temperature"
+            )
+        if self.log_prob_micro_batch_size < 0:
+            raise ConfigError(
+                f"--rollout.log-prob-micro-batch-size {self.log_prob_micro_batch_size}: must be 0 (auto) or a positive number"
+            )
+
+
+def check_lr(flag: str, value: float) -> None:
+    if not 0 < value < 1:
+        raise ConfigError(f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)")
+
 
 @dataclass
-class ActorConfig:
+class OptimConfig:
+    """The optimiser and its micro-batches: AdamW, warm-up, clipping (recipes/rm.py: only this)."""
+
     lr: float = 1e-6
     """AdamW learning rate (recipes set their own for the embedded tiny models; a real model: ~1e-5 with LoRA, 1e-6 full)"""
     weight_decay: float = 0.0
@@ -141,16 +211,46 @@ class ActorConfig:
     """linear learning-rate warm-up, in optimizer steps"""
     grad_clip: float = 1.0
     """clip the global gradient norm to this value"""
-    ppo_mini_batch_size: int = 32
-    """prompts per optimizer step; × rollout.n trajectories (as in verl). train_batch_size / this = optimizer steps per epoch"""
     ppo_micro_batch_size: int = 0
     """trajectories per forward/backward pass, memory only (0 = auto: 256 under 10M parameters, else 8)"""
+
+    def check(self) -> None:
+        check_lr("--actor.lr", self.lr)
+        if self.ppo_micro_batch_size < 0:
+            raise ConfigError(f"--actor.ppo-micro-batch-size {self.ppo_micro_batch_size}: must be 0 (auto) or a positive number")
+
+
+@dataclass
+class UpdateConfig(OptimConfig):
+    """+ the engine's update loop: mini-batches, epochs, token budget, non-finite steps (recipes/sft.py: only this)."""
+
+    ppo_mini_batch_size: int = 32
+    """prompts per optimizer step; × rollout.n trajectories (as in verl). train_batch_size / this = optimizer steps per epoch"""
     max_token_len_per_micro_batch: int = 0
     """token budget of a forward pass instead of a row count (verl's ppo_max_token_len_per_gpu; 0 = off)"""
     ppo_epochs: int = 1
     """passes over the rollout batch per training step"""
     shuffle: bool = False
     """shuffle trajectories before splitting into mini-batches"""
+    nan_policy: Literal["error", "skip"] = "error"
+    """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
+    max_skipped_steps: int = 3
+    """with --actor.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
+
+    def check(self) -> None:
+        super().check()
+        if self.ppo_epochs <= 0:
+            raise ConfigError(f"--actor.ppo-epochs {self.ppo_epochs}: must be at least 1")
+        if self.max_skipped_steps < 0:
+            raise ConfigError(f"--actor.max-skipped-steps {self.max_skipped_steps}: must be 0 (auto) or a positive number")
+        if self.nan_policy != "skip" and self.max_skipped_steps != 3:
+            raise ConfigError("--actor.max-skipped-steps applies to --actor.nan-policy skip only: add it, or drop the limit")
+
+
+@dataclass
+class ActorConfig(UpdateConfig):
+    """+ the policy loss: PPO clip, entropy bonus, KL to the reference, the off-policy correction."""
+
     clip_ratio: float = 0.2
     """PPO clip range ε for the ratio π/π_old"""
     clip_ratio_low: float | None = None
@@ -169,10 +269,6 @@ class ActorConfig:
     """weight of the KL penalty"""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); append '+' for the straight-through k2 gradient"""
-    nan_policy: Literal["error", "skip"] = "error"
-    """on a non-finite loss or gradient: stop with an error, or skip that optimizer step"""
-    max_skipped_steps: int = 3
-    """with --actor.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
     rollout_correction: Literal["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-mask"] = "token-tis"
     """with rollout log-probs (vllm, async): weight or mask each token's loss by pi_old/mu (docs/off-policy.md)"""
     rollout_is_cap: float | None = None
@@ -235,6 +331,13 @@ class CriticConfig:
     max_skipped_steps: int = 3
     """with --critic.nan-policy skip: stop after this many consecutive skipped optimizer steps (0 = never)"""
 
+    def check(self) -> None:
+        check_lr("--critic.lr", self.lr)
+        if self.ppo_epochs <= 0:
+            raise ConfigError(f"--critic.ppo-epochs {self.ppo_epochs}: must be at least 1")
+        if self.ppo_micro_batch_size < 0:
+            raise ConfigError(f"--critic.ppo-micro-batch-size {self.ppo_micro_batch_size}: must be 0 (auto) or a positive number")
+
 
 @dataclass
 class RewardConfig:
@@ -261,9 +364,15 @@ class RewardConfig:
     model_micro_batch_size: int = 32
     """sequences per forward pass of the reward model"""
 
+    def check(self) -> None:
+        if self.model_micro_batch_size < 0:
+            raise ConfigError(f"--reward.model-micro-batch-size {self.model_micro_batch_size}: must be 0 (auto) or a positive number")
+
 
 @dataclass
-class TrainerConfig:
+class RunConfig:
+    """The run's schedule, logging, checkpoints, seed and device (recipes/rm.py: only this)."""
+
     total_epochs: int = 1
     """passes over the training prompts"""
     total_training_steps: int | None = None
@@ -272,8 +381,6 @@ class TrainerConfig:
     """validate every this many steps (0 = only at the end)"""
     val_before_train: bool = True
     """validate the starting model before the first step"""
-    val_n: int = 1
-    """samples per validation prompt: 1 = one at --rollout.val-temperature; n > 1 also logs val/mean@n, val/pass@k, val/maj@k (docs/eval.md)"""
     save_freq: int = 0
     """save a checkpoint every this many steps (0 = only at the end)"""
     max_ckpt_to_keep: int = 2
@@ -292,6 +399,16 @@ class TrainerConfig:
     """seed for data order, sampling and initialisation"""
     device: str = "auto"
     """cpu, cuda, cuda:1, ... (auto = cuda when available)"""
+    num_threads: int = 0
+    """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
+
+
+@dataclass
+class TrainerConfig(RunConfig):
+    """+ sampled validation, the Ray/FSDP/Megatron scale-out and the asynchronous rollout (the recipes on rlkit.placement)."""
+
+    val_n: int = 1
+    """samples per validation prompt: 1 = one at --rollout.val-temperature; n > 1 also logs val/mean@n, val/pass@k, val/maj@k (docs/eval.md)"""
     backend: Literal["local", "ray"] = "local"
     """local: one worker in this process; ray: n_workers Ray actors with the model sharded by FSDP2"""
     n_workers: int = 1
@@ -312,8 +429,6 @@ class TrainerConfig:
     """--trainer.engine megatron: tensor-parallel size T (n_workers = T x data-parallel size)"""
     ray_address: str | None = None
     """a running Ray cluster to join (e.g. 127.0.0.1:6379, or set RAY_ADDRESS); default: start a local one"""
-    num_threads: int = 0
-    """torch CPU threads (0 = 1 thread on a machine with ≤ 4 cores, else torch's default)"""
     async_steps: int = 0
     """k >= 1: a generation worker samples the batches of steps t+1..t+k while step t updates (docs/off-policy.md)"""
     async_workers: int = 1
@@ -321,18 +436,70 @@ class TrainerConfig:
     async_timeout_s: float = 3600.0
     """with --trainer.async-steps >= 1: stop with one line when a generation worker sends nothing for this many seconds (a stopped one: after at most 60 s); 0 = wait forever"""
 
+    def check(self) -> None:
+        if self.val_n <= 0:
+            raise ConfigError(f"--trainer.val-n {self.val_n}: must be at least 1")
+        k = self.async_steps
+        if k < 0:
+            raise ConfigError(f"--trainer.async-steps {k}: must be >= 0 (0 = synchronous)")
+        if self.async_workers < 1:
+            raise ConfigError(f"--trainer.async-workers {self.async_workers}: must be >= 1")
+        if self.async_timeout_s < 0:
+            raise ConfigError(
+                f"--trainer.async-timeout-s {self.async_timeout_s}: must be > 0 seconds, or 0 to wait for the workers forever"
+            )
+        if k == 0 and (self.async_workers != 1 or self.async_timeout_s != 3600.0):
+            flag = "--trainer.async-workers" if self.async_workers != 1 else "--trainer.async-timeout-s"
+            raise ConfigError(f"{flag} applies to the asynchronous rollout only: add --trainer.async-steps 1 (or more), or drop it")
 
-# --help by audience. These options say how and where a run executes, not what it learns: --help lists them
-# after every learning option, in system.<group> boxes. Their flags (--trainer.backend, --rollout.name, ...) and
-# their place in the config (cfg.trainer.backend, cfg.rollout.name) do not change: only the help is regrouped,
-# by cli_view. group -> {section: fields}; a section a recipe lacks (critic) is skipped.
+
+# --help by audience. The rule: a learning option changes what the model learns (which model and data, batch sizes,
+# sampling, the loss and optimiser, the reward, the schedule and seed); every other option says how and where a run
+# executes or what it writes: output and checkpoints, validation plumbing, how rows are read or generated, the
+# off-policy correction, what a failing step does, performance knobs, scale-out, vLLM, async, the sandbox. --help
+# lists those after every learning option, in system.<group> boxes (grpo.py: <= 40 learning options first,
+# tests/test_cli.py). Their flags (--trainer.backend, --rollout.name, ...) and their place in the config
+# (cfg.trainer.backend, cfg.rollout.name) do not change: only the help is regrouped, by cli_view.
+# group -> {section: fields}; a section a recipe lacks (critic), or a field its section lacks (rm.py), is skipped.
 SYSTEM_OPTIONS = {
+    "run": {  # where the run writes, what it logs, its checkpoints
+        "trainer": ("save_freq", "max_ckpt_to_keep", "resume", "default_local_dir", "project_name", "experiment_name", "logger"),
+    },
+    "validation": {
+        "trainer": ("test_freq", "val_before_train", "val_n"),
+        "data": ("val_files", "val_batch_size", "val_max_samples"),
+        "rollout": ("val_temperature",),
+    },
+    "data_loading": {  # how the rows are read, cut, or generated
+        "data": (
+            "prompt_key",
+            "truncation",
+            "filter_overlong_prompts",
+            "task",
+            "task_options",
+            "task_train_size",
+            "task_val_size",
+            "task_seed",
+            "task_format",
+        ),
+        "model": ("freeze_vision_tower",),
+    },
+    "off_policy": {  # the correction for a sampler that is not the trainer (vllm, async): docs/off-policy.md
+        "actor": ("rollout_correction", "rollout_is_cap", "rollout_is_low"),
+        "rollout": ("log_probs",),
+    },
+    "reliability": {  # what a non-finite step or a failing scorer does
+        "actor": ("nan_policy", "max_skipped_steps"),
+        "critic": ("nan_policy", "max_skipped_steps"),
+        "reward": ("on_error", "timeout_s"),
+    },
     "performance": {
         "trainer": ("device", "num_threads"),
-        "model": ("attn_implementation", "gradient_checkpointing", "remove_padding", "share_prompt"),
+        "model": ("dtype", "attn_implementation", "gradient_checkpointing", "remove_padding", "share_prompt", "shared_prompt_attention"),
         "rollout": ("hf_impl", "micro_batch_size", "log_prob_micro_batch_size"),
-        "actor": ("max_token_len_per_micro_batch",),
-        "critic": ("max_token_len_per_micro_batch",),
+        "actor": ("ppo_micro_batch_size", "max_token_len_per_micro_batch"),
+        "critic": ("ppo_micro_batch_size", "max_token_len_per_micro_batch"),
+        "reward": ("model_micro_batch_size",),
     },
     "scale_out": {
         "trainer": (
@@ -390,8 +557,10 @@ def cli_view(config_cls):
     moved: dict[str, dict[str, str]] = {}  # section -> {field: group}
     for group, sections in SYSTEM_OPTIONS.items():
         for section, names in sections.items():
-            if dataclasses.is_dataclass(getattr(default, section, None)):
-                moved.setdefault(section, {}).update(dict.fromkeys(names, group))
+            value = getattr(default, section, None)
+            if dataclasses.is_dataclass(value):  # only the fields this recipe's section has (rm.py's RunConfig: no backend)
+                have = {f.name for f in dataclasses.fields(value)}
+                moved.setdefault(section, {}).update(dict.fromkeys([n for n in names if n in have], group))
 
     if not moved:  # a config without the shared sections: as it is
         return config_cls, lambda cfg: cfg
@@ -446,44 +615,24 @@ def check_finite(cfg, prefix: str = "--") -> None:
 
 
 def check_flags(cfg) -> None:
-    """Refuse flag values that cannot train, each with one line naming the flag and the fix (cfg: any recipe's Config)."""
-    from rlkit.errors import ConfigError
+    """Refuse flag values that cannot train, each with one line naming the flag and the fix (cfg: any recipe's Config):
+    every float finite, then each section's own `check`, then the checks that read two sections."""
+    import dataclasses
 
     check_finite(cfg)
-    d, a = cfg.data, cfg.actor
-    r, reward = getattr(cfg, "rollout", RolloutConfig()), getattr(cfg, "reward", RewardConfig())  # rm.py: none
-    positive = {
-        "--data.max-prompt-length": d.max_prompt_length,
-        "--data.max-response-length": d.max_response_length,
-        "--data.val-batch-size": d.val_batch_size,
-        "--trainer.val-n": cfg.trainer.val_n,
-        "--actor.ppo-epochs": a.ppo_epochs,
-    }
-    non_negative = {
-        "--actor.ppo-micro-batch-size": a.ppo_micro_batch_size,
-        "--rollout.log-prob-micro-batch-size": r.log_prob_micro_batch_size,
-        "--reward.model-micro-batch-size": reward.model_micro_batch_size,
-        "--actor.max-skipped-steps": a.max_skipped_steps,
-    }
-    lrs = {"--actor.lr": a.lr}
-    critic = getattr(cfg, "critic", None)  # the recipe's critic section, if it trains one (ppo.py)
-    if critic is not None:
-        positive["--critic.ppo-epochs"] = critic.ppo_epochs
-        non_negative["--critic.ppo-micro-batch-size"] = critic.ppo_micro_batch_size
-        lrs["--critic.lr"] = critic.lr
-    for flag, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{flag} {value}: must be at least 1")
-    for flag, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{flag} {value}: must be 0 (auto) or a positive number")
-    for flag, value in lrs.items():
-        if not 0 < value < 1:
-            raise ConfigError(
-                f"{flag} {value}: a learning rate must be > 0 and well below 1 (typical: 1e-6 to 1e-4 for an LM, 1e-3 for LoRA)"
-            )
-    if not r.temperature > 0:  # NaN too
-        raise ConfigError(
-            f"--rollout.temperature {r.temperature}: training samples responses, which needs a temperature > 0 (1.0 is usual); "
-            "greedy decoding (0) is only for --rollout.val-temperature"
-        )
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section) and hasattr(section, "check"):
+            section.check()
+    b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size if isinstance(cfg.actor, UpdateConfig) else None
+    if m is None:  # one optimizer step per batch (recipes/rm.py's OptimConfig)
+        if b <= 0:
+            raise ConfigError(f"--data.train-batch-size {b}: must be at least 1")
+    elif b <= 0 or m <= 0 or b % m:
+        raise ConfigError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
+
+
+def rows_per_mini_batch(actor, rollout, prompts: int | None = None) -> int:
+    """Trajectories per optimizer step: `prompts` (default --actor.ppo-mini-batch-size; a critic's own) x --rollout.n
+    samples each, as in verl. The one place this product is computed."""
+    return (prompts or actor.ppo_mini_batch_size) * rollout.n

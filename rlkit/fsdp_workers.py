@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlkit.config import rows_per_mini_batch
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
@@ -292,7 +293,7 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     @dispatch("all")
     def update(self, batch: DataProto, loss_fn) -> dict:
         """Every process gets the whole batch and takes its 1/N of each mini-batch."""
-        mine = self._my_rows(batch, self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n)
+        mine = self._my_rows(batch, rows_per_mini_batch(self.actor_cfg, self.rollout_cfg))
         metrics = super().update(mine, loss_fn)
         if torch.cuda.is_initialized():  # this process's GPU peak over the step (generate .. update, weight sync), the largest rank's
             metrics["memory/worker_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
@@ -398,7 +399,7 @@ class FSDPCriticWorker(FSDPMixin, CriticWorker):
 
     @dispatch("all")
     def update(self, batch: DataProto, loss_fn) -> dict:
-        mine = self._my_rows(batch, self.mini_batch_size * self.rollout_cfg.n)
+        mine = self._my_rows(batch, rows_per_mini_batch(None, self.rollout_cfg, self.mini_batch_size))
         return self._mean_over_ranks(super().update(mine, loss_fn))
 
     @dispatch("all")

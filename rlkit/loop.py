@@ -178,7 +178,7 @@ def run_name(cfg) -> str:
     if cfg.model.path != defaults.model.path:
         parts.append(Path(cfg.model.path.rstrip("/")).name)
     d = cfg.data
-    if d.task:
+    if getattr(d, "task", None):  # (recipes/rm.py, its BaseDataConfig: no generated tasks)
         parts.append(d.task.split(":")[-1])
     elif d.train_files != defaults.data.train_files and d.train_files:
         f = Path(d.train_files[0])
@@ -247,8 +247,9 @@ class Run:
         except AttributeError:
             describe = ""
         describe += sandbox.start_clause(cfg) + " | "  # where model-written text runs, and how contained (docs/sandbox.md)
-        if t.async_steps:  # the trainer's own rollout (above) only validates
-            describe += f"async: a generation worker samples {t.async_steps} batch(es) ahead with {cfg.rollout.name} | "
+        async_steps = getattr(t, "async_steps", 0)  # (recipes/rm.py's RunConfig: no asynchronous rollout)
+        if async_steps:  # the trainer's own rollout (above) only validates
+            describe += f"async: a generation worker samples {async_steps} batch(es) ahead with {cfg.rollout.name} | "
         per_step = f"prompts x {cfg.rollout.n} samples" if hasattr(cfg, "rollout") else "rows"  # recipes/rm.py: pairs, no rollout
         self.tracker.message(
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
@@ -256,7 +257,7 @@ class Run:
             + (f" | resumed at step {self.start_step}" if self.start_step else "")
             + (
                 " (async: the prompts an uninterrupted run draws, sampled afresh: the samples differ)"
-                if self.start_step and t.async_steps
+                if self.start_step and async_steps
                 else ""
             )
         )
@@ -267,7 +268,7 @@ class Run:
         ends, or stops on an error, they are closed (no generation process outlives the loop)."""
         t = self.cfg.trainer
         self.rollouts = rollouts
-        if t.async_steps and self.rollouts is None:
+        if getattr(t, "async_steps", 0) and self.rollouts is None:
             raise ConfigError(
                 f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no loop.Rollouts); use 0"
             )
@@ -281,10 +282,10 @@ class Run:
 
     def validate(self, step: int) -> dict:
         """Run validation, print it, remember it for the final summary."""
-        n, args = self.cfg.trainer.val_n, (self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
+        args = (self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
         if self.validate_fn is not None:  # the recipe's own
             metrics = self.validate_fn()
-        elif n > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
+        elif (n := self.cfg.trainer.val_n) > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
             metrics = evaluation.validate_n(*args, n, self.cfg.rollout.val_temperature)
         else:
             metrics = validate(*args)
@@ -358,7 +359,7 @@ def setup(cfg) -> None:
     set_threads(cfg.trainer.num_threads)
     torch.manual_seed(cfg.trainer.seed)
     t = cfg.trainer
-    if t.backend == "local" and t.device.startswith("cuda:"):  # this process trains on GPU N: make it the current one
+    if getattr(t, "backend", "local") == "local" and t.device.startswith("cuda:"):  # this process trains on GPU N: make it the current one
         if getattr(getattr(cfg, "rollout", None), "name", "") == "vllm" and torch.device(t.device).index:
             raise ConfigError(  # vLLM's in-process engine takes the first visible GPU whatever the current one is
                 f"--trainer.device {t.device} with --rollout.name vllm: vLLM would start on cuda:0; choose the GPU with "
@@ -366,9 +367,6 @@ def setup(cfg) -> None:
             )
         CUDA_DEVICE = torch.device(t.device)
         torch.cuda.set_device(CUDA_DEVICE)
-    b, m = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
-    if b <= 0 or m <= 0 or b % m:
-        raise ConfigError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
     preflight(cfg)
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlkit.config import rows_per_mini_batch
 from rlkit.engine import TorchEngine, trim_padding
 from rlkit.errors import ConfigError, MissingFile, MissingPackage
 from rlkit.protocol import DataProto
@@ -487,7 +488,7 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
     @dispatch("all")
     def update(self, batch: DataProto, loss_fn) -> dict:
         """Every process gets the whole batch; a tensor-parallel group takes its data-parallel share of each mini-batch."""
-        n = self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n
+        n = rows_per_mini_batch(self.actor_cfg, self.rollout_cfg)
         share = n // self.dp_size
         rows = [i for s in range(0, len(batch), n) for i in range(s + self.dp_rank * share, s + (self.dp_rank + 1) * share)]
         metrics = super().update(batch.index(rows), loss_fn)

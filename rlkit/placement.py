@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlkit.config import rows_per_mini_batch
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker, LocalWorkerGroup, resolved
 
@@ -84,11 +85,11 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
     from rlkit.ray_group import RayWorkerGroup
 
-    _check_split("policy", cfg.actor.ppo_mini_batch_size * cfg.rollout.n, t.n_workers, "--trainer.n-workers")
+    _check_split("policy", rows_per_mini_batch(cfg.actor, cfg.rollout), t.n_workers, "--trainer.n-workers")
     if critic is not None:
         _check_split(
             "critic",
-            (critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n,
+            rows_per_mini_batch(cfg.actor, cfg.rollout, critic.ppo_mini_batch_size),
             t.critic_workers or t.n_workers,
             "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers",
         )

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from rlkit.config import rows_per_mini_batch
 from rlkit.engine import TorchEngine, auto_micro_batch, num_params, unpack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
@@ -191,7 +192,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         metrics = self.engine.update(
             batch,
             loss_fn,
-            mini_batch_size=a.ppo_mini_batch_size * self.rollout_cfg.n // self.dp_size,
+            mini_batch_size=rows_per_mini_batch(a, self.rollout_cfg) // self.dp_size,
             micro_batch_size=self.micro_batch,
             epochs=a.ppo_epochs,
             temperature=self.rollout_cfg.temperature,
@@ -274,7 +275,7 @@ class CriticWorker(CheckpointFiles):
         return self.engine.update(
             batch,
             loss_fn,
-            mini_batch_size=self.mini_batch_size * self.rollout_cfg.n // self.dp_size,
+            mini_batch_size=rows_per_mini_batch(None, self.rollout_cfg, self.mini_batch_size) // self.dp_size,
             micro_batch_size=self.micro_batch,
             epochs=c.ppo_epochs,
         )

@@ -188,7 +188,7 @@ def train_rm(args, model, pairs: Path, out: Path, name: str, steps: int, lr: flo
     sh(
         [sys.executable, "recipes/rm.py", "--model", str(model), "--data.train-files", str(pairs / "train.parquet"),
          "--data.val-files", str(pairs / "val.parquet"), "--trainer.total-training-steps", str(steps),
-         "--actor.lr", str(lr), "--data.train-batch-size", str(args.rm_batch), "--actor.ppo-mini-batch-size", str(args.rm_batch),
+         "--actor.lr", str(lr), "--data.train-batch-size", str(args.rm_batch),
          "--trainer.default-local-dir", str(out / "{experiment_name}"), "--trainer.experiment-name", name, *flags],
         out / f"{name}.log",
     )  # fmt: skip

@@ -140,3 +140,18 @@ def test_system_flags_keep_their_names_and_land_in_their_sections():
     expected.rollout.name, expected.rollout.n, expected.reward.sandbox, expected.model.remove_padding = "vllm", 4, "all", False
     assert dataclasses.asdict(cfg) == dataclasses.asdict(expected)  # the recipe's own defaults (actor.lr 1e-4) kept
     assert to_config(tyro.cli(view, args=[])) == grpo.Config()
+
+
+def test_grpo_help_shows_at_most_40_learning_options_before_the_system_boxes():
+    """Issue #35: grpo.py's --help opened with 74 learning options; the run, validation, data-loading, off-policy,
+    reliability and performance options now wait in system boxes after them (config.SYSTEM_OPTIONS' rule)."""
+    from test_grpo_recipe import run_cli
+
+    out = run_cli("--help", recipe="grpo")
+    boxes = help_boxes(out.stdout)
+    learning = [body for title, body in boxes.items() if not title.startswith("system.")]
+    titles = list(boxes)
+    assert all(t.startswith("system.") for t in titles[titles.index("system.run options") :])
+    flags = re.findall(r"^--[a-z][\w.-]*", "".join(learning), re.M)
+    assert 30 <= len(flags) <= 40, flags
+    assert "--actor.lr" in flags and "--trainer.experiment-name" not in flags and "--data.task" not in flags
