@@ -137,12 +137,12 @@ class RlkitGRPO:
         shared_prompt_attention: str | None = None,
         rollout: str = "hf",
     ):
-        from rlkit import loop
+        from rlkit import recipe
         from rlkit.data import PromptLoader, build_prompts
         from rlkit.placement import build_policy, build_reward
 
         grpo = load_recipe("grpo")
-        self.grpo, self.loop = grpo, loop
+        self.grpo, self.recipe = grpo, recipe
         cfg = grpo.Config()
         cfg.model.path = model_path
         cfg.data.train_batch_size = prompts
@@ -166,7 +166,7 @@ class RlkitGRPO:
         cfg.trainer.default_local_dir = str(out_dir)
         cfg.trainer.logger = []
         self.cfg = cfg
-        loop.setup(cfg)
+        recipe.setup(cfg)
         with quiet():
             self.policy = build_policy(cfg)
         self.tok = self.policy.tokenizer
@@ -198,26 +198,26 @@ class RlkitGRPO:
 
     def step(self) -> dict:
         """One GRPO training step, the body of recipes/grpo.py's loop. Returns timings (seconds) and token counts."""
-        cfg, policy, loop, algos = self.cfg, self.policy, self.loop, self.grpo.algos
+        cfg, policy, recipe, algos = self.cfg, self.policy, self.recipe, self.grpo.algos
         self.steps += 1
         step, timings = self.steps, {}
-        with loop.timer("step", timings):
+        with recipe.timer("step", timings):
             batch = self.train.next_batch()
             batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]
             batch = batch.repeat(cfg.rollout.n, interleave=True)
-            with loop.timer("gen", timings):
+            with recipe.timer("gen", timings):
                 batch = policy.generate(batch)
-            with loop.timer("reward", timings):
-                scores, _ = loop.score(batch, self.tok, self.reward_fn)
-            with loop.timer("ref", timings):
+            with recipe.timer("reward", timings):
+                scores, _ = recipe.score(batch, self.tok, self.reward_fn)
+            with recipe.timer("ref", timings):
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))
-            with loop.timer("old_log_prob", timings):
+            with recipe.timer("old_log_prob", timings):
                 if not (self.skip_old_log_prob or self.policy.update_is_one_step()):  # as recipes/grpo.py
                     batch = batch.union(policy.compute_log_prob(batch))
             advantages = algos.grpo_advantage(scores, batch["uid"], norm_by_std=cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]
-            with loop.timer("update", timings):
+            with recipe.timer("update", timings):
                 metrics = policy.update(batch, self.actor_loss)
         prompt_len = batch["prompts"].shape[1]
         timings["groups"] = common_groups(batch, prompt_len)  # for the roofline: (P, [R_i]) per group

@@ -797,19 +797,19 @@ def check_flash_attn(ctx: dict) -> str:
 def run_with_gaps(recipe, cfg) -> tuple[list[dict], float, float]:
     """Run the recipe; its metric rows and, over its last batch's response tokens, the mean |log-prob gap| of the trainer
     to the rollout (which sampled with the synced weights) and to the base model (the reference: LoRA disabled)."""
-    from rlkit import loop
+    from rlkit import recipe
 
-    last, end = {}, loop.Run.end_of_step
+    last, end = {}, recipe.Run.end_of_step
 
     def keep(self, step, metrics, timings, batch, *args, **kwargs):
         last["batch"] = batch
         return end(self, step, metrics, timings, batch, *args, **kwargs)
 
-    loop.Run.end_of_step = keep
+    recipe.Run.end_of_step = keep
     try:
         _, rows = run_recipe(recipe, cfg)
     finally:
-        loop.Run.end_of_step = end
+        recipe.Run.end_of_step = end
     b = last["batch"]
     mask = b["response_mask"].bool()
     sync, base = ((b["old_log_probs"] - b[key])[mask].abs().mean().item() for key in ("rollout_log_probs", "ref_log_prob"))
@@ -1182,9 +1182,9 @@ def main() -> int:
         ctx["out"] = Path(ctx["out"])
         set_threads(8)
         if ctx.get("loan") and args.row != "grpo-full":  # a 0.5B checkpoint is ~6 GB: grpo-full writes one, the rest skip it
-            from rlkit import loop
+            from rlkit import recipe
 
-            loop.Run.save = lambda self, step: None
+            recipe.Run.save = lambda self, step: None
         check = Check()
         check.run(args.row, ROWS[args.row][0], ctx, *ROWS[args.row][1:])
         (ctx["out"] / f"{args.row}.json").write_text(json.dumps(check.rows[-1]))

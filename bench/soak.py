@@ -46,7 +46,7 @@ def main(argv=None):
     common.set_threads(args.threads)
     import torch
 
-    from rlkit import loop
+    from rlkit import recipe
 
     grpo = common.load_recipe("grpo")
     cfg = grpo.Config()
@@ -63,7 +63,7 @@ def main(argv=None):
         cfg.data.val_files = []
 
     readings: list[tuple[str, float]] = []
-    original_init, original_end = loop.Run.__init__, loop.Run.end_of_step
+    original_init, original_end = recipe.Run.__init__, recipe.Run.end_of_step
 
     def init(self, *a, **kw):  # the model, data and optimizer are built: the starting point
         original_init(self, *a, **kw)
@@ -75,13 +75,13 @@ def main(argv=None):
             readings.append((f"step {step}", rss_mib()))
             print(f"[soak] step {step}: RSS {readings[-1][1]:.1f} MiB", flush=True)
 
-    loop.Run.__init__, loop.Run.end_of_step = init, end_of_step
+    recipe.Run.__init__, recipe.Run.end_of_step = init, end_of_step
     start = common.now()
     try:
         with common.quiet():
             grpo.main(cfg)
     finally:
-        loop.Run.__init__, loop.Run.end_of_step = original_init, original_end
+        recipe.Run.__init__, recipe.Run.end_of_step = original_init, original_end
     readings.append(("end", rss_mib()))
     elapsed = common.now() - start
 
@@ -95,7 +95,7 @@ def main(argv=None):
     marks = [(n, m) for n, m in readings if n.startswith("step ")]
     half = [m for n, m in marks if int(n.split()[1]) >= args.steps // 2]
     growth = (marks[-1][1] - half[0]) if len(half) >= 2 else (readings[-1][1] - readings[0][1])
-    peak = loop.max_rss_gb() * 1024
+    peak = recipe.max_rss_gb() * 1024
     bounded = growth <= args.tolerance_mib
     print(
         f"growth over the second half: {growth:+.1f} MiB; peak RSS {peak:.1f} MiB -> "

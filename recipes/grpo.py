@@ -43,7 +43,7 @@ Other engines and scales are flags, not code: docs/scaling.md, docs/vllm.md, doc
 
 from dataclasses import dataclass, field
 
-from rlkit import algos, loop
+from rlkit import algos, recipe
 from rlkit.config import (
     ActorConfig,
     DataConfig,
@@ -105,7 +105,7 @@ def make_actor_loss(cfg: Config):
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
-    loop.setup(cfg)  # threads, seed, batch-size checks
+    recipe.setup(cfg)  # threads, seed, batch-size checks
     if cfg.rollout.n < 2:
         raise ConfigError(
             "GRPO needs --rollout.n >= 2: "
@@ -126,22 +126,22 @@ def main(cfg: Config) -> dict:
         else None
     )
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
-    run = loop.Run(cfg, policy, train, val, reward_fn)
+    run = recipe.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train)  # each step: B prompts from train x n samples
+    rollouts = recipe.Rollouts(cfg, policy, train)  # each step: B prompts from train x n samples
 
     for step in run.steps(rollouts):
         timings = {}
-        with loop.timer("step", timings):
-            with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+        with recipe.timer("step", timings):
+            with recipe.timer("gen", timings):  # rollout: policy.generate, one response per row
                 batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
-            with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+            with recipe.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = recipe.score(batch, tok, reward_fn)  # scores: (B*n,)
                 reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
-            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+            with recipe.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
-            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+            with recipe.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 if not policy.update_is_one_step():  # one step: pi_old = pi, taken from the update
                     batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
@@ -149,12 +149,12 @@ def main(cfg: Config) -> dict:
             advantages = algos.grpo_advantage(scores, batch["uid"], cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
 
-            with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+            with recipe.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
                 actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
         metrics = {
-            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **recipe.batch_metrics(batch, scores, cfg.data.max_response_length),
             **reward_metrics,
             **actor_metrics,
         }
@@ -163,4 +163,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    loop.cli(main, Config)
+    recipe.cli(main, Config)

@@ -33,7 +33,7 @@ docs/opd.md: the formula beside its code line, the flags, the measured demo.
 
 from dataclasses import dataclass, field
 
-from rlkit import algos, loop
+from rlkit import algos, recipe
 from rlkit.config import (
     ActorConfig,
     DataConfig,
@@ -105,11 +105,11 @@ def make_actor_loss(cfg: Config):
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, reward function, logging, resume
-    loop.setup(cfg)  # threads, seed, batch-size checks
+    recipe.setup(cfg)  # threads, seed, batch-size checks
     if not cfg.teacher:
         raise ConfigError("recipes/opd.py needs --teacher PATH: the model whose tokens it distills")
     for flag, v, top in (("--kl-coef", cfg.kl_coef, 1e6), ("--discount", cfg.discount, 1.0)):
-        if not 0 <= v <= top:  # (NaN and inf: loop.setup's config.check_finite, first)
+        if not 0 <= v <= top:  # (NaN and inf: recipe.setup's config.check_finite, first)
             raise ConfigError(f"{flag} {v}: must be a number from 0 to {top:g}")
     if cfg.task_reward_coef and cfg.rollout.n < 2:
         raise ConfigError(
@@ -138,24 +138,24 @@ def main(cfg: Config) -> dict:
         else None
     )
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
-    run = loop.Run(cfg, policy, train, val, reward_fn)
+    run = recipe.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train)  # each step: B prompts from train x n samples
+    rollouts = recipe.Rollouts(cfg, policy, train)  # each step: B prompts from train x n samples
 
     for step in run.steps(rollouts):
         timings = {}
-        with loop.timer("step", timings):
-            with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+        with recipe.timer("step", timings):
+            with recipe.timer("gen", timings):  # rollout: policy.generate, one response per row
                 batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
-            with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+            with recipe.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = recipe.score(batch, tok, reward_fn)  # scores: (B*n,)
                 reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
-            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+            with recipe.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if cfg.actor.use_kl_loss:
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
-            with loop.timer("old_log_prob", timings):  # log pi(y_t) before the update: d_t's
+            with recipe.timer("old_log_prob", timings):  # log pi(y_t) before the update: d_t's
                 batch = batch.union(policy.compute_log_prob(batch))  # ALGO LOGIC: every step
-            with loop.timer("teacher", timings):  # ALGO LOGIC: log pi_T(y_t), the teacher's
+            with recipe.timer("teacher", timings):  # ALGO LOGIC: log pi_T(y_t), the teacher's
                 batch = batch.union(teacher.compute_log_prob(batch))  # + teacher_log_prob (B*n, R)
 
             # ALGO LOGIC: per-token advantage -kl_coef * d_t (+ the task's group-relative advantage)
@@ -174,12 +174,12 @@ def main(cfg: Config) -> dict:
                 "distill/student_log_prob": algos.masked_mean(lp_student, mask).item(),
             }
 
-            with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+            with recipe.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
                 actor_metrics = policy.update(batch, actor_loss)  # then the rollout's weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
         metrics = {
-            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **recipe.batch_metrics(batch, scores, cfg.data.max_response_length),
             **reward_metrics,
             **actor_metrics,
             **distill_metrics,
@@ -190,4 +190,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    loop.cli(main, Config)
+    recipe.cli(main, Config)

@@ -45,7 +45,7 @@ and each update is grpo.py's loop (see its docstring), the critic's with its own
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlkit import algos, loop
+from rlkit import algos, recipe
 from rlkit.config import (
     ActorConfig,
     CriticConfig,
@@ -156,7 +156,7 @@ def kl_in_reward(scores, batch, kl_ctrl, kind: str):
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, models, data, reward function, logging, resume
-    loop.setup(cfg)  # threads, seed, batch-size checks
+    recipe.setup(cfg)  # threads, seed, batch-size checks
     need_ref = cfg.actor.use_kl_loss or cfg.use_kl_in_reward
     # actor + rollout + reference (+ room for the critic on Ray)
     policy = build_policy(cfg, need_ref=need_ref, critic=cfg.critic)
@@ -180,26 +180,28 @@ def main(cfg: Config) -> dict:
         if cfg.kl_ctrl == "adaptive"
         else algos.FixedKLController(cfg.kl_coef)
     )
-    run = loop.Run(
+    run = recipe.Run(
         cfg, policy, train, val, reward_fn, stateful={"critic": critic, "kl_ctrl": kl_ctrl}
     )
     actor_loss, critic_loss = make_actor_loss(cfg), make_critic_loss(cfg)
-    rollouts = loop.Rollouts(cfg, policy, train, need_ref=need_ref)  # B prompts x n, each step
+    rollouts = recipe.Rollouts(cfg, policy, train, need_ref=need_ref)  # B prompts x n, each step
 
     for step in run.steps(rollouts):
         timings = {}
-        with loop.timer("step", timings):
-            with loop.timer("gen", timings):  # rollout: policy.generate, one response per row
+        with recipe.timer("step", timings):
+            with recipe.timer("gen", timings):  # rollout: policy.generate, one response per row
                 batch = rollouts.next()  # prompts + responses, response_mask: (B*n, R); uid
-            with loop.timer("reward", timings):  # one verifiable score per response
-                scores, reward_metrics = loop.score(batch, tok, reward_fn)  # scores: (B*n,)
+            with recipe.timer("reward", timings):  # one verifiable score per response
+                scores, reward_metrics = recipe.score(batch, tok, reward_fn)  # scores: (B*n,)
                 reward_metrics |= train.record(batch, scores)  # feeds the difficulty sampler
-            with loop.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
+            with recipe.timer("ref", timings):  # log pi_ref(y_t): the reference for the KL penalty
                 if need_ref:
                     batch = batch.union(policy.compute_ref_log_prob(batch))  # + ref_log_prob
-            with loop.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
+            with recipe.timer("old_log_prob", timings):  # log pi_old(y_t): the denominator of rho
                 batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
-            with loop.timer("values", timings):  # V_old(s_t): the critic's estimate before token t
+            with recipe.timer(
+                "values", timings
+            ):  # V_old(s_t): the critic's estimate before token t
                 batch = batch.union(critic.compute_values(batch))  # + values: (B*n, R)
 
             # ALGO LOGIC: token rewards (KL in the reward), GAE advantages (whitened), returns
@@ -218,16 +220,16 @@ def main(cfg: Config) -> dict:
                 cfg.lam,
             )
 
-            with loop.timer("update_critic", timings):  # ALGO LOGIC: the loss of make_critic_loss
+            with recipe.timer("update_critic", timings):  # ALGO LOGIC: the loss of make_critic_loss
                 critic_metrics = critic.update(batch, critic_loss)
             actor_metrics = {}
             if step > cfg.critic_warmup:
-                with loop.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
+                with recipe.timer("update", timings):  # ALGO LOGIC: the loss of make_actor_loss
                     actor_metrics = policy.update(batch, actor_loss)  # then the weight sync
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
         metrics = {
-            **loop.batch_metrics(batch, scores, cfg.data.max_response_length),
+            **recipe.batch_metrics(batch, scores, cfg.data.max_response_length),
             **reward_metrics,
             **kl_metrics,
             **critic_metrics,
@@ -238,4 +240,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    loop.cli(main, Config)
+    recipe.cli(main, Config)

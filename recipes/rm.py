@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rlkit import demos, loop
+from rlkit import demos, recipe
 from rlkit.config import BaseDataConfig, BaseModelConfig, OptimConfig, RunConfig
 from rlkit.data import PromptLoader, read_table
 from rlkit.errors import ConfigError, NonFinite
@@ -81,7 +81,7 @@ class Config:  # the sections by use: what this recipe reads, nothing of the RL 
     """a column of per-pair margins m (how much chosen must win by); empty = no margin"""
     center_coef: float = 0.0
     """eta of the centring term eta * (r_c + r_r)^2 (TRL's center_rewards_coefficient; 0 = off)"""
-    rl_rows = False  # not a flag: loop.setup skips the RL prompt-row checks (read_pairs checks)
+    rl_rows = False  # not a flag: recipe.setup skips the RL prompt-row checks (read_pairs checks)
     train_layers: int = 0
     """train only the top N decoder layers and the head, the rest frozen (0 = all; not with LoRA):
     an RM grown from a policy by fresh layers on top keeps what the policy knows"""
@@ -354,8 +354,8 @@ def evaluate(rm: RewardTrainer, pairs: Pairs, batch_size: int, center_coef: floa
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, logging, resume
-    loop.setup(cfg)  # threads, seed, batch-size and flag checks (the pairs: read_pairs below)
-    if cfg.center_coef < 0:  # (NaN and inf: loop.setup's config.check_finite, first)
+    recipe.setup(cfg)  # threads, seed, batch-size and flag checks (the pairs: read_pairs below)
+    if cfg.center_coef < 0:  # (NaN and inf: recipe.setup's config.check_finite, first)
         raise ConfigError(f"--center-coef {cfg.center_coef}: must be a number >= 0 (0 = off)")
     train_pairs, t = read_pairs(cfg.data.train_files, cfg), cfg.trainer  # file errors first
     val_pairs = read_pairs(cfg.data.val_files, cfg) if cfg.data.val_files else None
@@ -370,12 +370,12 @@ def main(cfg: Config) -> dict:
     def validate() -> dict:  # held-out pairs: logged, and remembered for the summary (Run)
         return evaluate(rm, val_set, cfg.data.val_batch_size, cfg.center_coef)
 
-    run = loop.Run(cfg, rm, train, val_set, None, validate=validate, val_metric="val/pair_acc")
+    run = recipe.Run(cfg, rm, train, val_set, None, validate=validate, val_metric="val/pair_acc")
     for step in run.steps():
         timings = {}
-        with loop.timer("step", timings):
+        with recipe.timer("step", timings):
             batch = train.next_batch()  # B pairs: input_ids (2B, L), chosen rows then rejected
-            with loop.timer("update", timings):  # ALGO LOGIC: the loss of bt_loss, one step
+            with recipe.timer("update", timings):  # ALGO LOGIC: the loss of bt_loss, one step
 
                 def loss_fn(rewards, margin, num_pairs):
                     return bt_loss(rewards, margin, num_pairs, cfg.center_coef)
@@ -388,4 +388,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    loop.cli(main, Config)
+    recipe.cli(main, Config)

@@ -28,7 +28,7 @@ Batch-size arithmetic, per training step:
 
 Validation: val/loss (the same NLL on the validation conversations) and, when the file also
 holds RL rows (chat-message prompts, reward_model), held-out accuracy by greedy generation
-(val/acc, loop.Run's validation). The data is read and checked before the model loads.
+(val/acc, recipe.Run's validation). The data is read and checked before the model loads.
 """
 
 from dataclasses import dataclass, field
@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from rlkit import algos, loop
+from rlkit import algos, recipe
 from rlkit.config import (
     DataConfig,
     ModelConfig,
@@ -73,7 +73,9 @@ class Config:
     """a column of whole conversations (verl data.multiturn.messages_key); overrides the others"""
     init_from_scratch: bool = False
     """re-initialise the model's weights (seeded) before training: SFT from a fresh model"""
-    rl_rows = False  # not a flag: loop.setup skips the RL prompt-row checks (main checks its data)
+    rl_rows = (
+        False  # not a flag: recipe.setup skips the RL prompt-row checks (main checks its data)
+    )
     tools: str = ""
     """built-in tools offered to the chat template (as grpo_tools.py's --agent.tools), e.g. calculator"""
 
@@ -249,7 +251,7 @@ def fresh_weights(policy, cfg: Config) -> None:
 
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, data, model, validation, logging, resume
-    loop.setup(cfg)  # threads, seed, batch-size and flag checks (SFT's data: checked below)
+    recipe.setup(cfg)  # threads, seed, batch-size and flag checks (SFT's data: checked below)
     if cfg.data.task:  # (its generated rows are prompts to sample, not conversations to imitate)
         raise ConfigError(
             f"--data.task {cfg.data.task}: SFT trains on --data.train-files conversations"
@@ -282,14 +284,14 @@ def main(cfg: Config) -> dict:
         train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
     )
     reward_fn = build_reward(cfg, policy) if graded else None
-    run = loop.Run(cfg, policy, train, val, reward_fn)
+    run = recipe.Run(cfg, policy, train, val, reward_fn)
     t = cfg.trainer
 
     for step in run.steps():
         timings = {}
-        with loop.timer("step", timings):
+        with recipe.timer("step", timings):
             batch = train.next_batch()  # B conversations: prompts | responses, response_mask (B, R)
-            with loop.timer("update", timings):  # ALGO LOGIC: the loss of sft_loss, one step
+            with recipe.timer("update", timings):  # ALGO LOGIC: the loss of sft_loss, one step
                 metrics = policy.update(batch, sft_loss)
         if val_set is not None and (
             t.test_freq > 0 and step % t.test_freq == 0 or step == run.total_steps
@@ -302,4 +304,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    loop.cli(main, Config)
+    recipe.cli(main, Config)

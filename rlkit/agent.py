@@ -350,7 +350,7 @@ def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, p
         out[f"agent_{key}"] = torch.tensor([float(getattr(e, key)) for e in episodes])
     for reason in ENV_ERRORS:
         out[f"agent_env_error_{reason}"] = torch.tensor([float(e.env_error == reason) for e in episodes])
-    if any(e.env_reward for e in episodes):  # an environment's reward: rlkit.loop.score adds it to the scorer's
+    if any(e.env_reward for e in episodes):  # an environment's reward: rlkit.recipe.score adds it to the scorer's
         out["env_reward"] = torch.tensor([e.reward for e in episodes])  # (B,)
     return out
 

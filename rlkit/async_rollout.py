@@ -239,11 +239,11 @@ def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
 
 
 class Rollouts:
-    """Generation batches for the loop; see the module docstring. Close it (loop.Run does) to stop the workers."""
+    """Generation batches for the loop; see the module docstring. Close it (recipe.Run does) to stop the workers."""
 
     def __init__(self, cfg, policy, train, need_ref: bool | None = None, prepare=None):
         """train: the PromptLoader that prompts(i) draws B prompts from (next_batch(); its position is what a
-        checkpoint saves). The recipe hands this to its loop.Run, `for step in run.steps(rollouts)`: the run logs
+        checkpoint saves). The recipe hands this to its recipe.Run, `for step in run.steps(rollouts)`: the run logs
         the async/ metrics and closes this at the end of the loop, or when it stops on an error. need_ref: whether
         the workers add ref_log_prob (default: --actor.use-kl-loss).
         prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
@@ -266,7 +266,7 @@ class Rollouts:
         t = cfg.trainer
         need_ref = cfg.actor.use_kl_loss if need_ref is None else need_ref
         args = (cfg.model, cfg.actor, cfg.rollout, cfg.data, t, need_ref, getattr(policy, "turn_loop", None))
-        atexit.register(self.close)  # a script that never reaches loop.Run's close still stops the workers
+        atexit.register(self.close)  # a script that never reaches recipe.Run's close still stops the workers
         if t.backend == "ray":
             self._start_ray(args, t)
         else:
@@ -432,7 +432,7 @@ class Rollouts:
         return self.drawn_from[min(self.drawn_from)] if self.drawn_from else None
 
     def metrics(self) -> dict:
-        """async/ metrics of the batches taken since the last call (loop.Run logs them every step)."""
+        """async/ metrics of the batches taken since the last call (recipe.Run logs them every step)."""
         if not self.stats:
             return {}
         stale, wait = zip(*self.stats, strict=True)

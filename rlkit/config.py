@@ -584,7 +584,7 @@ def cli_view(config_cls):
     view_cls = dataclasses.make_dataclass(
         config_cls.__name__, [*sections, ("system", system, dataclasses.field(default_factory=system))], bases=(config_cls,)
     )
-    view_cls.__module__ = config_cls.__module__  # (loop.run_name names a run after the recipe's module)
+    view_cls.__module__ = config_cls.__module__  # (recipe.run_name names a run after the recipe's module)
 
     def to_config(view) -> config_cls:
         values = {f.name: getattr(view, f.name) for f in dataclasses.fields(config_cls)}

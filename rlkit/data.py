@@ -401,7 +401,7 @@ class PromptLoader:
         self.key = f"{os.getpid()}-{id(self)}"  # in the meta of the batches it draws: record() takes only its own
 
     def use_sampler(self, weights: tuple[float, float, float]) -> None:
-        """Draw batches by difficulty (--data.sampler difficulty; loop.Run calls this before resuming)."""
+        """Draw batches by difficulty (--data.sampler difficulty; recipe.Run calls this before resuming)."""
         self.sampler = DifficultySampler(len(self.prompts), weights, self.seed)
 
     def __len__(self) -> int:

@@ -20,7 +20,7 @@ Kinds shipped here:
 - `GymTextEnv`: the adapter shape for a gymnasium-style text environment (`reset(seed, options) -> (obs, info)`,
   `step(action) -> (obs, reward, terminated, truncated, info)`, observations and actions as text).
 
-An env whose `gives_reward` is true has its episode reward added to the scorer's (rlkit.loop.score, from the
+An env whose `gives_reward` is true has its episode reward added to the scorer's (rlkit.recipe.score, from the
 batch's `env_reward`); its dataset's data_source is then usually "rlkit/env", a scorer that gives 0.
 An env class may define `step_many(envs, actions)` to step many episodes at once (ToolEnv runs every row's
 sandboxed tool calls together); otherwise each episode's `step` is called in turn.

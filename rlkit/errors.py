@@ -1,6 +1,6 @@
 """Errors that are the user's to fix, and only those, end a run with one line.
 
-`loop.cli` prints a `UserError` as ``rlkit: error: <message>`` and exits with status 1; every other
+`recipe.cli` prints a `UserError` as ``rlkit: error: <message>`` and exits with status 1; every other
 exception keeps its traceback, because it is a bug (rlkit's, or a forked recipe's) and the traceback is
 how it gets found. Each class also derives from the built-in exception it replaces, so
 ``except ValueError`` and ``pytest.raises(FileNotFoundError)`` keep working.

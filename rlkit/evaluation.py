@@ -111,7 +111,7 @@ def sample(policy, prompts, reward_fn, batch_size: int, n: int, validate: bool, 
     validate: sample at --rollout.val-temperature (True) or --rollout.temperature (False). progress: a tqdm bar,
     advanced by the samples of each batch. Returns one record per sample, in prompt order then sample order
     ({prompt_index, sample_index, response, score, correct, answer, ground_truth}), and the reward function's
-    metrics of each batch with its row count (for loop.mean_metrics-style averaging).
+    metrics of each batch with its row count (for recipe.mean_metrics-style averaging).
     """
     tok = policy.tokenizer
     records, batch_metrics, readers = [], [], {}  # readers: data_source -> answer_reader
@@ -143,7 +143,7 @@ def sample(policy, prompts, reward_fn, batch_size: int, n: int, validate: bool, 
 
 
 def decode(batch: DataProto, tokenizer) -> list[str]:
-    """The response text of every row (padding and EOS removed), as loop.decode_responses."""
+    """The response text of every row (padding and EOS removed), as recipe.decode_responses."""
     ids = batch["responses"].masked_fill(batch["response_mask"] == 0, tokenizer.pad_token_id)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 

@@ -9,7 +9,7 @@ A recipe asks for its roles here::
 With --trainer.backend local each is one worker in this process (rlkit/workers.py). With ray each is a
 RayWorkerGroup of FSDP2 workers (rlkit/fsdp_workers.py) placed on Ray resource pools, as verl's
 ResourcePoolManager places them: this module sits above both worker modules, which never import it.
-Every group has close(); loop.Run.finish closes the ones it was given.
+Every group has close(); recipe.Run.finish closes the ones it was given.
 """
 
 from __future__ import annotations

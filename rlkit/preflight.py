@@ -1,7 +1,7 @@
 """Checks that run before any model loads (and before Ray starts): a flag or a data file that cannot work ends the
 run in seconds with one line naming it and the fix (rlkit/errors.py), instead of after the model loads.
 
-`run(cfg)` is called by `loop.preflight` (from `loop.setup`, the first line of every recipe), after the flag and
+`run(cfg)` is called by `recipe.preflight` (from `recipe.setup`, the first line of every recipe), after the flag and
 file checks there. One short function per check; each takes any recipe's Config and reads only the sections it
 needs (`getattr` for the sections some recipes lack: critic, agent). The prompts check loads the tokenizer (never
 the model) to tokenize the prompts as the recipe will. docs/errors.md lists every message.

@@ -55,7 +55,7 @@ What it does, in order:
    not seen by a spawned engine process (Ray workers: refused).
 
 Threads: in-process vLLM on CPU replaces `torch.set_num_threads` with a no-op. The trainer's thread
-count is set before the engine starts (`loop.setup`), and the original function is put back after
+count is set before the engine starts (`recipe.setup`), and the original function is put back after
 the engine is built so the rest of the process behaves as before.
 """
 

@@ -30,7 +30,7 @@ BEGIN, END = "<!-- core-size:begin (python scripts/core_size.py --write) -->", "
 
 LAYERS = {
     "core": (  # the algorithm and the loop: what one recipe on one device needs
-        "__init__ protocol algos loop config data rewards engine workers rollout checkpoint tracking errors models"
+        "__init__ protocol algos loop recipe config data rewards engine workers rollout checkpoint tracking errors models"
     ).split(),
     "scale-out": "ray_group placement fsdp_workers megatron_workers megatron_shims vllm_rollout async_rollout ulysses".split(),
     "features": (

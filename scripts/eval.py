@@ -106,7 +106,7 @@ def main(cfg: Config) -> dict[str, float]:
 def cli() -> None:
     """tyro over Config, with --model short for --model.path; a UserError ends in one line (as the recipes)."""
     from rlkit.errors import UserError
-    from rlkit.loop import expand_aliases
+    from rlkit.recipe import expand_aliases
 
     cfg = tyro.cli(Config, description=__doc__, args=expand_aliases(sys.argv[1:]))
     try:

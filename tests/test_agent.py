@@ -328,7 +328,7 @@ def test_policy_loss_and_kl_see_only_sampled_tokens():
 
 
 def test_batch_metrics_count_sampled_tokens_and_entropy_over_them():
-    from rlkit import loop
+    from rlkit import recipe
     from rlkit.protocol import DataProto
 
     batch = DataProto.from_dict(
@@ -339,7 +339,7 @@ def test_batch_metrics_count_sampled_tokens_and_entropy_over_them():
             "entropys": torch.tensor([[1.0, 2.0, 50.0, 50.0, 3.0, 50.0], [6.0, 50.0, 50.0, 50.0, 50.0, 50.0]]),
         }
     )
-    m = loop.batch_metrics(batch, torch.tensor([1.0, 0.0]), max_response_length=6)
+    m = recipe.batch_metrics(batch, torch.tensor([1.0, 0.0]), max_response_length=6)
     assert (m["response_length/mean"], m["response_length/max"]) == (2.0, 3.0)  # sampled tokens only
     assert m["actor/entropy"] == pytest.approx((1 + 2 + 3 + 6) / 4)
 

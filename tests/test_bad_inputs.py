@@ -1,6 +1,6 @@
 """The failures a new user still hits (issues #10 and #21): each ends with one line naming the flag or file and the fix.
 
-Most cases stop in `loop.preflight` / rlkit/preflight.py, before the model loads (the tests make a model load fail
+Most cases stop in `recipe.preflight` / rlkit/preflight.py, before the model loads (the tests make a model load fail
 them). docs/errors.md lists every case with its message. Also: parse_hermes under fuzzing (no exception escapes, no
 unbounded work), the async generation worker's hang/stop/kill messages, and the bench/reliability.py driver.
 """

@@ -1,4 +1,4 @@
-"""loop.cli: a user's mistake (a UserError) ends with one line; any other exception is a bug and keeps its traceback."""
+"""recipe.cli: a user's mistake (a UserError) ends with one line; any other exception is a bug and keeps its traceback."""
 
 import dataclasses
 import re
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 from test_grpo_recipe import load_recipe
 
-from rlkit import config, loop
+from rlkit import config, recipe
 from rlkit.errors import ConfigError
 
 
@@ -29,7 +29,7 @@ def test_user_error_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["recipe.py", "--lr", "0.5"])
     monkeypatch.delenv("RLKIT_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as info:
-        loop.cli(bad_flag, Config)
+        recipe.cli(bad_flag, Config)
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "rlkit: error: --lr 0.5 must be below 0.01; pass --lr 0.001\n" in err
@@ -39,7 +39,7 @@ def test_user_error_is_one_line(monkeypatch, capsys):
 def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["recipe.py"])
     with pytest.raises(ValueError, match="could not be broadcast") as info:
-        loop.cli(shape_bug, Config)
+        recipe.cli(shape_bug, Config)
     assert info.traceback[-1].name == "shape_bug"  # raised as is, from where it happened
     assert "rlkit: error" not in capsys.readouterr().err
 
@@ -48,18 +48,18 @@ def test_rlkit_traceback_shows_a_user_errors_traceback(monkeypatch):
     monkeypatch.setattr("sys.argv", ["recipe.py"])
     monkeypatch.setenv("RLKIT_TRACEBACK", "1")
     with pytest.raises(ConfigError):
-        loop.cli(bad_flag, Config)
+        recipe.cli(bad_flag, Config)
 
 
 def test_each_recipe_names_its_runs_after_itself_and_what_it_trains_on():
     recipes = ("grpo", "rloo", "dapo", "ppo", "reinforce_pp", "grpo_tools")  # grpo_tools: its own default model and data
-    assert {name: loop.run_name(load_recipe(name).Config()) for name in recipes} == {name: name for name in recipes}
+    assert {name: recipe.run_name(load_recipe(name).Config()) for name in recipes} == {name: name for name in recipes}
     cfg = load_recipe("grpo").Config()
     cfg.model.path = "Qwen/Qwen2.5-0.5B-Instruct"
     cfg.data.train_files = ["data/gsm8k/train.parquet"]
-    assert loop.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-gsm8k"
+    assert recipe.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-gsm8k"
     cfg.data.task = "reasoning_gym:chain_sum"
-    assert loop.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-chain_sum"
+    assert recipe.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-chain_sum"
 
 
 def test_a_rerun_into_a_used_folder_names_both_ways_forward(tmp_path):
@@ -71,7 +71,7 @@ def test_a_rerun_into_a_used_folder_names_both_ways_forward(tmp_path):
     step.mkdir(parents=True)
     (step / "state.pt").write_bytes(b"")
     with pytest.raises(RunExists) as info:
-        loop.Run(cfg, policy=None, train_loader=[], val_prompts=None, reward_fn=None)
+        recipe.Run(cfg, policy=None, train_loader=[], val_prompts=None, reward_fn=None)
     msg = str(info.value)
     assert "\n" not in msg and str(tmp_path / "rloo/checkpoints") in msg
     assert "--trainer.resume auto" in msg and "--trainer.experiment-name" in msg
@@ -79,14 +79,14 @@ def test_a_rerun_into_a_used_folder_names_both_ways_forward(tmp_path):
 
 def test_mean_metrics_weights_means_by_rows_and_sums_counts():
     """DAPO's reward metrics over its generation batches: a mean per response, not per batch."""
-    got = loop.mean_metrics([({"reward/acc": 1.0, "reward/errors": 2.0}, 24), ({"reward/acc": 0.0, "reward/errors": 1.0}, 8)])
+    got = recipe.mean_metrics([({"reward/acc": 1.0, "reward/errors": 2.0}, 24), ({"reward/acc": 0.0, "reward/errors": 1.0}, 8)])
     assert got == {"reward/acc": 0.75, "reward/errors": 3.0}
 
 
 def test_mean_metrics_sums_reward_timeouts_like_errors():
     """reward/timeouts counts timed-out calls (a subset of reward/errors): 2 + 1 over two batches is 3, not their row-weighted
     mean (2*24 + 1*8) / 32 = 1.75."""
-    got = loop.mean_metrics([({"reward/errors": 2.0, "reward/timeouts": 2.0}, 24), ({"reward/errors": 1.0, "reward/timeouts": 1.0}, 8)])
+    got = recipe.mean_metrics([({"reward/errors": 2.0, "reward/timeouts": 2.0}, 24), ({"reward/errors": 1.0, "reward/timeouts": 1.0}, 8)])
     assert got == {"reward/errors": 3.0, "reward/timeouts": 3.0}
 
 
@@ -105,14 +105,14 @@ def help_boxes(text: str) -> dict[str, str]:
 def test_help_shows_the_learning_options_first_and_the_system_options_apart():
     from test_grpo_recipe import run_cli
 
-    for recipe in ("grpo", "ppo"):
-        out = run_cli("--help", recipe=recipe)
+    for name in ("grpo", "ppo"):
+        out = run_cli("--help", recipe=name)
         assert out.returncode == 0, out.stderr
         boxes = help_boxes(out.stdout)
         titles = list(boxes)
         first_system = next(i for i, t in enumerate(titles) if t.startswith("system."))
         assert titles[:first_system] == ["options", "model options", "data options", "rollout options", "actor options"] + (
-            ["critic options"] if recipe == "ppo" else []
+            ["critic options"] if name == "ppo" else []
         ) + ["reward options", "trainer options"]
         assert all(t.startswith("system.") for t in titles[first_system:])
         for group, sections in config.SYSTEM_OPTIONS.items():  # each system flag in its own box only, under its old name
@@ -122,7 +122,7 @@ def test_help_shows_the_learning_options_first_and_the_system_options_apart():
                     continue
                 for name in names:
                     flag = re.compile(rf"--{section}\.{name.replace('_', '-')}[ ,]")  # (a bool: --x, --no-x)
-                    assert flag.search(box) and not flag.search(boxes[f"{section} options"]), (recipe, flag)
+                    assert flag.search(box) and not flag.search(boxes[f"{section} options"]), (name, flag)
         assert "--trainer.total-epochs" in boxes["trainer options"] and "--rollout.n " in boxes["rollout options"]
 
 

@@ -27,7 +27,7 @@ The conventions a doc follows (each failure message repeats the one it broke):
 - Every metric key a recipe logs is named in docs/metrics.md or a doc it links, by its full name (`a/b/c`; in a
   list `a/b/c`, `/d` is short for `a/b/d`); `<name>` stands for an open set (a scorer's own keys), never for a key
   the code spells out. Every `timing/...` named in a doc is a timer the code creates.
-- README.md's "What is in the box" table names every rlkit/*.py module and every recipe; `algos.x`, `loop.X`,
+- README.md's "What is in the box" table names every rlkit/*.py module and every recipe; `algos.x`, `recipe.X`,
   `TorchEngine.x` in a doc's code spans name things the code has.
 
 Speed: the recipes' --help are rendered in-process once each (cached); the metric keys come from one tiny step of
@@ -210,7 +210,7 @@ def recipe_flags(name: str) -> frozenset[str]:
     assert len(flags) > 20, out.getvalue()[:2000]
     flags.add("--help")
     if "--model.path" in flags:
-        flags.add("--model")  # loop.expand_aliases: --model X is --model.path X
+        flags.add("--model")  # recipe.expand_aliases: --model X is --model.path X
     return frozenset(flags)
 
 
@@ -378,19 +378,19 @@ def docstring_commands(lines: list[str]) -> list[tuple[int, list[str]]]:
 @functools.cache
 def default_checkpoints(name: str) -> tuple[str, frozenset[int]]:
     """(output folder, the steps it holds checkpoints of) of `python recipes/<name>.py` on its defaults, derived from
-    the code, not run: loop.run_name names the folder; steps = total_training_steps, else total_epochs x batches per
+    the code, not run: recipe.run_name names the folder; steps = total_training_steps, else total_epochs x batches per
     epoch (PromptLoader: rows // batch size, the last incomplete batch dropped; dapo.py's loader draws gen_batch_size
     prompts); a checkpoint every save_freq steps and at the last."""
     import pyarrow.parquet as pq
 
-    from rlkit import loop
+    from rlkit import recipe
 
     cfg, t = load_recipe(name).Config(), load_recipe(name).Config().trainer
     rows = sum(pq.ParquetFile(ROOT / f).metadata.num_rows for f in cfg.data.train_files)
     batch = getattr(cfg, "gen_batch_size", None) or cfg.data.train_batch_size
     total = t.total_training_steps or t.total_epochs * (rows // batch)
     steps = {total, *(range(t.save_freq, total + 1, t.save_freq) if t.save_freq > 0 else ())}
-    out = t.default_local_dir.format(experiment_name=t.experiment_name or loop.run_name(cfg), project_name=t.project_name)
+    out = t.default_local_dir.format(experiment_name=t.experiment_name or recipe.run_name(cfg), project_name=t.project_name)
     return out, frozenset(steps)
 
 
@@ -585,13 +585,13 @@ def rlkit_names() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 # `module.name` in a doc's code span is checked for these rlkit modules (not for config sections such as
 # rollout / data / agent, whose `rollout.n` is a field, nor for data columns such as reward_model)
 CHECKED_MODULES = (
-    "algos loop rewards engine protocol packing tools sandbox async_rollout workers placement checkpoint tracking errors "
+    "algos recipe rewards engine protocol packing tools sandbox async_rollout workers placement checkpoint tracking errors "
     "models tasks userfn vllm_rollout fsdp_workers megatron_workers megatron_shims ray_group demos"
 ).split()
 
 
 def test_every_rlkit_name_in_the_docs_exists():
-    """`algos.grpo_advantage`, `loop.Rollouts`, `TorchEngine.update`, `ActorConfig.clip_low` in a doc's code spans name
+    """`algos.grpo_advantage`, `recipe.Rollouts`, `TorchEngine.update`, `ActorConfig.clip_low` in a doc's code spans name
     things the code has: a rename leaves no stale name behind."""
     modules, classes = rlkit_names()
     assert "grpo_advantage" in modules["algos"] and "update" in classes["TorchEngine"] and "lr" in classes["ActorConfig"]
@@ -807,12 +807,12 @@ def logged_keys(tmp_path_factory) -> dict[str, set[str]]:
 
     from test_grpo_recipe import small_config
 
-    from rlkit import loop, tracking
+    from rlkit import recipe, tracking
 
     tmp, out = tmp_path_factory.mktemp("docs-metrics"), {}
     with pytest.MonkeyPatch.context() as mp:  # the plot and the checkpoint come after the metrics are logged
         mp.setattr(tracking, "plot_learning_curve", lambda metrics, png, title="": Path(png))
-        mp.setattr(loop.Run, "save", lambda self, step: None)
+        mp.setattr(recipe.Run, "save", lambda self, step: None)
         for name in RECIPES:
             recipe = load_recipe(name)
             cfg = small_config(recipe, tmp / name, steps=1, num_threads=1, save_freq=0)
@@ -931,7 +931,7 @@ def rollout_corr_key(key: str) -> bool:
 
 @functools.cache
 def timers() -> frozenset[str]:
-    """timing/ keys the code creates: `loop.timer("name", ...)` blocks and literal `timing/...` keys."""
+    """timing/ keys the code creates: `recipe.timer("name", ...)` blocks and literal `timing/...` keys."""
     names = set()
     for path in [*(ROOT / "rlkit").glob("*.py"), *(ROOT / "recipes").glob("*.py")]:
         src = path.read_text()

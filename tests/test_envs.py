@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlkit import agent, demos, envs, loop
+from rlkit import agent, demos, envs, recipe
 from rlkit.agent import AgentConfig
 from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
@@ -139,7 +139,7 @@ def test_loop_score_adds_the_env_reward():
         },
         non_tensors={"data_source": ["rlkit/env"] * 3, "ground_truth": ["1"] * 3, "extra_info": [None] * 3, "raw_prompt": [PROMPT] * 3},
     )
-    scores, metrics = loop.score(batch, Tok(), RewardFn())
+    scores, metrics = recipe.score(batch, Tok(), RewardFn())
     assert scores.tolist() == [1.0, 0.0, 1.0] and metrics["reward/env"] == pytest.approx(2 / 3)
 
 
@@ -170,7 +170,7 @@ def run_config(monkeypatch, *argv):
     def stop(cfg):
         raise Parsed(cfg)
 
-    monkeypatch.setattr(loop, "setup", stop)
+    monkeypatch.setattr(recipe, "setup", stop)
     monkeypatch.setattr(sys, "argv", ["grpo_tools.py", *argv])
     with pytest.raises(Parsed) as e:
         runpy.run_path(str(ROOT / "recipes" / "grpo_tools.py"), run_name="__main__")

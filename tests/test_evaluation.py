@@ -125,7 +125,7 @@ def test_eval_flags_match_the_recipes_and_mistakes_are_one_line():
     import tyro
 
     from rlkit.errors import ConfigError
-    from rlkit.loop import expand_aliases
+    from rlkit.recipe import expand_aliases
 
     rlkit_eval = load_eval()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit import algos, demos, loop
+from rlkit import algos, demos, recipe
 from rlkit.checkpoint import rng_state
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
 from rlkit.data import build_prompts
@@ -217,10 +217,10 @@ def test_gpu_memory_peak_per_phase(monkeypatch):
         mem["peak"] = max(mem["peak"], mem["now"] + gib * 2**30)
 
     timings = {}
-    with loop.timer("step", timings):
-        with loop.timer("gen", timings):
+    with recipe.timer("step", timings):
+        with recipe.timer("gen", timings):
             use(5)
-        with loop.timer("update", timings):
+        with recipe.timer("update", timings):
             use(3)
     assert timings["memory/gen_peak_gb"] == 5 and timings["memory/update_peak_gb"] == 3 and timings["memory/step_peak_gb"] == 5
 
@@ -235,17 +235,16 @@ def test_trainer_device_cuda_n_is_made_current_and_its_memory_read(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", str(device))))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls.append(("peak", str(device))) or 0)
-    monkeypatch.setattr(loop, "CUDA_DEVICE", None, raising=False)  # setup sets it
-    monkeypatch.setattr(loop, "preflight", lambda cfg: None)  # the flags' and files' checks are not what this is about
+    monkeypatch.setattr(recipe, "preflight", lambda cfg: None)  # the flags' and files' checks are not what this is about
     cfg = small_config(load_recipe("grpo"), tmp_path, device="cuda:1")
-    loop.setup(cfg)
-    with loop.timer("gen", {}):
+    recipe.setup(cfg)
+    with recipe.timer("gen", {}):
         pass
     assert calls == [("set_device", "cuda:1")] + [(k, "cuda:1") for k in ("peak", "reset", "peak")]
 
     cfg.rollout.name = "vllm"
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=1"):
-        loop.setup(cfg)
+        recipe.setup(cfg)
 
 
 # ----------------------------------------------------------------------------- vLLM

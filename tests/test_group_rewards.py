@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit import loop
+from rlkit import recipe
 from rlkit.errors import ConfigError, RunFailed
 from rlkit.protocol import DataProto
 from rlkit.rewards import RewardFn, batched
@@ -90,5 +90,5 @@ def test_loop_score_hands_the_uids_to_the_reward():
             "raw_prompt": [[{"role": "user", "content": "q"}]] * 5,
         },
     )
-    scores, _ = loop.score(batch, Tok(), RewardFn(custom_fn=f"{FIXTURE}:rank_score"))
+    scores, _ = recipe.score(batch, Tok(), RewardFn(custom_fn=f"{FIXTURE}:rank_score"))
     assert scores.tolist() == RANKS

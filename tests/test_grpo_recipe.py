@@ -264,7 +264,7 @@ def test_bad_input_ends_with_one_clear_message(tmp_path, case):
 
 
 def test_model_flag_is_short_for_model_path():
-    from rlkit.loop import expand_aliases
+    from rlkit.recipe import expand_aliases
 
     assert expand_aliases(["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--model.lora-rank", "8"]) == [
         "--model.path",

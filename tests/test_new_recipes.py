@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
-from rlkit import algos, demos, loop
+from rlkit import algos, demos, recipe
 from rlkit.protocol import DataProto
 
 
@@ -44,7 +44,7 @@ def test_remax_uses_one_greedy_response_per_prompt_as_the_baseline(tmp_path, mon
     B, n = cfg.data.train_batch_size, cfg.rollout.n
     gens, scored, updates = [], [], []
 
-    real_score = loop.score
+    real_score = recipe.score
 
     def score_spy(batch, tok, reward_fn):  # training rows carry a group id; validation rows do not
         scores, metrics = real_score(batch, tok, reward_fn)
@@ -52,7 +52,7 @@ def test_remax_uses_one_greedy_response_per_prompt_as_the_baseline(tmp_path, mon
             scored.append(scores.clone())
         return scores, metrics
 
-    monkeypatch.setattr(loop, "score", score_spy)
+    monkeypatch.setattr(recipe, "score", score_spy)
     build = remax.build_policy
 
     def build_spy(*a, **k):

@@ -15,7 +15,7 @@ from numerics import assert_within, log_prob_tol, max_abs_logit, tiny_log_prob_t
 from safetensors.torch import load_file
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
-from rlkit import algos, loop
+from rlkit import algos, recipe
 from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
@@ -152,7 +152,7 @@ def test_grpo_with_hf_rollout_log_probs_logs_zero_mismatch_and_trains_the_same_w
 
 def synchronous_grpo(grpo, cfg):
     """The GRPO loop as it was before --trainer.async-steps (generation in turn, policy.generate): the reference."""
-    loop.setup(cfg)
+    recipe.setup(cfg)
     policy = build_policy(cfg)
     tok = policy.tokenizer
     from rlkit.data import PromptLoader, build_prompts
@@ -162,21 +162,21 @@ def synchronous_grpo(grpo, cfg):
     )
     val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
     reward_fn = build_reward(cfg, policy)
-    run = loop.Run(cfg, policy, train, val, reward_fn)
+    run = recipe.Run(cfg, policy, train, val, reward_fn)
     actor_loss = grpo.make_actor_loss(cfg)
     for step in run.steps():
         timings = {}
         batch = train.next_batch()
         batch["uid"] = [f"{step}-{i}" for i in range(len(batch))]
         batch = policy.generate(batch.repeat(cfg.rollout.n, interleave=True))
-        scores, reward_metrics = loop.score(batch, tok, reward_fn)
+        scores, reward_metrics = recipe.score(batch, tok, reward_fn)
         reward_metrics |= train.record(batch, scores)
         batch = batch.union(policy.compute_ref_log_prob(batch))
         if not policy.update_is_one_step():
             batch = batch.union(policy.compute_log_prob(batch))
         batch["advantages"] = algos.grpo_advantage(scores, batch["uid"])[:, None] * batch["response_mask"]
         actor_metrics = policy.update(batch, actor_loss)
-        metrics = {**loop.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
+        metrics = {**recipe.batch_metrics(batch, scores, cfg.data.max_response_length), **reward_metrics, **actor_metrics}
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 
@@ -389,14 +389,14 @@ def test_two_generation_workers_share_each_batch(tmp_path, monkeypatch):
     """--trainer.async-workers 2: two processes, each sampling half of every batch's groups; the trainer gets the whole
     batch in row order (the groups intact), the same staleness, and both processes are gone at the end."""
     grpo = load_recipe("grpo")
-    seen, real = [], loop.score
+    seen, real = [], recipe.score
 
     def watching(batch, tok, reward_fn):
         if "uid" in batch:  # a training batch (validation is scored here too)
             seen.append((len(mp.active_children()), len(batch), batch["uid"][::4].tolist()))
         return real(batch, tok, reward_fn)
 
-    monkeypatch.setattr(loop, "score", watching)
+    monkeypatch.setattr(recipe, "score", watching)
     grpo.main(quick_config(grpo, tmp_path, steps=3, async_steps=1, async_workers=2))
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["async/staleness"] for r in rows] == [0, 1, 1]
@@ -442,8 +442,8 @@ def test_one_step_off_stops_its_worker_when_the_loop_fails(tmp_path, monkeypatch
             raise RuntimeError("scorer broke")
         return real(batch, tok, reward_fn)
 
-    real = loop.score
-    monkeypatch.setattr(loop, "score", failing_score)
+    real = recipe.score
+    monkeypatch.setattr(recipe, "score", failing_score)
     with pytest.raises(RuntimeError, match="scorer broke"):
         grpo.main(quick_config(grpo, tmp_path, steps=3, async_steps=1))
     assert mp.active_children() == []
@@ -475,7 +475,7 @@ def test_a_resumed_one_step_off_run_draws_the_prompts_an_uninterrupted_run_draws
 
 
 def test_async_steps_refused_by_a_loop_without_rollouts(tmp_path):
-    """A recipe (a user's fork) whose loop generates in turn, without loop.Rollouts, cannot honour the flag: it says so."""
+    """A recipe (a user's fork) whose loop generates in turn, without recipe.Rollouts, cannot honour the flag: it says so."""
     grpo = load_recipe("grpo")
     with pytest.raises(ConfigError, match="async-steps 1: this recipe has no asynchronous loop"):
         synchronous_grpo(grpo, quick_config(grpo, tmp_path, steps=1, async_steps=1))
@@ -503,7 +503,7 @@ def test_the_off_policy_lines_are_the_same_in_every_recipe():
         code = [line.split("#")[0].strip() for line in (ROOT / "recipes" / f"{name}.py").read_text().splitlines()]
         assert "weights, mask, corr = algos.rollout_weights(mb, a)" in code, name
         assert "weights=weights," in code and "metrics.update(corr)" in code, name
-        assert any(line.startswith("rollouts = loop.Rollouts(cfg, policy, train") for line in code), name
+        assert any(line.startswith("rollouts = recipe.Rollouts(cfg, policy, train") for line in code), name
 
 
 def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction_with_them():

@@ -180,13 +180,13 @@ def test_the_task_reward_adds_its_group_advantage_with_its_sign(tmp_path, monkey
     """--task-reward-coef c: A_t = -lambda d_t + c * (GRPO advantage of the task score). With the teacher equal to the
     student d_t = 0 exactly, so the advantages the update sees are c times the group-centred, std-scaled scores: a row
     scored above its group's mean is pushed up (a wrong sign would push it down)."""
-    from rlkit import loop
+    from rlkit import recipe
 
     opd = load_recipe("opd")
     cfg = opd_config(opd, tmp_path, STUDENT)
     cfg.task_reward_coef = 2.0
     seen = {}
-    real_score, real_build = loop.score, opd.build_policy
+    real_score, real_build = recipe.score, opd.build_policy
 
     def score(batch, tok, reward_fn):
         _, metrics = real_score(batch, tok, reward_fn)
@@ -199,7 +199,7 @@ def test_the_task_reward_adds_its_group_advantage_with_its_sign(tmp_path, monkey
         policy.update = lambda batch, loss_fn: seen.setdefault("batch", batch) and update(batch, loss_fn)
         return policy
 
-    monkeypatch.setattr(loop, "score", score)
+    monkeypatch.setattr(recipe, "score", score)
     monkeypatch.setattr(opd, "build_policy", build)
     opd.main(cfg)
     batch, mask = seen["batch"], seen["batch"]["response_mask"]

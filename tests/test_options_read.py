@@ -29,7 +29,7 @@ from test_grpo_recipe import load_recipe, small_config  # noqa: E402
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
 # option -> (the path that reads it, what a recipe must call to have that path: a string in its source)
-ENGINE, REWARD, ASYNC = "build_policy(", "build_reward(", "loop.Rollouts("
+ENGINE, REWARD, ASYNC = "build_policy(", "build_reward(", "recipe.Rollouts("
 OTHER_PATHS = {
     "model.lora_alpha": ("--model.lora-rank > 0", ""),
     "model.target_modules": ("--model.lora-rank > 0", ""),

@@ -147,7 +147,7 @@ def test_bad_data_and_flags_fail_with_one_line(tmp_path):
     cfg.data.max_prompt_length = 4
     with pytest.raises(ConfigError, match=r"pair 0 renders to \d+ tokens.*raise them"):
         rm.main(cfg)
-    for err in (ConfigError, MissingFile):  # one line each: loop.cli prints the message alone
+    for err in (ConfigError, MissingFile):  # one line each: recipe.cli prints the message alone
         assert err.__mro__[1].__name__ == "UserError"
 
 
@@ -228,7 +228,7 @@ def test_the_demo_pairs_hold_the_policys_mistakes_and_their_mirror_images(monkey
 
 def test_flags_go_through_the_shared_setup_before_the_model_loads(tmp_path, monkeypatch):
     """Issue #34 FAIL 6: rm.py called no shared setup -- --actor.ppo-micro-batch-size -1 trained nothing with rc 0,
-    --actor.lr -1 and a batch size of 0 were tracebacks. Now loop.setup's checks, before the model loads."""
+    --actor.lr -1 and a batch size of 0 were tracebacks. Now recipe.setup's checks, before the model loads."""
     train, val = easy_pairs(tmp_path)
     monkeypatch.setattr(rm, "RewardTrainer", lambda cfg: pytest.fail("the model loaded before the flags were checked"))
     for section, name, value, match in [

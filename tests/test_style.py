@@ -33,7 +33,7 @@ def rlkit_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("rlkit.")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "rlkit":  # from rlkit import algos, loop
+            if node.module == "rlkit":  # from rlkit import algos, recipe
                 out |= {a.name for a in node.names}
             elif node.module.startswith("rlkit."):
                 out.add(node.module.split(".")[1])

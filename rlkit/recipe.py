@@ -1,4 +1,5 @@
-"""The plumbing every recipe's loop shares: timing, scoring, metrics, validation, checkpoints, resume.
+"""What every recipe shares around its loop: the command line (`cli`), `setup`, timing, scoring, metrics, and `Run`
+(the step schedule, validation, checkpoints, resume).
 
 Nothing here is an algorithm. A recipe calls these so that its own file can show only the steps
 of the algorithm.
@@ -16,18 +17,17 @@ from pathlib import Path
 import torch
 
 from rlkit import checkpoint, evaluation, sandbox
-from rlkit.async_rollout import Rollouts  # noqa: F401  (recipes call loop.Rollouts)
+from rlkit.async_rollout import Rollouts  # noqa: F401  (recipes call recipe.Rollouts)
 from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
 from rlkit.tracking import Tracker
 
 _OPEN_PEAKS: list[float] = []  # the GPU memory peaks (bytes) of the timer blocks now open, outermost first
-CUDA_DEVICE: torch.device | None = None  # the trainer's GPU (--trainer.device cuda:N, set by setup); None: the current one
 
 
 def _fold_peak() -> None:
     """Fold the allocator's peak since its last reset into every open block's peak (before a reset, and on exit)."""
-    peak = torch.cuda.max_memory_allocated(CUDA_DEVICE)
+    peak = torch.cuda.max_memory_allocated()  # the current GPU: setup made --trainer.device current
     _OPEN_PEAKS[:] = [max(p, peak) for p in _OPEN_PEAKS]
 
 
@@ -43,7 +43,7 @@ def timer(name: str, timings: dict):
     cuda = torch.cuda.is_initialized()  # never creates a CUDA context (a Ray driver leaves the GPUs to its workers)
     if cuda:
         _fold_peak()
-        torch.cuda.reset_peak_memory_stats(CUDA_DEVICE)
+        torch.cuda.reset_peak_memory_stats()
         _OPEN_PEAKS.append(0.0)
     start = time.perf_counter()
     try:
@@ -270,7 +270,7 @@ class Run:
         self.rollouts = rollouts
         if getattr(t, "async_steps", 0) and self.rollouts is None:
             raise ConfigError(
-                f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no loop.Rollouts); use 0"
+                f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no recipe.Rollouts); use 0"
             )
         if self.start_step == 0 and t.val_before_train and self.val_prompts is not None:
             self.validate(0)
@@ -353,7 +353,6 @@ def setup(cfg) -> None:
     """Before anything loads: quiet library defaults, torch threads, the seed, the GPU, and batch-size checks."""
     from rlkit.engine import set_threads
 
-    global CUDA_DEVICE
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     set_threads(cfg.trainer.num_threads)
@@ -365,8 +364,7 @@ def setup(cfg) -> None:
                 f"--trainer.device {t.device} with --rollout.name vllm: vLLM would start on cuda:0; choose the GPU with "
                 f"CUDA_VISIBLE_DEVICES={torch.device(t.device).index} and --trainer.device cuda"
             )
-        CUDA_DEVICE = torch.device(t.device)
-        torch.cuda.set_device(CUDA_DEVICE)
+        torch.cuda.set_device(torch.device(t.device))
     preflight(cfg)
 
 
