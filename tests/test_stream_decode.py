@@ -10,43 +10,17 @@ A few seconds on one CPU thread.
 """
 
 import pytest
+import test_fast_generation as fast
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rlkit import demos
-from rlkit.config import DataConfig
-from rlkit.data import build_prompts
-from rlkit.engine import load_tokenizer
 from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
 from rlkit.rollout import DROP_MIN_ROWS, HFRollout
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(str(demos.ARITH_MODEL))
-
-
-@pytest.fixture(scope="module")
-def prompt_set(tok):
-    return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=8)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval()
-
-
-@pytest.fixture(scope="module")
-def gqa(tok):
-    """A random-weight Llama (GQA) over the embedded tokenizer; its EOS is rarely sampled (rows run to the cap unless
-    `skewed` makes more tokens end a response)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+# the fast loop's own test fixtures: the tokenizer, 8 task prompts, the tiny model, a random-weight GQA Llama
+tok, prompt_set, tiny, gqa = fast.tok, fast.prompt_set, fast.tiny, fast.gqa
 
 
 def skewed(rollout, frac=0.12):
