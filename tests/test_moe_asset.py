@@ -1,0 +1,44 @@
+"""The embedded mixture-of-experts (rlkit/assets/tiny-moe, scripts/assets/tiny_moe.py): what it is, and that one GRPO
+step of recipes/grpo.py trains it (its experts and routers included) through rlkit's default layout (packing, the
+shared prompt, the fast decode loop). The measured learning run is in docs/moe.md."""
+
+import torch
+from safetensors.torch import load_file
+from test_grpo_recipe import load_recipe, read_jsonl, small_config
+from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from rlkit import demos
+from rlkit.engine import load_tokenizer
+from rlkit.moe import routers
+
+
+def test_the_asset_is_a_qwen3_moe_with_8_experts_top_2_on_every_layer_and_the_arith_tokenizer():
+    model = AutoModelForCausalLM.from_pretrained(demos.MOE_MODEL)
+    c = model.config
+    assert type(model) is Qwen3MoeForCausalLM
+    assert (c.num_experts, c.num_experts_per_tok, c.num_hidden_layers, c.hidden_size) == (8, 2, 2, 128)
+    assert all(isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in model.model.layers)
+    assert len(routers(model)) == 2
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
+    n = sum(p.numel() for p in model.parameters())
+    assert n == 562_304 and f"{n:,} parameters" in (demos.MOE_MODEL / "README.md").read_text()
+    moe_tok, arith_tok = load_tokenizer(str(demos.MOE_MODEL)), load_tokenizer(str(demos.ARITH_MODEL))
+    assert moe_tok.get_vocab() == arith_tok.get_vocab() and moe_tok.chat_template == arith_tok.chat_template
+
+
+def test_one_grpo_step_on_the_moe_updates_its_experts_and_routers(tmp_path):
+    grpo = load_recipe("grpo")
+    cfg = small_config(grpo, tmp_path, steps=1, test_freq=0, save_freq=1)
+    cfg.model.path = str(demos.MOE_MODEL)
+    assert cfg.model.remove_padding and cfg.model.share_prompt and cfg.rollout.hf_impl == "fast"  # the default layout
+    grpo.main(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and torch.isfinite(torch.tensor(rows[-1]["actor/pg_loss"]))
+    before = load_file(demos.MOE_MODEL / "model.safetensors")
+    after = load_file(tmp_path / "checkpoints/global_step_1/hf/model.safetensors")
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"} <= changed  # the routers learn
+    for layer in (0, 1):  # and the experts the tokens went to (saved one file entry per expert)
+        assert any(f"layers.{layer}.mlp.experts." in k for k in changed), layer
