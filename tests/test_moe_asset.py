@@ -59,3 +59,30 @@ def test_vllm_on_cpu_refuses_a_moe_in_one_line_before_the_engine_starts():
     tok = load_tokenizer(str(demos.MOE_MODEL))
     with pytest.raises(ConfigError, match=r"^--rollout\.name vllm on CPU .* mixture-of-experts .*use --rollout\.name hf$"):
         VLLMRollout(model, tok, str(demos.MOE_MODEL), torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
+
+
+def test_lora_on_the_moe_adapts_experts_and_router_and_merges_them_into_the_exported_weights():
+    """peft's all-linear on Qwen3-MoE wraps attention's Linears, the router's weight and the fused experts'
+    gate_up_proj and down_proj (ParamWrapper, nested twice on the experts): the merged weights (checkpoint export,
+    vLLM's merged sync) must carry every delta under the base names: the merged model's logits equal the adapted one's."""
+    from rlkit.config import ModelConfig
+    from rlkit.engine import add_lora
+    from rlkit.vllm_rollout import hf_weights
+
+    load = lambda: AutoModelForCausalLM.from_pretrained(demos.MOE_MODEL).eval()  # noqa: E731
+    peft_model = add_lora(load(), ModelConfig(lora_rank=8))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn_like(p))  # a trained-looking adapter (B starts at 0)
+    wrapped = {n.split("base_model.model.")[-1] for n, _ in peft_model.named_parameters() if "lora_A" in n}
+    assert any(".mlp.experts.lora_A" in n for n in wrapped) and any(".mlp.experts.base_layer.lora_A" in n for n in wrapped)
+    assert any(".mlp.gate.lora_A" in n for n in wrapped)
+    merged = load()
+    merged.load_state_dict(dict(hf_weights(peft_model)), strict=True)
+    ids = torch.tensor([[5, 17, 40, 3, 99, 12, 7, 60]])
+    with torch.no_grad():
+        want, got, plain = peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, load()(input_ids=ids).logits
+    assert (want - plain).abs().max() > 0.1  # the adapter matters
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
