@@ -86,3 +86,15 @@ def test_lora_on_the_moe_adapts_experts_and_router_and_merges_them_into_the_expo
         want, got, plain = peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, load()(input_ids=ids).logits
     assert (want - plain).abs().max() > 0.1  # the adapter matters
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_grpo_lifts_the_moe_in_60_steps(tmp_path):
+    """The default grpo.py configuration on tiny-moe, 60 of its 296 steps, validated before and after on the 512
+    held-out problems: 0.291 -> 0.523 measured, 30 s on 2 shared cores (the full run: 0.645, docs/moe.md)."""
+    grpo = load_recipe("grpo")
+    cfg = grpo.Config()
+    cfg.model.path = str(demos.MOE_MODEL)
+    cfg.trainer.default_local_dir, cfg.trainer.test_freq, cfg.trainer.total_training_steps = str(tmp_path), 0, 60
+    summary = grpo.main(cfg)
+    assert summary["val_acc_before"] == 149 / 512, summary  # 0.291, the asset README's number
+    assert summary["val_acc_after"] - summary["val_acc_before"] >= 0.15, summary
