@@ -6,6 +6,7 @@ use, and the rows of the one generated demo task. Nothing here builds anything: 
 - tools (`recipes/grpo_tools.py`): tiny-calc on two-digit multiplication with a calculator, rlkit/mult (mult_score);
 - guess (`recipes/grpo_tools.py --agent.env guess`): tiny-guess playing rlkit.envs.GuessEnv on the guess data;
 - judge (`--reward.custom-fn rlkit.demos:judge_score`): tiny-judge says y/n to an addition answer (docs/judge.md);
+- moe (`--model.path rlkit/assets/tiny-moe`): tiny-moe, a Qwen3-MoE, on the arith task (docs/moe.md);
 - vlm (`--model embedded-vlm --data.task colour_codeword`): tiny-vlm reads coloured squares, rlkit/colour_codeword.
 """
 
@@ -23,6 +24,7 @@ ARITH_MODEL, ARITH_DATA, ARITH_SOURCE = ASSETS / "tiny-arith", ASSETS / "arith",
 CALC_MODEL, MULT_DATA, MULT_SOURCE = ASSETS / "tiny-calc", ASSETS / "mult", "rlkit/mult"
 GUESS_MODEL, GUESS_DATA = ASSETS / "tiny-guess", ASSETS / "guess"
 JUDGE_MODEL = ASSETS / "tiny-judge"
+MOE_MODEL = ASSETS / "tiny-moe"  # a Qwen3-MoE (8 experts, top-2) warm-started on arith like tiny-arith (docs/moe.md)
 VLM_MODEL, COLOUR_DATA, COLOUR_SOURCE = ASSETS / "tiny-vlm", ASSETS / "colours", "rlkit/colour_codeword"
 PREFS_DATA = ASSETS / "arith-prefs"  # recipes/rm.py's pairs (scripts/rm_demo.py pairs)
 

@@ -772,10 +772,10 @@ class TorchEngine:
         the model on the device (a value model's head, kept by peft's modules_to_save, is merged by a copy of the model)."""
         model = self.model
         if self.lora and not any("modules_to_save" in k for k in model.state_dict()):
-            from rlkit.vllm_rollout import hf_weights
+            from rlkit.vllm_rollout import hf_name, hf_weights
 
             base = model.get_base_model()
-            dtypes = {k.replace(".base_layer.", "."): v.dtype for k, v in base.state_dict().items()}
+            dtypes = {hf_name(k): v.dtype for k, v in base.state_dict().items()}
             state = {k: v.detach().to(dtypes[k]).cpu() for k, v in hf_weights(model)}
             base.save_pretrained(path, state_dict=state)
         elif self.lora:

