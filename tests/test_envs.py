@@ -1,6 +1,7 @@
 """Environments (rlkit/envs.py) on the turn loop: the Env protocol, GuessEnv, the gymnasium-style adapter, token in /
 token out, the env's reward in the score; the embedded guess demo's data and model."""
 
+import pickle
 import threading
 import time
 
@@ -294,7 +295,8 @@ GAME = [{"role": "system", "content": "Play the game."}]
 def test_textarena_game_runs_through_the_turn_loop_and_its_end_reward_is_the_episodes(tok):
     pytest.importorskip("textarena", reason="textarena not installed: bash scripts/install.sh textarena")
     eos = tok.eos_token_id
-    make = envs.EnvFactory("textarena:GuessTheNumber-v0-raw")  # raw: the game's messages, no wrapper
+    make = pickle.loads(pickle.dumps(envs.EnvFactory("textarena:GuessTheNumber-v0-raw")))  # raw: no wrapper; a Ray worker's copy
+    assert isinstance(make(), envs.TextArenaEnv)
     row = {"prompt": GAME, "extra_info": {"seed": 3}, "ground_truth": "", "data_source": "rlkit/env"}  # seed 3: the secret is 8
     t1, t2 = ids_of(tok, "[10]") + [eos], ids_of(tok, "[8]") + [eos]
     eps = agent.run_turns(Scripted([t1, t2]), [[5]], tok, None, AgentConfig(max_turns=4), 200, [eos], make_env=make, rows=[row])
@@ -328,6 +330,7 @@ def test_skyrl_gym_env_runs_through_the_turn_loop_with_per_turn_rewards(tok):
     pytest.importorskip("skyrl_gym", reason="skyrl-gym not installed: bash scripts/install.sh skyrl")
     eos = tok.eos_token_id
     make = envs.EnvFactory("skyrl:gsm8k_multi_turn")
+    assert isinstance(make(), envs.SkyRLEnv)
     row = {"prompt": [{"role": "user", "content": "6 * 7?"}], "ground_truth": "42", "extra_info": {}, "data_source": "rlkit/env"}
     t1, t2 = ids_of(tok, "#### 41") + [eos], ids_of(tok, "#### 42") + [eos]
     sampler = Scripted([t1, t2])
