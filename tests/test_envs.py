@@ -304,7 +304,9 @@ def test_textarena_game_runs_through_the_turn_loop_and_its_end_reward_is_the_epi
     assert eps[0].ids == t1 + reply + t2 and eps[0].mask == [1] * len(t1) + [0] * len(reply) + [1] * len(t2)
     assert (eps[0].reward, eps[0].turn_rewards, eps[0].turns, eps[0].env_reward) == (1.0, [0.0, 1.0], 2, True)
     prompt = tok.decode(eps[0].prompt)  # the row's prompt, then the game's first observation
-    assert prompt.startswith("<|im_start|>system\nPlay the game.<|im_end|>\n<|im_start|>user\nYou are Player 0. You are playing Guess The Number.")
+    assert prompt.startswith(
+        "<|im_start|>system\nPlay the game.<|im_end|>\n<|im_start|>user\nYou are Player 0. You are playing Guess The Number."
+    )
     assert prompt.endswith("Enter your guess.<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -357,6 +359,8 @@ def test_library_env_errors_are_one_line(monkeypatch):
         assert msg in str(e.value) and "\n" not in str(e.value)
     for lib, module, word in (("textarena", "textarena", "textarena"), ("skyrl", "skyrl_gym", "skyrl")):
         monkeypatch.setitem(__import__("sys").modules, module, None)  # the package is missing
-        with pytest.raises(ConfigError, match=f"^--agent.env {lib}:X: .* is not installed .*; install it with `bash scripts/install.sh {word}`$"):
+        with pytest.raises(
+            ConfigError, match=f"^--agent.env {lib}:X: .* is not installed .*; install it with `bash scripts/install.sh {word}`$"
+        ):
             envs.EnvFactory(f"{lib}:X")
     assert "textarena:GAME-ID" in str(pytest.raises(ConfigError, envs.EnvFactory, "nope").value)
