@@ -54,7 +54,8 @@ class AgentConfig:
     """comma-separated tools from rlkit.tools offered to the model (calculator, python)"""
     env: str = "tools"
     """the environment of each episode (rlkit/envs.py): tools (the --agent.tools), guess (guess-the-number, its
-    embedded model and data), or your factory as path/file.py:make_env"""
+    embedded model and data), textarena:GAME-ID or skyrl:ENV-ID (environment libraries), or your factory as
+    path/file.py:make_env"""
     max_turns: int = 3
     """assistant turns per episode; a turn that still calls a tool at the limit ends the episode (stopped by limit)"""
     max_tool_calls: int = 2

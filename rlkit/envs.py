@@ -19,6 +19,9 @@ Kinds shipped here:
   rlkit/demos.py).
 - `GymTextEnv`: the adapter shape for a gymnasium-style text environment (`reset(seed, options) -> (obs, info)`,
   `step(action) -> (obs, reward, terminated, truncated, info)`, observations and actions as text).
+- `TextArenaEnv`, `SkyRLEnv`: the environments of two PyPI libraries, textarena (single-player text games) and
+  skyrl-gym (`--agent.env textarena:GuessTheNumber-v0`, `--agent.env skyrl:gsm8k_multi_turn`; install words
+  `textarena`, `skyrl` of scripts/install.sh).
 
 An env whose `gives_reward` is true has its episode reward added to the scorer's (rlkit.recipe.score, from the
 batch's `env_reward`); its dataset's data_source is then usually "rlkit/env", a scorer that gives 0.
@@ -28,6 +31,8 @@ sandboxed tool calls together); otherwise each episode's `step` is called in tur
 
 from __future__ import annotations
 
+import importlib
+import random
 import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -174,13 +179,134 @@ class GymTextEnv:
         return ([] if done or not obs else [{"role": "user", "content": str(obs)}]), float(reward), done
 
 
+# ----------------------------------------------------------------------------- environment libraries (PyPI)
+
+
+LIBRARIES = {"textarena": ("textarena", "textarena==0.7.4"), "skyrl": ("skyrl_gym", "skyrl-gym==0.4.0")}
+"""--agent.env LIB:ID -> (the module, the package scripts/install.sh LIB installs): the versions the adapters were tested with."""
+
+
+def library(spec: str):
+    """The module of --agent.env LIB:ID, imported; a ConfigError naming the install word when it is not installed."""
+    lib = spec.split(":", 1)[0]
+    module, package = LIBRARIES[lib]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(
+            f"--agent.env {spec}: {package} is not installed ({e}); install it with `bash scripts/install.sh {lib}`"
+        ) from None
+
+
+class TextArenaEnv:
+    """Adapter: a single-player textarena game as an Env (textarena 0.7: `make(id)`, `reset(num_players, seed)`,
+    `get_observation() -> (player, observation)`, `step(action) -> (done, info)`, `close() -> (rewards, info)`).
+
+    The row's prompt comes first, then the game's first observation as a user message; after each turn the game's new
+    messages are one user message (a raw id, "...-raw", gives a list of messages: the player's own move, already in
+    the context, is left out; a wrapped id gives its whole text so far: the part not shown yet is sent). The reward is
+    the game's at its end (`close()`'s rewards[0]), 0 for the other steps and for a game the turn loop ends first.
+    The game instance is drawn from the row's extra_info["seed"] (without one, every episode is a new random game);
+    the game draws from a random stream of its own (textarena seeds Python's global `random`, which rlkit's checkpoints
+    save: it is left as it was).
+    Games for two or more players are refused (EnvFactory): rlkit has no self-play of both seats yet."""
+
+    gives_reward = True
+
+    def __init__(self, game_id: str):
+        self.env, self.shown = library("textarena:" + game_id).make(game_id), ""
+        self.rng = random.Random().getstate()  # the game's random stream (a fresh one until a seed is given)
+
+    def _in_game(self, fn, **kwargs):
+        """fn(**kwargs) on the game's random stream; Python's global one is put back."""
+        outer = random.getstate()
+        random.setstate(self.rng)
+        try:
+            return fn(**kwargs)
+        finally:
+            self.rng = random.getstate()
+            random.setstate(outer)
+
+    def reset(self, row: dict) -> list[dict]:
+        self._in_game(self.env.reset, num_players=1, seed=(row.get("extra_info") or {}).get("seed"))
+        prompt, obs = list(row.get("prompt") or []), self._observe()
+        return prompt + [{"role": "user", "content": obs}] if obs else prompt
+
+    def _observe(self) -> str:
+        player, obs = self.env.get_observation()
+        if isinstance(obs, str):  # a wrapper's text: the history so far
+            new, self.shown = (obs[len(self.shown) :] if obs.startswith(self.shown) else obs), obs
+            return new.strip()
+        return "\n".join(str(m[1]) for m in obs if m[0] != player).strip()  # raw: (from_id, message, type)
+
+    def step(self, action: str) -> tuple[list[dict], float, bool]:
+        done, _ = self._in_game(self.env.step, action=action)
+        if not done:
+            obs = self._observe()
+            return ([{"role": "user", "content": obs}] if obs else []), 0.0, False
+        rewards, _ = self.env.close()
+        return [], float((rewards or {}).get(0, 0.0)), True
+
+
+class SkyRLEnv:
+    """Adapter: a skyrl-gym text environment as an Env (skyrl_gym 0.4: `make(id, env_config, extras)`,
+    `init(prompt) -> (prompt, metadata)`, `step(action) -> {observations, reward, done, metadata}`, `close()`).
+
+    Made at each reset from the row, as skyrl's own dataset rows feed it: extras = {reward_spec: {method: rule,
+    ground_truth: the row's}, extra_info: the row's}, env_config = extra_info["env_config"] if any. Observations are
+    chat messages already; rewards are per step (summed over the episode by the turn loop)."""
+
+    gives_reward = True
+
+    def __init__(self, env_id: str):
+        self.env_id, self.skyrl, self.env = env_id, library("skyrl:" + env_id), None
+
+    def reset(self, row: dict) -> list[dict]:
+        from omegaconf import OmegaConf  # a dependency of skyrl-gym
+
+        info = dict(row.get("extra_info") or {})
+        extras = {"reward_spec": {"method": "rule", "ground_truth": row.get("ground_truth")}, "extra_info": info}
+        self.env = self.skyrl.make(self.env_id, env_config=OmegaConf.create(info.get("env_config") or {}), extras=extras)
+        prompt, _ = self.env.init(list(row.get("prompt") or []))
+        return list(prompt)
+
+    def step(self, action: str) -> tuple[list[dict], float, bool]:
+        out = self.env.step(action)
+        if out["done"]:
+            self.env.close()
+        return list(out["observations"]), float(out["reward"]), bool(out["done"])
+
+
+def check_library_env(spec: str) -> None:
+    """--agent.env LIB:ID: the package is installed, ID is one of its environments and (textarena) a one-player game;
+    else a one-line ConfigError."""
+    lib, env_id = spec.split(":", 1)
+    mod = library(spec)
+    registry = mod.envs.registration.ENV_REGISTRY if lib == "textarena" else mod.registry
+    if env_id not in registry:
+        known = sorted(k for k in registry if not k.endswith(("-raw", "-train")))  # textarena: each id also has these two
+        raise ConfigError(f"--agent.env {spec}: {env_id!r} is not a {lib} environment; known: {', '.join(known[:12])}, ...")
+    if lib == "textarena":
+        try:
+            TextArenaEnv(env_id).reset({})
+        except AssertionError as e:  # textarena's states assert their number of players
+            raise ConfigError(
+                f"--agent.env {spec}: a game for more than one player ({e}); rlkit plays one-player textarena games only "
+                "(self-play of every seat is not implemented)"
+            ) from None
+        except Exception as e:  # e.g. a game whose word list must be downloaded (no network)
+            why = next((line.strip() for line in str(e).splitlines() if line.strip(" *")), "")  # one line
+            raise ConfigError(f"--agent.env {spec}: textarena could not start it offline: {type(e).__name__}: {why}") from None
+
+
 # ----------------------------------------------------------------------------- --agent.env
 
 
 @dataclass
 class EnvFactory:
-    """Makes the Env of each episode from --agent.env: "tools" (ToolEnv on --agent.tools), "guess" (GuessEnv), or
-    "path/file.py:make_env" / "module:make_env" (a callable returning a new Env per call). Picklable (Ray workers)."""
+    """Makes the Env of each episode from --agent.env: "tools" (ToolEnv on --agent.tools), "guess" (GuessEnv),
+    "textarena:GAME-ID" (TextArenaEnv), "skyrl:ENV-ID" (SkyRLEnv), or "path/file.py:make_env" / "module:make_env" (a
+    callable returning a new Env per call). Picklable (Ray workers)."""
 
     name: str
     tools: Tools | None = None
@@ -190,13 +316,20 @@ class EnvFactory:
 
     def __post_init__(self):
         if self.name not in ("tools", "guess") and ":" not in self.name:
-            raise ConfigError(f"--agent.env {self.name!r}: choose tools, guess, or a factory as path/file.py:make_env")
+            raise ConfigError(
+                f"--agent.env {self.name!r}: choose tools, guess, textarena:GAME-ID, skyrl:ENV-ID, or a factory as path/file.py:make_env"
+            )
+        if self.name.split(":", 1)[0] in LIBRARIES:
+            check_library_env(self.name)
 
     def __call__(self) -> Env:
         if self.name == "tools":
             return ToolEnv(self.tools, self.max_turns, self.max_tool_calls, self.parse)
         if self.name == "guess":
             return GuessEnv()
+        lib, env_id = self.name.split(":", 1)
+        if lib in LIBRARIES:
+            return TextArenaEnv(env_id) if lib == "textarena" else SkyRLEnv(env_id)
         env = load_function(self.name)()
         if not isinstance(env, Env):
             raise ConfigError(

