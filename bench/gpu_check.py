@@ -794,7 +794,7 @@ def check_flash_attn(ctx: dict) -> str:
     return f"mean |gap| {gap:.1e}; one pass sdpa {lp['sdpa_s']:.2f} s, flash {lp['flash_attention_2_s']:.2f} s"
 
 
-def run_with_gaps(recipe, cfg) -> tuple[list[dict], float, float]:
+def run_with_gaps(module, cfg) -> tuple[list[dict], float, float]:
     """Run the recipe; its metric rows and, over its last batch's response tokens, the mean |log-prob gap| of the trainer
     to the rollout (which sampled with the synced weights) and to the base model (the reference: LoRA disabled)."""
     from rlkit import recipe
@@ -807,7 +807,7 @@ def run_with_gaps(recipe, cfg) -> tuple[list[dict], float, float]:
 
     recipe.Run.end_of_step = keep
     try:
-        _, rows = run_recipe(recipe, cfg)
+        _, rows = run_recipe(module, cfg)
     finally:
         recipe.Run.end_of_step = end
     b = last["batch"]

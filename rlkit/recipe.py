@@ -22,12 +22,14 @@ from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
 from rlkit.tracking import Tracker
 
+CUDA_DEVICE: torch.device | None = None  # the trainer's GPU (--trainer.device cuda:N, set by setup; passed explicitly: the
+# current device is per thread); None: the current one
 _OPEN_PEAKS: list[float] = []  # the GPU memory peaks (bytes) of the timer blocks now open, outermost first
 
 
 def _fold_peak() -> None:
     """Fold the allocator's peak since its last reset into every open block's peak (before a reset, and on exit)."""
-    peak = torch.cuda.max_memory_allocated()  # the current GPU: setup made --trainer.device current
+    peak = torch.cuda.max_memory_allocated(CUDA_DEVICE)
     _OPEN_PEAKS[:] = [max(p, peak) for p in _OPEN_PEAKS]
 
 
@@ -43,7 +45,7 @@ def timer(name: str, timings: dict):
     cuda = torch.cuda.is_initialized()  # never creates a CUDA context (a Ray driver leaves the GPUs to its workers)
     if cuda:
         _fold_peak()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(CUDA_DEVICE)
         _OPEN_PEAKS.append(0.0)
     start = time.perf_counter()
     try:
@@ -351,6 +353,7 @@ class Run:
 
 def setup(cfg) -> None:
     """Before anything loads: quiet library defaults, torch threads, the seed, the GPU, and batch-size checks."""
+    global CUDA_DEVICE
     from rlkit.engine import set_threads
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -364,7 +367,8 @@ def setup(cfg) -> None:
                 f"--trainer.device {t.device} with --rollout.name vllm: vLLM would start on cuda:0; choose the GPU with "
                 f"CUDA_VISIBLE_DEVICES={torch.device(t.device).index} and --trainer.device cuda"
             )
-        torch.cuda.set_device(torch.device(t.device))
+        CUDA_DEVICE = torch.device(t.device)
+        torch.cuda.set_device(CUDA_DEVICE)
     preflight(cfg)
 
 

@@ -814,9 +814,9 @@ def logged_keys(tmp_path_factory) -> dict[str, set[str]]:
         mp.setattr(tracking, "plot_learning_curve", lambda metrics, png, title="": Path(png))
         mp.setattr(recipe.Run, "save", lambda self, step: None)
         for name in RECIPES:
-            recipe = load_recipe(name)
-            cfg = small_config(recipe, tmp / name, steps=1, num_threads=1, save_freq=0)
-            cfg.data.train_files = [tiny_train_file(recipe, tmp)]
+            module = load_recipe(name)
+            cfg = small_config(module, tmp / name, steps=1, num_threads=1, save_freq=0)
+            cfg.data.train_files = [tiny_train_file(module, tmp)]
             cfg.data.val_files = []
             cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 4
             if hasattr(cfg, "rollout"):  # rm.py samples nothing
@@ -825,7 +825,7 @@ def logged_keys(tmp_path_factory) -> dict[str, set[str]]:
                 cfg.gen_batch_size = 4
             if name == "opd":  # distills from a teacher: the embedded model itself will do for the metric names
                 cfg.teacher = str(ROOT / "rlkit" / "assets" / "tiny-arith")
-            recipe.main(cfg)
+            module.main(cfg)
             for row in map(json.loads, (tmp / name / "metrics.jsonl").read_text().splitlines()):
                 for key in row:
                     out.setdefault(key, set()).add(name)

@@ -235,6 +235,7 @@ def test_trainer_device_cuda_n_is_made_current_and_its_memory_read(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", str(device))))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls.append(("peak", str(device))) or 0)
+    monkeypatch.setattr(recipe, "CUDA_DEVICE", None, raising=False)  # setup sets it
     monkeypatch.setattr(recipe, "preflight", lambda cfg: None)  # the flags' and files' checks are not what this is about
     cfg = small_config(load_recipe("grpo"), tmp_path, device="cuda:1")
     recipe.setup(cfg)
