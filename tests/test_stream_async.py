@@ -103,3 +103,70 @@ def test_swap_is_refused_with_the_turn_loop(tmp_path):
     cfg = quick_config(tools, tmp_path, async_steps=1, swap_every=2)
     with pytest.raises(ConfigError, match="turn loop"):
         preflight.check_async(cfg)
+
+
+class Scripted:
+    """A stand-in for the updates queue: get_nowait returns the next scripted payload, or raises Empty at a None."""
+
+    def __init__(self, *items):
+        self.items = list(items)
+
+    def get_nowait(self):
+        import queue
+
+        if not self.items or self.items[0] is None:
+            self.items[:1] = []
+            raise queue.Empty
+        return self.items.pop(0)
+
+
+def worker_setup(**rollout):
+    from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+    from rlkit.data import build_prompts
+    from rlkit.workers import ActorRolloutRefWorker
+
+    actor, data = ActorConfig(ppo_micro_batch_size=8), DataConfig(max_response_length=12)
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, RolloutConfig(n=2, **rollout), data, device="cpu", need_ref=False)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    return trainer, actor, data, prompts
+
+
+def test_the_generator_loads_weights_pushed_mid_generation():
+    """In process, the updates queue scripted: the job awaits version 0 (weights A on the queue), the poll at token 2
+    finds version 1 (weights B): tokens 0-1 carry 0, tokens from 2 on carry 1, the batch's policy_version is 0 (where
+    it started), and the worker ends holding B exactly."""
+    from rlkit.async_rollout import Generator
+    from rlkit.config import ModelConfig, TrainerConfig
+
+    trainer, actor, data, prompts = worker_setup(temperature=2.0)
+    a = trainer.trainable_weights()
+    with torch.no_grad():
+        for p in trainer.engine.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    b = trainer.trainable_weights()
+    cfg = TrainerConfig(device="cpu", async_steps=1, swap_every=2)
+    gen = Generator(ModelConfig(), actor, trainer.rollout_cfg, data, cfg, need_ref=False)
+    gen.updates = Scripted(("shm", *a, 0), None, ("shm", *b, 1), None)
+    _, batch = gen.generate(1, prompts, ("await", 0))
+    mask, v = batch["response_mask"].bool(), batch["token_version"]
+    assert mask[:, 2:].any() and (v[:, :2][mask[:, :2]] == 0).all() and (v[:, 2:][mask[:, 2:]] == 1).all() and (v[~mask] == -1).all()
+    assert batch.meta["policy_version"] == 0 and gen.version == 1
+    assert torch.equal(gen.worker.trainable_weights()[0], b[0])
+    gen.close()
+
+
+def test_drop_finished_reaches_the_fast_loop():
+    """--rollout.drop-finished: the worker's generate passes it on; later decoding steps run on fewer rows, and the
+    tokens are the ones the loop that keeps every row samples (same seed)."""
+    out = {}
+    for drop in (0.0, 1e-9):
+        torch.manual_seed(0)
+        worker, *_, prompts = worker_setup(temperature=2.0, drop_finished=drop)
+        rows = []
+        hook = worker.rollout.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+        torch.manual_seed(1)
+        out[drop] = (worker.generate(prompts.repeat(2, interleave=True)), rows)
+        hook.remove()
+    (full, rows_full), (dropped, rows_dropped) = out[0.0], out[1e-9]
+    assert torch.equal(full["responses"], dropped["responses"])
+    assert min(rows_full[1:]) == 16 and min(rows_dropped[1:]) < 16  # (the first forward: the 8 shared prompts' prefill)
