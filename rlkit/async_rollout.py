@@ -26,6 +26,13 @@ and meta["policy_version"], the number of updates behind its weights. staleness 
 policy_version = k once the pipeline is full (less for the first k batches, all sampled by the starting
 weights; never more than k); logged as async/staleness, _max.
 
+In-flight weight updates (--trainer.swap-every C > 0, local backend, the fast HF loop): the trainer pushes each new
+version on a per-worker `updates` queue instead of with the job (the job says "start on version v or newer"), and the
+worker's decoding loop polls it every C tokens (Generator.on_new_weights, non-blocking), loading a newer version in
+place (--trainer.swap-mode keep_kv or reprefill); the batch carries token_version (B, R), staleness() turns it into
+the async/token_staleness_*, async/version_span* metrics and, with --trainer.max-staleness s, the sample_keep mask
+the update applies (docs/off-policy.md, "Three regimes").
+
 The loss corrects for it with the recipe's decoupled PPO: pi_old = the trainer's log-probs before the
 update (pi_prox), w = f(pi_prox / mu) (--actor.rollout-correction), see docs/off-policy.md.
 
