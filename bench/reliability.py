@@ -733,13 +733,26 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     ),
     "swap_with_generate": (
         "--trainer.swap-every 4 with --rollout.hf-impl generate -> one line, before the worker starts",
-        bad_flag("--trainer.async-steps", "1", "--trainer.swap-every", "4", "--rollout.hf-impl", "generate",
-                 phrases=("--trainer.swap-every 4 does not run with --rollout.hf-impl generate",)),
+        bad_flag(
+            "--trainer.async-steps",
+            "1",
+            "--trainer.swap-every",
+            "4",
+            "--rollout.hf-impl",
+            "generate",
+            phrases=("--trainer.swap-every 4 does not run with --rollout.hf-impl generate",),
+        ),
         120,
     ),  # fmt: skip
     "swap_mode_alone": (
         "--trainer.swap-mode reprefill without --trainer.swap-every -> one line",
-        bad_flag("--trainer.async-steps", "1", "--trainer.swap-mode", "reprefill", phrases=("--trainer.swap-mode reprefill", "--trainer.swap-every")),
+        bad_flag(
+            "--trainer.async-steps",
+            "1",
+            "--trainer.swap-mode",
+            "reprefill",
+            phrases=("--trainer.swap-mode reprefill", "--trainer.swap-every"),
+        ),
         120,
     ),
     "max_staleness_negative": (

@@ -73,16 +73,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for arm in arms:
-                rows = one_run(grpo, arm, args.steps, args.test_freq, args.val_prompts, args.seed, Path(tmp) / f"{arm}-{rep}", args.swap_every)
+                rows = one_run(
+                    grpo, arm, args.steps, args.test_freq, args.val_prompts, args.seed, Path(tmp) / f"{arm}-{rep}", args.swap_every
+                )
                 c = curve(rows)
                 curves[arm].append(c)
                 steps = [r for r in rows if r["step"] > 0]
                 extra = ""
                 if "async/staleness" in steps[-1]:
-                    mean = lambda k: statistics.mean(r.get(k, 0.0) for r in steps)  # noqa: E731
+
+                    def mean(k, steps=steps):
+                        return statistics.mean(r.get(k, 0.0) for r in steps)
+
                     extra = f" | staleness {mean('async/staleness'):.2f}"
                     if "async/version_span" in steps[-1]:
-                        extra += f", token staleness {mean('async/token_staleness_mean'):.2f}, version span {mean('async/version_span'):.3f}"
+                        extra += (
+                            f", token staleness {mean('async/token_staleness_mean'):.2f}, version span {mean('async/version_span'):.3f}"
+                        )
                 print(f"{arm} rep {rep + 1}: " + ", ".join(f"step {s} {w:.1f}s acc {a:.3f}" for s, w, a in c) + extra, flush=True)
     sync = curves.get("sync")
     for arm in arms:

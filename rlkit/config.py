@@ -198,7 +198,9 @@ class RolloutConfig:
             raise ConfigError(f"--rollout.drop-finished {self.drop_finished}: a fraction in (0, 1] of the rows still decoding, or 0 (off)")
         if self.drop_finished and (self.name != "hf" or self.hf_impl != "fast"):
             why = "--rollout.name vllm schedules its own rows" if self.name != "hf" else "--rollout.hf-impl generate keeps every row"
-            raise ConfigError(f"--rollout.drop-finished {self.drop_finished} applies to rlkit's fast loop only ({why}): use --rollout.name hf --rollout.hf-impl fast, or drop it")
+            raise ConfigError(
+                f"--rollout.drop-finished {self.drop_finished} applies to rlkit's fast loop only ({why}): use --rollout.name hf --rollout.hf-impl fast, or drop it"
+            )
 
 
 def check_lr(flag: str, value: float) -> None:
@@ -465,13 +467,19 @@ class TrainerConfig(RunConfig):
             flag = "--trainer.async-workers" if self.async_workers != 1 else "--trainer.async-timeout-s"
             raise ConfigError(f"{flag} applies to the asynchronous rollout only: add --trainer.async-steps 1 (or more), or drop it")
         if self.swap_every < 0 or self.max_staleness < 0:
-            flag, value = ("--trainer.swap-every", self.swap_every) if self.swap_every < 0 else ("--trainer.max-staleness", self.max_staleness)
+            flag, value = (
+                ("--trainer.swap-every", self.swap_every) if self.swap_every < 0 else ("--trainer.max-staleness", self.max_staleness)
+            )
             raise ConfigError(f"{flag} {value}: must be >= 0 (0 = off)")
         if k == 0 and (self.swap_every or self.max_staleness):
             flag = "--trainer.swap-every" if self.swap_every else "--trainer.max-staleness"
-            raise ConfigError(f"{flag} applies to the asynchronous generation worker only: add --trainer.async-steps 1 (or more), or drop it")
+            raise ConfigError(
+                f"{flag} applies to the asynchronous generation worker only: add --trainer.async-steps 1 (or more), or drop it"
+            )
         if self.swap_mode != "keep_kv" and not self.swap_every:
-            raise ConfigError(f"--trainer.swap-mode {self.swap_mode} applies to in-flight weight updates only: add --trainer.swap-every C (tokens between polls), or drop it")
+            raise ConfigError(
+                f"--trainer.swap-mode {self.swap_mode} applies to in-flight weight updates only: add --trainer.swap-every C (tokens between polls), or drop it"
+            )
 
 
 # --help by audience. The rule: a learning option changes what the model learns (which model and data, batch sizes,

@@ -163,7 +163,9 @@ def test_drop_finished_reaches_the_fast_loop():
         torch.manual_seed(0)
         worker, *_, prompts = worker_setup(temperature=2.0, drop_finished=drop)
         rows = []
-        hook = worker.rollout.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+        hook = worker.rollout.model.register_forward_pre_hook(
+            lambda m, a, kw, rows=rows: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+        )
         torch.manual_seed(1)
         out[drop] = (worker.generate(prompts.repeat(2, interleave=True)), rows)
         hook.remove()
