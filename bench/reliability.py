@@ -726,6 +726,50 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         bad_flag("--trainer.async-steps", "-1", phrases=("--trainer.async-steps -1",)),
         120,
     ),  # fmt: skip
+    "swap_without_async": (
+        "--trainer.swap-every 4 without --trainer.async-steps -> one line",
+        bad_flag("--trainer.swap-every", "4", phrases=("--trainer.swap-every", "--trainer.async-steps 1")),
+        120,
+    ),
+    "swap_with_generate": (
+        "--trainer.swap-every 4 with --rollout.hf-impl generate -> one line, before the worker starts",
+        bad_flag(
+            "--trainer.async-steps",
+            "1",
+            "--trainer.swap-every",
+            "4",
+            "--rollout.hf-impl",
+            "generate",
+            phrases=("--trainer.swap-every 4 does not run with --rollout.hf-impl generate",),
+        ),
+        120,
+    ),  # fmt: skip
+    "swap_mode_alone": (
+        "--trainer.swap-mode reprefill without --trainer.swap-every -> one line",
+        bad_flag(
+            "--trainer.async-steps",
+            "1",
+            "--trainer.swap-mode",
+            "reprefill",
+            phrases=("--trainer.swap-mode reprefill", "--trainer.swap-every"),
+        ),
+        120,
+    ),
+    "max_staleness_negative": (
+        "--trainer.max-staleness -1 -> one line",
+        bad_flag("--trainer.async-steps", "1", "--trainer.max-staleness", "-1", phrases=("--trainer.max-staleness -1",)),
+        120,
+    ),
+    "drop_finished_out_of_range": (
+        "--rollout.drop-finished 2 -> one line",
+        bad_flag("--rollout.drop-finished", "2", phrases=("--rollout.drop-finished 2.0",)),
+        120,
+    ),
+    "drop_finished_with_generate": (
+        "--rollout.drop-finished 0.5 with --rollout.hf-impl generate -> one line",
+        bad_flag("--rollout.drop-finished", "0.5", "--rollout.hf-impl", "generate", phrases=("--rollout.drop-finished 0.5", "fast")),
+        120,
+    ),
     "temperature_nan": (
         "--rollout.temperature nan -> one line (not 'lower --actor.lr' later)",
         bad_flag("--rollout.temperature", "nan", phrases=("--rollout.temperature nan", "finite")),

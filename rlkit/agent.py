@@ -441,14 +441,18 @@ def left_pad(contexts: list[list[int]], pad_id: int) -> DataProto:
     return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
 
 
-def hf_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, rows: Callable | None = None) -> Sampler:
+def hf_sampler(
+    rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, rows: Callable | None = None, drop_finished: float = 0.0
+) -> Sampler:
     """A Sampler on rlkit.rollout.HFRollout: the contexts go in as ids, the sampled ids and log-probs come out.
-    rows(prompts): rows per generate call (the worker's generation_rows: what fits in memory); None: all at once."""
+    rows(prompts): rows per generate call (the worker's generation_rows: what fits in memory); None: all at once.
+    drop_finished: --rollout.drop-finished (0 = off), the fast loop's."""
+    extra = {"drop_finished": drop_finished} if drop_finished else {}
 
     def sample(contexts, max_new_tokens):
         prompts = left_pad(contexts, rollout.tokenizer.pad_token_id)
         out = rollout.generate(
-            prompts, max(max_new_tokens), temperature, top_p, top_k, rows(prompts) if rows else None, return_log_probs=True
+            prompts, max(max_new_tokens), temperature, top_p, top_k, rows(prompts) if rows else None, return_log_probs=True, **extra
         )
         res = []
         for i, budget in enumerate(max_new_tokens):
@@ -476,11 +480,13 @@ def vllm_sampler(rollout, temperature: float = 1.0, top_p: float = 1.0, top_k: i
     return sample
 
 
-def sampler_for(rollout, temperature: float, top_p: float = 1.0, top_k: int = 0, rows: Callable | None = None) -> Sampler:
+def sampler_for(
+    rollout, temperature: float, top_p: float = 1.0, top_k: int = 0, rows: Callable | None = None, drop_finished: float = 0.0
+) -> Sampler:
     """The Sampler of a rollout backend: VLLMRollout (vllm, has an engine `llm`) or HFRollout (hf, `rows` per call)."""
     if hasattr(rollout, "llm"):
         return vllm_sampler(rollout, temperature, top_p, top_k)
-    return hf_sampler(rollout, temperature, top_p, top_k, rows)
+    return hf_sampler(rollout, temperature, top_p, top_k, rows, drop_finished)
 
 
 @dataclass
@@ -498,7 +504,7 @@ class TurnLoop:
     def __call__(self, worker, prompts: DataProto, validate: bool = False) -> DataProto:
         r, rollout = self.rollout_cfg, worker.rollout
         rows = getattr(worker, "generation_rows", None)  # what fits in memory, as single-turn generation
-        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k, rows)
+        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k, rows, r.drop_finished)
         return generate_multi_turn(
             sample, prompts, worker.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse, self.make_env
         )

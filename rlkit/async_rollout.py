@@ -26,6 +26,13 @@ and meta["policy_version"], the number of updates behind its weights. staleness 
 policy_version = k once the pipeline is full (less for the first k batches, all sampled by the starting
 weights; never more than k); logged as async/staleness, _max.
 
+In-flight weight updates (--trainer.swap-every C > 0, local backend, the fast HF loop): the trainer pushes each new
+version on a per-worker `updates` queue instead of with the job (the job says "start on version v or newer"), and the
+worker's decoding loop polls it every C tokens (Generator.on_new_weights, non-blocking), loading a newer version in
+place (--trainer.swap-mode keep_kv or reprefill); the batch carries token_version (B, R), staleness() turns it into
+the async/token_staleness_*, async/version_span* metrics and, with --trainer.max-staleness s, the sample_keep mask
+the update applies (docs/off-policy.md, "Three regimes").
+
 The loss corrects for it with the recipe's decoupled PPO: pi_old = the trainer's log-probs before the
 update (pi_prox), w = f(pi_prox / mu) (--actor.rollout-correction), see docs/off-policy.md.
 
@@ -56,6 +63,11 @@ from rlkit.protocol import DataProto
 ASYNC_KV_BUDGET_FRACTION = 0.25  # the generation worker's share of the free GPU memory for HF generation (the trainer's: 0.5)
 
 
+# Seconds the generation worker sleeps at each in-flight poll (--trainer.swap-every): a test knob that makes the tiny model's
+# generation slower than the trainer's update, the regime where weights arrive mid-generation (tests/test_stream_async.py).
+SLOW_POLL_ENV = "RLKIT_TEST_SLOW_POLL_S"
+
+
 class Generator:
     """The generation worker: the trainer's rollout worker (ActorRolloutRefWorker: the same rollout, turn loop,
     micro-batches and reference pass) as a generation-only copy, loaded with the trainer's weights job by job."""
@@ -76,17 +88,73 @@ class Generator:
             self.worker.set_agent(agent)
         torch.manual_seed(seed)
         self.need_ref, self.version = need_ref, 0
+        self.swap_every, self.swap_mode = trainer_cfg.swap_every, trainer_cfg.swap_mode  # in-flight weight updates (0: off)
+        self.updates = None  # --trainer.swap-every: the queue the trainer pushes each new version on (_serve sets it)
+        self.poll_delay_s = float(os.environ.get(SLOW_POLL_ENV, 0) or 0)  # tests: a slow generator, see SLOW_POLL_ENV
 
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
-        """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs."""
-        if weights is not None:
+        """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs.
+
+        With --trainer.swap-every C the weights come on the updates queue instead and `weights` is ("await", v): the job
+        starts on version v or newer (the newest pushed: a run's batches start no older than the k-step loop's), and
+        every C tokens the fast loop asks on_new_weights for a newer one; the batch then holds token_version (B, R)."""
+        stream = {}
+        if isinstance(weights, tuple) and weights and weights[0] == "await":
+            self._await(weights[1])
+            stream = dict(swap_every=self.swap_every, on_new_weights=self.on_new_weights, swap_mode=self.swap_mode, version=self.version)
+        elif weights is not None:
             flat, layout, self.version = receive_weights(weights)
             self.worker.load_weights(flat, layout)
-        batch = self.worker.generate(prompts)
+        start = self.version
+        batch = self.worker.generate(prompts, **stream)
         if self.need_ref:  # log pi_ref(y_t), here, off the trainer's critical path
             batch = batch.union(self.worker.compute_ref_log_prob(batch))
-        batch.meta["policy_version"] = self.version
+        batch.meta["policy_version"] = start  # the version the job started on: its oldest tokens'
         return i, batch
+
+    def newest(self):
+        """The newest payload on the updates queue, without waiting (None: nothing new); older ones are discarded."""
+        got = None
+        while True:
+            try:
+                payload = self.updates.get_nowait()
+            except queue.Empty:
+                return got
+            if got is not None:
+                discard(got)
+            got = payload
+
+    def _load(self, payload) -> None:
+        flat, layout, self.version = receive_weights(payload)
+        self.worker.load_weights(flat, layout)
+
+    def _await(self, version: int, timeout_s: float = 600.0) -> None:
+        """Load pushed weights until this worker holds `version` or newer (the trainer pushed it before queuing the job)."""
+        payload = self.newest()
+        if payload is not None:
+            self._load(payload)
+        while self.version < version:
+            self._load(self.updates.get(timeout=timeout_s))  # (queue.Empty after timeout_s: an error the trainer reports)
+            payload = self.newest()
+            if payload is not None:
+                self._load(payload)
+
+    def on_new_weights(self):
+        """The fast loop's poll (HFRollout.decode, every --trainer.swap-every tokens): None when the trainer pushed nothing
+        since this worker's last load, else (version, loader): loader(model) copies the weights into this worker's model
+        in place (the rollout's model is the engine's) and the tokens from here on carry that version."""
+        if self.poll_delay_s:
+            time.sleep(self.poll_delay_s)
+        payload = self.newest()
+        if payload is None:
+            return None
+        flat, layout, version = receive_weights(payload)
+        self.version = version
+
+        def loader(model) -> None:
+            self.worker.load_weights(flat, layout)
+
+        return version, loader
 
     def idle(self) -> None:
         """Between jobs, with none waiting (_serve): the vLLM engine sleeps (level 1: weights to CPU memory, KV cache
@@ -150,6 +218,15 @@ def send_weights(flat: torch.Tensor, layout, version: int, workers: list[int], f
     return payloads
 
 
+def discard(payload) -> None:
+    """Drop a send_weights payload unread (a newer version came after it): a file payload's link is removed."""
+    if isinstance(payload[0], str) and payload[0] == "file":
+        try:
+            os.unlink(payload[1])
+        except FileNotFoundError:
+            pass
+
+
 def receive_weights(payload) -> tuple[torch.Tensor, list, int]:
     """(flat, layout, version) from a send_weights payload (or a plain (flat, layout, version): Ray's object store).
     A file is memory-mapped copy-on-write (read lazily by unpack_weights) and its link removed at once."""
@@ -164,12 +241,14 @@ def receive_weights(payload) -> tuple[torch.Tensor, list, int]:
     return flat, layout, version
 
 
-def _serve(args, jobs, results) -> None:
-    """The spawned generation process (--trainer.backend local): build a Generator, then generate every job it is sent."""
+def _serve(args, jobs, results, updates=None) -> None:
+    """The spawned generation process (--trainer.backend local): build a Generator, then generate every job it is sent.
+    updates: the queue of pushed weights (--trainer.swap-every), read by the Generator between and inside jobs."""
     import multiprocessing as mp
 
     try:
         gen = Generator(*args)
+        gen.updates = updates
         results.put(("ready", None, None))
     except Exception:
         results.put(("error", None, traceback.format_exc()))
@@ -238,6 +317,36 @@ def split_groups(rows: int, group_size: int, parts: int) -> list[list[int]]:
     return out
 
 
+def staleness(token_version: torch.Tensor, mask: torch.Tensor, version: int, max_staleness: int = 0) -> tuple[dict, torch.Tensor]:
+    """Per-token staleness of a batch taken when the trainer is at `version` (the weights its update starts from, pi_prox):
+
+        s_it    = version - v_it                     over response tokens (mask m_it = 1); v_it = token_version
+        mean    = sum_it s_it m_it / sum_it m_it,  max = max_it s_it
+        span_i  = max_t v_it - min_t v_it            (versions inside sample i; 0 without an in-flight swap)
+        keep_i  = version - min_t v_it <= s          (its oldest token at most s = --trainer.max-staleness behind; s = 0: all)
+
+    Returns ({sums for Rollouts.metrics}, keep (B,) bool). A row without response tokens is kept and not counted."""
+    m = mask.bool()
+    valid = m.any(1)  # (B,)
+    big = torch.iinfo(torch.long).max
+    oldest = torch.where(m, token_version, big).min(1).values  # (B,) min_t v_it
+    newest = torch.where(m, token_version, -1).max(1).values  # (B,) max_t v_it
+    s = (version - token_version)[m]  # (tokens,) s_it
+    keep = torch.ones(len(m), dtype=torch.bool)
+    if max_staleness > 0:
+        keep = ~valid.cpu() | (version - oldest.cpu() <= max_staleness)
+    sums = {
+        "tokens": int(m.sum()),
+        "stale_sum": float(s.sum()) if len(s) else 0.0,
+        "stale_max": int(s.max()) if len(s) else 0,
+        "span_sum": float((newest - oldest)[valid].sum()),
+        "span_max": int((newest - oldest)[valid].max()) if valid.any() else 0,
+        "rows": int(valid.sum()),
+        "dropped": int((~keep).sum()),
+    }
+    return sums, keep
+
+
 class Rollouts:
     """Generation batches for the loop; see the module docstring. Close it (recipe.Run does) to stop the workers."""
 
@@ -252,6 +361,9 @@ class Rollouts:
         self.timeout_s = cfg.trainer.async_timeout_s  # seconds without a message from a worker (0 = no limit)
         self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
         self.worker_vllm = cfg.rollout.name == "vllm"
+        self.swap_every, self.max_staleness = cfg.trainer.swap_every, cfg.trainer.max_staleness  # (swap_mode: the workers')
+        self.token_stats: list[dict] = []  # staleness() sums per batch since the last metrics() (swap-every / max-staleness)
+        self.update_queues = []  # per worker process: the pushed weights (--trainer.swap-every)
         self.i = 0  # generation batches asked for so far
         self.submitted = 0  # ... and handed to the workers
         self.sent = {}  # worker -> the policy version whose weights it last received
@@ -287,7 +399,9 @@ class Rollouts:
         ctx = mp.get_context("spawn")
         for w in range(self.n_workers):
             jobs, results = ctx.Queue(), ctx.Queue()
-            proc = ctx.Process(target=_serve, args=((*args, w), jobs, results), daemon=True, name=f"rlkit-rollout-{w}")
+            updates = ctx.Queue() if self.swap_every else None
+            self.update_queues.append(updates)
+            proc = ctx.Process(target=_serve, args=((*args, w), jobs, results, updates), daemon=True, name=f"rlkit-rollout-{w}")
             proc.start()
             self.procs.append((proc, jobs, results))
         for w in range(self.n_workers):
@@ -387,6 +501,10 @@ class Rollouts:
             weights = payloads.get(w)
             if weights is not None:
                 self.sent[w] = version
+            if self.swap_every:  # in flight: the weights go on the updates queue, where a running job polls for them
+                if weights is not None:
+                    self.update_queues[w].put(weights)
+                weights = ("await", version)  # the job starts on this version or a newer one
             job = (self.submitted, batch if len(workers) == 1 else batch.index(shares[w]), weights)
             if self.actors:
                 handles.append(self.actors[w].generate.remote(*job))
@@ -423,7 +541,16 @@ class Rollouts:
         assert all(i == self.i for i, _ in got), ([i for i, _ in got], self.i)
         batch = got[0][1] if len(got) == 1 else DataProto.concat([b for _, b in got])  # (meta: the first share's)
         self.drawn_from.pop(self.i, None)
-        self.stats.append((self.policy.weights_version() - batch.meta["policy_version"], time.perf_counter() - start))
+        now = self.policy.weights_version()
+        self.stats.append((now - batch.meta["policy_version"], time.perf_counter() - start))
+        if self.swap_every or self.max_staleness:  # per-token versions: stamped by the fast loop, or the batch's own
+            mask = batch["response_mask"]
+            if "token_version" not in batch:
+                batch["token_version"] = torch.where(mask.bool(), batch.meta["policy_version"], -1)  # (B, R)
+            sums, keep = staleness(batch["token_version"], mask, now, self.max_staleness)
+            self.token_stats.append(sums)
+            if self.max_staleness:
+                batch["sample_keep"] = keep  # (B,) the update masks the others out of the loss (workers.update)
         return batch
 
     def loader_state(self) -> dict | None:
@@ -437,12 +564,23 @@ class Rollouts:
             return {}
         stale, wait = zip(*self.stats, strict=True)
         self.stats = []
-        return {
+        out = {
             "async/staleness": sum(stale) / len(stale),
             "async/staleness_max": max(stale),
             "async/wait_s": sum(wait),
             "async/steps": self.k,
         }
+        if self.token_stats:  # staleness() of the step's batches, pooled
+            t, self.token_stats = self.token_stats, []
+            tokens, rows = sum(x["tokens"] for x in t), sum(x["rows"] for x in t)
+            out.update({
+                "async/token_staleness_mean": sum(x["stale_sum"] for x in t) / max(tokens, 1),
+                "async/token_staleness_max": max(x["stale_max"] for x in t),
+                "async/version_span": sum(x["span_sum"] for x in t) / max(rows, 1),
+                "async/version_span_max": max(x["span_max"] for x in t),
+                "async/dropped_samples": sum(x["dropped"] for x in t),
+            })  # fmt: skip
+        return out
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""
@@ -456,6 +594,11 @@ class Rollouts:
                     ray.kill(actor)
                 self.pool.remove()
         procs, self.procs = self.procs, []
+        updates, self.update_queues = self.update_queues, []
+        for q in updates:
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
         for _, jobs, _ in procs:
             jobs.put(None)
         for proc, jobs, results in procs:

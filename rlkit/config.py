@@ -181,6 +181,8 @@ class RolloutConfig:
     """vllm with --model.lora-rank > 0: sync the LoRA adapter as an adapter, not merged into the weights (docs/vllm.md)"""
     log_probs: bool = False
     """hf: also keep the sampler's own log-probs, for the rollout_corr/ metrics and the correction (docs/off-policy.md)"""
+    drop_finished: float = 0.0
+    """hf fast: once finished rows are at least this fraction of the rows still decoding, they leave the batch (same tokens; 0 = off; docs/performance.md)"""
 
     def check(self) -> None:
         if not self.temperature > 0:  # NaN too
@@ -191,6 +193,13 @@ class RolloutConfig:
         if self.log_prob_micro_batch_size < 0:
             raise ConfigError(
                 f"--rollout.log-prob-micro-batch-size {self.log_prob_micro_batch_size}: must be 0 (auto) or a positive number"
+            )
+        if not 0 <= self.drop_finished <= 1:
+            raise ConfigError(f"--rollout.drop-finished {self.drop_finished}: a fraction in (0, 1] of the rows still decoding, or 0 (off)")
+        if self.drop_finished and (self.name != "hf" or self.hf_impl != "fast"):
+            why = "--rollout.name vllm schedules its own rows" if self.name != "hf" else "--rollout.hf-impl generate keeps every row"
+            raise ConfigError(
+                f"--rollout.drop-finished {self.drop_finished} applies to rlkit's fast loop only ({why}): use --rollout.name hf --rollout.hf-impl fast, or drop it"
             )
 
 
@@ -435,6 +444,12 @@ class TrainerConfig(RunConfig):
     """with --trainer.async-steps >= 1: generation workers, each sampling a share of every batch"""
     async_timeout_s: float = 3600.0
     """with --trainer.async-steps >= 1: stop with one line when a generation worker sends nothing for this many seconds (a stopped one: after at most 60 s); 0 = wait forever"""
+    swap_every: int = 0
+    """with --trainer.async-steps >= 1: C > 0 = the worker polls every C tokens for weights pushed since its job began and loads them mid-generation (0 = off: whole batches, k-step; docs/off-policy.md)"""
+    swap_mode: Literal["keep_kv", "reprefill"] = "keep_kv"
+    """with --trainer.swap-every: keep_kv (go on with the KV cache of the old weights, PipelineRL) or reprefill (recompute prompt + tokens so far under the new weights, partial rollout)"""
+    max_staleness: int = 0
+    """with --trainer.async-steps >= 1: s > 0 = samples whose oldest token is more than s updates behind are masked out of the loss, counted in async/dropped_samples (0 = off)"""
 
     def check(self) -> None:
         if self.val_n <= 0:
@@ -451,6 +466,20 @@ class TrainerConfig(RunConfig):
         if k == 0 and (self.async_workers != 1 or self.async_timeout_s != 3600.0):
             flag = "--trainer.async-workers" if self.async_workers != 1 else "--trainer.async-timeout-s"
             raise ConfigError(f"{flag} applies to the asynchronous rollout only: add --trainer.async-steps 1 (or more), or drop it")
+        if self.swap_every < 0 or self.max_staleness < 0:
+            flag, value = (
+                ("--trainer.swap-every", self.swap_every) if self.swap_every < 0 else ("--trainer.max-staleness", self.max_staleness)
+            )
+            raise ConfigError(f"{flag} {value}: must be >= 0 (0 = off)")
+        if k == 0 and (self.swap_every or self.max_staleness):
+            flag = "--trainer.swap-every" if self.swap_every else "--trainer.max-staleness"
+            raise ConfigError(
+                f"{flag} applies to the asynchronous generation worker only: add --trainer.async-steps 1 (or more), or drop it"
+            )
+        if self.swap_mode != "keep_kv" and not self.swap_every:
+            raise ConfigError(
+                f"--trainer.swap-mode {self.swap_mode} applies to in-flight weight updates only: add --trainer.swap-every C (tokens between polls), or drop it"
+            )
 
 
 # --help by audience. The rule: a learning option changes what the model learns (which model and data, batch sizes,
@@ -496,7 +525,7 @@ SYSTEM_OPTIONS = {
     "performance": {
         "trainer": ("device", "num_threads"),
         "model": ("dtype", "attn_implementation", "gradient_checkpointing", "remove_padding", "share_prompt", "shared_prompt_attention"),
-        "rollout": ("hf_impl", "micro_batch_size", "log_prob_micro_batch_size"),
+        "rollout": ("hf_impl", "micro_batch_size", "log_prob_micro_batch_size", "drop_finished"),
         "actor": ("ppo_micro_batch_size", "max_token_len_per_micro_batch"),
         "critic": ("ppo_micro_batch_size", "max_token_len_per_micro_batch"),
         "reward": ("model_micro_batch_size",),
@@ -516,7 +545,7 @@ SYSTEM_OPTIONS = {
         )
     },
     "vllm": {"rollout": ("name", "gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "max_num_seqs", "lora_adapter_sync")},
-    "async_rollout": {"trainer": ("async_steps", "async_workers", "async_timeout_s")},
+    "async_rollout": {"trainer": ("async_steps", "async_workers", "async_timeout_s", "swap_every", "swap_mode", "max_staleness")},
     "sandbox": {
         "reward": ("sandbox", "sandbox_level", "sandbox_workers", "sandbox_fresh", "sandbox_memory_mb"),
         "agent": ("sandbox_level",),

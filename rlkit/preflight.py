@@ -68,6 +68,17 @@ def check_async(cfg) -> None:
         )
     if t.backend == "ray" and t.engine == "megatron":
         raise ConfigError(f"--trainer.async-steps {k} does not run with --trainer.engine megatron yet; use --trainer.engine fsdp")
+    c = getattr(t, "swap_every", 0)
+    if c:  # in-flight weight updates: rlkit's fast loop in a worker process that can read a second queue mid-generation
+        why = (
+            "--rollout.name vllm (its engine decodes on its own; the fast HF loop polls)" if cfg.rollout.name != "hf"
+            else "--rollout.hf-impl generate (only the fast loop polls)" if cfg.rollout.hf_impl != "fast"
+            else "--trainer.backend ray (an actor runs one call at a time: use the local backend)" if t.backend == "ray"
+            else "the multi-turn turn loop (grpo_tools.py generates turn by turn)" if getattr(cfg, "agent", None) is not None
+            else None
+        )  # fmt: skip
+        if why:
+            raise ConfigError(f"--trainer.swap-every {c} does not run with {why}; use --trainer.swap-every 0 (k-step) or change that flag")
 
 
 def check_megatron(cfg) -> None:

@@ -129,12 +129,17 @@ class ActorRolloutRefWorker(CheckpointFiles):
         that each Ray worker runs the turn loop, and the tools, on its own share of the rows)."""
         self.agent = agent
 
-    def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
-        """Sample one response per row (temperature rollout.temperature, or val_temperature when validating)."""
+    def generate(self, prompts: DataProto, validate: bool = False, **stream) -> DataProto:
+        """Sample one response per row (temperature rollout.temperature, or val_temperature when validating).
+        stream: the fast loop's in-flight weight updates (swap_every, on_new_weights, swap_mode, version), from the async
+        generation worker (async_rollout.Generator); --rollout.drop-finished is passed here."""
         if self.agent is not None:
             return self.agent(self, prompts, validate)
         r = self.rollout_cfg
         extra = {"return_log_probs": True} if r.log_probs and not validate and isinstance(self.rollout, HFRollout) else {}
+        if r.drop_finished and isinstance(self.rollout, HFRollout):  # (config: hf fast only)
+            extra["drop_finished"] = r.drop_finished
+        extra.update(stream)
         return self.rollout.generate(
             prompts,
             self.data_cfg.max_response_length,
@@ -189,6 +194,9 @@ class ActorRolloutRefWorker(CheckpointFiles):
         the weight sync: the rollout samples the new weights from the next batch on (sync_rollout)."""
         a = self.actor_cfg
         self._trainer_pass()
+        if "sample_keep" in batch:  # --trainer.max-staleness: too-stale samples masked out of the loss (async_rollout.staleness)
+            batch, mask = batch.select(), batch["response_mask"]  # (a new DataProto: the caller's batch keeps its mask)
+            batch["response_mask"] = mask * batch["sample_keep"][:, None].to(mask.device, mask.dtype)  # (B, R) * (B, 1)
         metrics = self.engine.update(
             batch,
             loss_fn,

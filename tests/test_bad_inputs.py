@@ -165,6 +165,24 @@ CASES = {
         ["--trainer.tp-size 7 must divide the attention heads"],
     ),
     "megatron_local": (lambda c, t: setattr(c.trainer, "engine", "megatron"), ["--trainer.engine megatron runs on Ray workers"]),
+    "swap_without_async": (lambda c, t: setattr(c.trainer, "swap_every", 4), ["--trainer.swap-every", "--trainer.async-steps 1"]),
+    "swap_with_generate": (
+        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "swap_every", 4), setattr(c.rollout, "hf_impl", "generate")),
+        ["--trainer.swap-every 4 does not run with --rollout.hf-impl generate"],
+    ),
+    "swap_mode_alone": (
+        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "swap_mode", "reprefill")),
+        ["--trainer.swap-mode reprefill", "--trainer.swap-every"],
+    ),
+    "max_staleness_negative": (
+        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "max_staleness", -1)),
+        ["--trainer.max-staleness -1"],
+    ),
+    "drop_finished_out_of_range": (lambda c, t: setattr(c.rollout, "drop_finished", 2.0), ["--rollout.drop-finished 2.0"]),
+    "drop_finished_with_generate": (
+        lambda c, t: (setattr(c.rollout, "drop_finished", 0.5), setattr(c.rollout, "hf_impl", "generate")),
+        ["--rollout.drop-finished 0.5", "fast"],
+    ),
     "filter_drops_every_prompt": (
         lambda c, t: (setattr(c.data, "max_prompt_length", 2), setattr(c.data, "filter_overlong_prompts", True)),
         ["every prompt is over --data.max-prompt-length 2"],
