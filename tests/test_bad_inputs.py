@@ -282,7 +282,7 @@ TOOL_CASES = {
     "tool_response_chars_0": (lambda c, t: setattr(c.agent, "max_tool_response_chars", 0), ["--agent.max-tool-response-chars 0"]),
     "observation_chars_0": (lambda c, t: setattr(c.agent, "max_observation_chars", 0), ["--agent.max-observation-chars 0"]),
     "unknown_tool": (lambda c, t: setattr(c.agent, "tools", "calculator,shell"), ["--agent.tools", "unknown tool(s) shell"]),
-    "unknown_env": (lambda c, t: setattr(c.agent, "env", "chess"), ["--agent.env 'chess'", "choose tools, guess, or a factory"]),
+    "unknown_env": (lambda c, t: setattr(c.agent, "env", "chess"), ["--agent.env 'chess'", "choose tools, guess, textarena:GAME-ID, skyrl:ENV-ID, or a factory"]),
     "prompt_with_tools_too_long": (  # the embedded prompts: 19 tokens, 31 with the tools offered; checked with them
         lambda c, t: setattr(c.data, "max_prompt_length", 25),
         ["has 31 tokens, over --data.max-prompt-length 25", "train.parquet"],
@@ -471,7 +471,7 @@ def _sleeper():
 
 def waiting_rollouts(timeout_s: float):
     """A Rollouts waiting on one stand-in 'generation worker' (a process that sleeps and never answers)."""
-    trainer = SimpleNamespace(async_steps=0, async_workers=1, async_timeout_s=timeout_s, device="cpu")
+    trainer = SimpleNamespace(async_steps=0, async_workers=1, async_timeout_s=timeout_s, device="cpu", swap_every=0, max_staleness=0)
     cfg = SimpleNamespace(trainer=trainer, rollout=SimpleNamespace(n=2, name="hf"), model=SimpleNamespace(lora_rank=0, dtype="auto"))
     r = Rollouts(cfg, None, None)
     r.k = 1

@@ -86,7 +86,7 @@ def vllm_sampler(lora: bool):
     """agent.sampler_for for vLLM as it was before N6's fix: the engine's generate called directly, without the LoRA
     request (vLLM then samples the base model) unless `lora`."""
 
-    def sampler_for(rollout, temperature, top_p=1.0, top_k=0, rows=None):
+    def sampler_for(rollout, temperature, top_p=1.0, top_k=0, rows=None, drop_finished=0.0):
         def sample(contexts, max_new_tokens):
             rollout.wake_up()
             params = [rollout.sampling_params(n, temperature, top_p, top_k) for n in max_new_tokens]
