@@ -190,11 +190,30 @@ class RayWorkerGroup:
         except ray.exceptions.RayTaskError as e:  # the worker raised: e's text holds the worker traceback
             if isinstance(e.cause, UserError):  # the user's to fix: the worker's own one-line message
                 raise e.cause from None
+            died = self._died(refs)  # a dead peer fails the others' collectives first (gloo: connection reset)
+            if died is not None:
+                raise RunFailed(f"a {self.worker_cls.__name__} worker died: {died}") from None
             raise RuntimeError(f"a {self.worker_cls.__name__} worker failed:\n{e}") from None
         except ray.exceptions.RayActorError as e:  # the worker process died (killed, OOM, segfault)
             raise RunFailed(f"a {self.worker_cls.__name__} worker died: {e}") from None
         except ray.exceptions.GetTimeoutError:
             raise RunFailed(f"{self.worker_cls.__name__} workers did not answer within {self.timeout_s} s") from None
+
+    @staticmethod
+    def _died(refs, wait_s: float = 10.0):
+        """The death (RayActorError) among `refs` once they settle (at most wait_s), else None: when a worker is killed,
+        its peers' collectives can fail before Ray reports the death, and the death is the error to name."""
+        import ray
+
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                return e
+            except Exception:  # the peers' own failures, or results: not a death
+                pass
+        return None
 
     def __getattr__(self, name):
         method = getattr(self.worker_cls, name, None)

@@ -282,7 +282,10 @@ TOOL_CASES = {
     "tool_response_chars_0": (lambda c, t: setattr(c.agent, "max_tool_response_chars", 0), ["--agent.max-tool-response-chars 0"]),
     "observation_chars_0": (lambda c, t: setattr(c.agent, "max_observation_chars", 0), ["--agent.max-observation-chars 0"]),
     "unknown_tool": (lambda c, t: setattr(c.agent, "tools", "calculator,shell"), ["--agent.tools", "unknown tool(s) shell"]),
-    "unknown_env": (lambda c, t: setattr(c.agent, "env", "chess"), ["--agent.env 'chess'", "choose tools, guess, textarena:GAME-ID, skyrl:ENV-ID, or a factory"]),
+    "unknown_env": (
+        lambda c, t: setattr(c.agent, "env", "chess"),
+        ["--agent.env 'chess'", "choose tools, guess, textarena:GAME-ID, skyrl:ENV-ID, or a factory"],
+    ),
     "prompt_with_tools_too_long": (  # the embedded prompts: 19 tokens, 31 with the tools offered; checked with them
         lambda c, t: setattr(c.data, "max_prompt_length", 25),
         ["has 31 tokens, over --data.max-prompt-length 25", "train.parquet"],

@@ -221,3 +221,32 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error_keeps_the_last_checkpoi
             break
         time.sleep(0.5)
     assert not _processes_with(token)
+
+
+def test_a_peer_failing_on_a_dead_worker_is_reported_as_the_death(monkeypatch):
+    """Killed mid-step, a worker's death can reach the driver after its peers' collective failed on the lost connection
+    (gloo: 'Connection reset by peer'); ray.get raises that peer's error first. The group names the death (RunFailed,
+    'worker died'), as it does when the death comes first; a peer's failure with every worker alive stays a failure."""
+    import ray
+
+    from rlkit.errors import RunFailed
+    from rlkit.ray_group import RayWorkerGroup
+
+    peer = ray.exceptions.RayTaskError("update", "Traceback: Connection reset by peer", RuntimeError("Connection reset by peer"))
+    death = ray.exceptions.RayActorError()
+    outcome = {"peer": peer, "dead": death}
+
+    def get(refs, timeout=None):
+        for ref in refs if isinstance(refs, list) else [refs]:
+            if ref in outcome:
+                raise outcome[ref]
+        return refs
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    group = object.__new__(RayWorkerGroup)
+    group.worker_cls, group.timeout_s = type("FSDPActorRolloutRefWorker", (), {}), 60
+    with pytest.raises(RunFailed, match="a FSDPActorRolloutRefWorker worker died"):
+        group._get(["peer", "dead"])
+    with pytest.raises(RuntimeError, match="a FSDPActorRolloutRefWorker worker failed"):
+        group._get(["peer", "alive"])
