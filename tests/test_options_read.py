@@ -246,17 +246,17 @@ def test_the_recorder_sees_an_unread_option(tmp_path, monkeypatch):
     assert unhonoured("rm", tmp_path) == ["actor.ignored"]
 
 
-@pytest.mark.parametrize(
-    "section, name, value, message",
-    [
-        ("data", "task_seed", 3, "--data.task-seed applies to a generated task only: add --data.task NAME"),
-        ("data", "task_options", "min_terms=2", "--data.task-options applies to a generated task only"),
-        ("data", "sampler_weights", (1.0, 1.0, 1.0), "--data.sampler-weights applies to --data.sampler difficulty only"),
-        ("actor", "max_skipped_steps", 5, "--actor.max-skipped-steps applies to --actor.nan-policy skip only"),
-        ("trainer", "async_workers", 2, "--trainer.async-workers applies to the asynchronous rollout only"),
-        ("trainer", "async_timeout_s", 60.0, "--trainer.async-timeout-s applies to the asynchronous rollout only"),
-    ],
-)
+NEEDS_ANOTHER = [  # (section, field, value, the refusal's message): each option alone, without what opens its path
+    ("data", "task_seed", 3, "--data.task-seed applies to a generated task only: add --data.task NAME"),
+    ("data", "task_options", "min_terms=2", "--data.task-options applies to a generated task only"),
+    ("data", "sampler_weights", (1.0, 1.0, 1.0), "--data.sampler-weights applies to --data.sampler difficulty only"),
+    ("actor", "max_skipped_steps", 5, "--actor.max-skipped-steps applies to --actor.nan-policy skip only"),
+    ("trainer", "async_workers", 2, "--trainer.async-workers applies to the asynchronous rollout only"),
+    ("trainer", "async_timeout_s", 60.0, "--trainer.async-timeout-s applies to the asynchronous rollout only"),
+]
+
+
+@pytest.mark.parametrize("section, name, value, message", NEEDS_ANOTHER)
 def test_an_option_that_needs_another_is_refused_alone(section, name, value, message):
     """Options read only on a path another option opens were accepted and ignored without it; now one line each.
     With that option they pass the checks."""
@@ -271,6 +271,23 @@ def test_an_option_that_needs_another_is_refused_alone(section, name, value, mes
     key, on = ("sampler", "difficulty") if name == "sampler_weights" else opens[section]
     setattr(getattr(cfg, section), key, on)
     config.check_flags(cfg)
+
+
+def test_docs_errors_md_quotes_each_needs_another_option_refusal():
+    """docs/errors.md has a row for each refusal above, with its message as the code writes it."""
+    import inspect
+
+    page = (ROOT / "docs" / "errors.md").read_text()
+    messages = [case[3] for case in NEEDS_ANOTHER] + [
+        "--actor.clip-ratio-c: CISPO's loss has no dual clip (its weights are capped instead)",
+        "its ratio is clipped in log space",
+        "sequence-level clip",
+    ]
+    missing = [m for m in messages if m not in page]
+    assert not missing, f"docs/errors.md lacks these refusals: {missing}"
+    for name in ("cispo", "gmpo", "gspo"):  # and each recipe still says what the page quotes
+        source = inspect.getsource(load_recipe(name))
+        assert any(m in source for m in messages[-3:]), name
 
 
 @pytest.mark.parametrize("name", ["cispo", "gmpo", "gspo"])
