@@ -216,3 +216,63 @@ def sp_token_logprobs(model, input_ids: torch.Tensor, group, temperature: float 
     if not with_entropy:
         return lp, None
     return lp, gather_seq(ent.view(b, n), group)[:, : t - 1]
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def shift_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """Rows [pad.. tokens.. pad..] -> [tokens.. pad..]: each row moved left by its leading padding, position ids kept, so
+    the padding is on the right where causal attention never reads it (ulysses_attention takes no padding mask).
+    Returns (ids, positions, lead (B,)); a row whose tokens are not contiguous (padding inside) is refused."""
+    b, t = input_ids.shape
+    lead = (attention_mask.cumsum(1) == 0).sum(1)  # (B,) leading padding
+    src = torch.arange(t, device=input_ids.device) + lead[:, None]
+    inside = src < t
+    src = src.clamp(max=t - 1)
+    mask = attention_mask.gather(1, src) * inside
+    if not torch.equal(mask.bool(), torch.arange(t, device=mask.device) < attention_mask.sum(1, keepdim=True)):
+        raise ValueError("sequence parallelism needs each row's tokens contiguous (padding only before and after them)")
+    ids = torch.where(inside, input_ids.gather(1, src), torch.zeros_like(input_ids))
+    pos = torch.where(inside, position_ids.gather(1, src), torch.zeros_like(position_ids))
+    return ids, pos, lead
+
+
+def forward_sp(engine, model, mb, temperature: float, with_entropy: bool):
+    """engine.forward with the sequence split over engine.sp_group (--trainer.sp-size): log-probs (and entropy) of
+    mb['responses'] (b, R), 0 past each response, equal to forward_padded's (tests/test_ulysses_ray.py).
+
+    Every rank of the group holds the same rows (ray_group's split_dp). The rollout's rows are left-padded: each is
+    shifted left (shift_left), run through sp_token_logprobs, and its response read at its own offset. The outputs'
+    gradient is multiplied by S: FSDP averages gradients over all N = D S ranks, but the S ranks of a replica hold
+    one replica's gradient between them (their sum, rlkit/ulysses.py's docstring), so the plain average would be
+    1/S of the data-parallel one; engine.global_counts divides by D (the dp group) to match."""
+    from rlkit.engine import trim_padding
+
+    group, dev = engine.sp_group, engine.device
+    prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
+    t, first, keep = trim_padding({k: mb[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
+    ids, pos, lead = shift_left(t["input_ids"], t["attention_mask"], t["position_ids"])
+    with engine.autocast():
+        lp, ent = sp_token_logprobs(model, ids, group, temperature, with_entropy, position_ids=pos)  # (b, T-1)
+    # response token k sits at column (prompt_len - first) + k - lead of the shifted row; the position before predicts it
+    at = (prompt_len - first - lead - 1)[:, None] + torch.arange(keep, device=dev)
+    s = dist.get_world_size(group)
+    b = len(mb)
+    logp = torch.zeros(b, resp_len, device=dev)
+    logp[:, :keep] = ScaleGrad.apply(lp.gather(1, at).float(), s)
+    if not with_entropy:
+        return logp, None
+    out_ent = torch.zeros(b, resp_len, device=dev)
+    out_ent[:, :keep] = ScaleGrad.apply(ent.gather(1, at).float(), s)
+    return logp, out_ent
