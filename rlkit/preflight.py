@@ -142,7 +142,9 @@ def check_sequence_parallel(cfg) -> None:
     if m.gradient_checkpointing == "on":  # the backward's recompute would run plain sdpa on a shard (wrong gradients)
         raise ConfigError(f"{flag} does not run with gradient checkpointing yet: use --model.gradient-checkpointing off (or auto)")
     if getattr(cfg, "critic", None) is not None:
-        raise ConfigError(f"{flag}: the critic's value head has no sequence-parallel pass yet; use --trainer.sp-size 1 or a critic-free recipe")
+        raise ConfigError(
+            f"{flag}: the critic's value head has no sequence-parallel pass yet; use --trainer.sp-size 1 or a critic-free recipe"
+        )
     c = _model_config(cfg)
     if c is None:  # unreadable here: the workers report it
         return
