@@ -49,7 +49,15 @@ def _rollout_batch(grpo, cfg):
     batch["advantages"] = adv[:, None] * batch["response_mask"]
     before = {k: v.clone() for k, v in policy.state_dict()["model"].items()}
     metrics = policy.update(batch, grpo.make_actor_loss(cfg))
-    return batch, before, policy.state_dict()["model"], metrics
+    return batch, before, policy.state_dict()["model"], metrics, policy.update(batch, token_sum_loss(grpo, cfg))
+
+
+def token_sum_loss(grpo, cfg):
+    """The actor loss with --actor.loss-agg-mode token-sum: the one mode that reads the normaliser's dp_size (the
+    replicas D, not the N = D S ranks: a count over the world group gets the token mean right but not this)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.actor.loss_agg_mode = "token-sum"
+    return grpo.make_actor_loss(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +66,7 @@ def sp_run(tmp_path_factory, local_ray):  # noqa: F811
     cfg = small_config(grpo, tmp_path_factory.mktemp("sp"))  # 8 prompts x 4 samples, 2 mini-batches of 16 rows: 2 AdamW steps
     cfg.actor.ppo_micro_batch_size = 8  # 2 micro-batches per mini-batch per worker: the counts span micro-batches
     cfg.model.remove_padding = False  # SP takes padded rows (packed ones are refused: docs/scaling.md)
-    batch, before, local, local_metrics = _rollout_batch(grpo, cfg)
+    batch, before, local, local_metrics, local_sum = _rollout_batch(grpo, cfg)
     sp_cfg = copy.deepcopy(cfg)
     sp_cfg.trainer.backend, sp_cfg.trainer.n_workers, sp_cfg.trainer.sp_size = "ray", 2, 2
     group = build_policy(sp_cfg)
@@ -69,13 +77,14 @@ def sp_run(tmp_path_factory, local_ray):  # noqa: F811
         ref = group.compute_ref_log_prob(rows)  # (a batch carrying ref_log_prob would get its own back)
         metrics = group.update(batch, grpo.make_actor_loss(cfg))
         after = group.state_dict()["model"]
+        sp_sum = group.update(batch, token_sum_loss(grpo, cfg))  # a second update, from the weights compared above
     finally:
         group.close()
-    return batch, before, local, local_metrics, fresh, ref, after, metrics
+    return batch, before, local, local_metrics, fresh, ref, after, metrics, local_sum, sp_sum
 
 
 def test_sp_log_probs_equal_the_padded_one_process_ones(sp_run):
-    batch, _, local, _, fresh, ref, _, _ = sp_run
+    batch, _, local, _, fresh, ref, *_ = sp_run
     mask = batch["response_mask"].bool()
     assert fresh["old_log_probs"].shape == batch["old_log_probs"].shape
     assert sorted(set((batch["attention_mask"][:, : batch["prompts"].shape[1]] == 0).sum(1).tolist())) == [0, 2, 5]  # left padding
@@ -90,7 +99,7 @@ def test_sp_log_probs_equal_the_padded_one_process_ones(sp_run):
 
 
 def test_sp_update_equals_the_one_process_update(sp_run):
-    _, before, local, local_metrics, _, _, after, metrics = sp_run
+    _, before, local, local_metrics, _, _, after, metrics, *_ = sp_run
     moved = _max_diff(local, before)
     assert moved > 1e-5
     diff = _max_diff(after, local)
@@ -103,3 +112,11 @@ def test_sp_update_equals_the_one_process_update(sp_run):
     for key in ("actor/grad_norm", "actor/pg_loss", "actor/loss"):
         print(f"{key}: SP {metrics[key]:.6g}, one process {local_metrics[key]:.6g}")
         assert metrics[key] == pytest.approx(local_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_sp_token_sum_update_counts_the_replicas_not_the_ranks(sp_run):
+    *_, local_sum, sp_sum = sp_run
+    # token-sum multiplies the loss by the normaliser's dp_size: the replicas (1 here), not the 2 ranks (a factor 2)
+    for key in ("actor/grad_norm", "actor/pg_loss"):
+        print(f"token-sum {key}: SP {sp_sum[key]:.6g}, one process {local_sum[key]:.6g}")
+        assert sp_sum[key] == pytest.approx(local_sum[key], rel=1e-4, abs=1e-6), key
