@@ -1035,7 +1035,7 @@ def check_rm(ctx: dict) -> str:
 
 def _ulysses_rank(rank: int, port: int, path: str, out) -> None:
     """One of check_ulysses's two gloo processes: the engine's padded pass at S = 1 and its sequence-parallel pass at
-    S = 2 (ulysses.forward_sp) on rows left-padded by 0..3 tokens with responses of different lengths; the log-probs
+    S = 2 (TorchEngine.forward_sp) on rows left-padded by 0..3 tokens with responses of different lengths; the log-probs
     and a loss's gradients (summed over the two ranks, then averaged as FSDP does) put on `out`."""
     import torch
     import torch.distributed as dist

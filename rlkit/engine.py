@@ -332,7 +332,7 @@ def global_counts(num_tokens: int, num_seqs: int, group=None) -> Norm:
     averages gradients over processes, so the result is the gradient of the global mini-batch loss,
     whatever the split. One process: the local counts. group: the data-parallel group when it is not the
     world (sequence parallelism: the S ranks of a replica hold the same rows, so they are counted once;
-    N is then the replicas, D = world / S, and rlkit/ulysses.py's forward_sp undoes FSDP's extra 1/S).
+    N is then the replicas, D = world / S, and forward_sp undoes FSDP's extra 1/S).
     """
     import torch.distributed as dist
 
@@ -522,9 +522,7 @@ class TorchEngine:
         Padding-free (rlkit/packing.py) unless --model.remove-padding false; 0 past each response.
         """
         if self.sp_group is not None:  # Ulysses sequence parallelism: padded rows, positions split over the group
-            from rlkit.ulysses import forward_sp
-
-            return forward_sp(self, model, mb, temperature, with_entropy)
+            return self.forward_sp(model, mb, temperature, with_entropy)
         if self.remove_padding:
             return self.forward_packed(model, mb, temperature, with_entropy)
         return self.forward_padded(model, mb, temperature, with_entropy)
@@ -626,6 +624,35 @@ class TorchEngine:
             return logp, None
         out_ent = torch.zeros(len(mb), resp_len, device=self.device)
         out_ent[:, :keep] = ent.float().view(b, width)[:, :keep]
+        return logp, out_ent
+
+    def forward_sp(self, model, mb: DataProto, temperature: float, with_entropy: bool):
+        """forward() with the sequence split over self.sp_group (--trainer.sp-size, rlkit/ulysses.py): equal to
+        forward_padded's (tests/test_ulysses_ray.py). Every rank of the group holds the same rows (ray_group's split_dp).
+        The rollout's rows are left-padded and ulysses attention takes no mask: each row is shifted left
+        (ulysses.shift_left), run through sp_token_logprobs, and its response read at its own offset. The outputs'
+        gradient is multiplied by S: FSDP averages over all N = D S ranks, but the S ranks of a replica hold one
+        replica's gradient between them (their sum), so the plain average would be 1/S of the data-parallel one;
+        global_counts over the dp group divides by D to match."""
+        import torch.distributed as dist
+
+        from rlkit import ulysses
+
+        group, dev = self.sp_group, self.device
+        prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
+        t, first, keep = trim_padding({k: mb[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
+        ids, pos, lead = ulysses.shift_left(t["input_ids"], t["attention_mask"], t["position_ids"])
+        with self.autocast():
+            lp, ent = ulysses.sp_token_logprobs(model, ids, group, temperature, with_entropy, position_ids=pos)  # (b, T-1)
+        # response token k sits at column (prompt_len - first) + k - lead of the shifted row; the position before predicts it
+        at = (prompt_len - first - lead - 1)[:, None] + torch.arange(keep, device=dev)
+        s, b = dist.get_world_size(group), len(mb)
+        logp = torch.zeros(b, resp_len, device=dev)
+        logp[:, :keep] = ulysses.ScaleGrad.apply(lp.gather(1, at).float(), s)
+        if not with_entropy:
+            return logp, None
+        out_ent = torch.zeros(b, resp_len, device=dev)
+        out_ent[:, :keep] = ulysses.ScaleGrad.apply(ent.gather(1, at).float(), s)
         return logp, out_ent
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism, library level (issue #38 item 3; not wired to a flag yet: docs/scaling.md).
+"""Ulysses sequence parallelism (issue #38 item 3; --trainer.sp-size, docs/scaling.md).
 
 S ranks (the "SP group") each hold T/S consecutive positions of every row. Everything but attention is per
 position, so each rank runs the embeddings, MLPs, norms and LM head on its own shard. Attention needs the whole
@@ -21,7 +21,8 @@ of the weights, and their SUM over the SP group is the full gradient (tests/test
 against S = 1).
 
 Scope: causal rows with no padding mask (right padding after the real tokens is harmless: causal attention never
-reads it); packed rows and the shared-prompt layout are not supported here (docs/scaling.md).
+reads it; left-padded rollout rows are shifted left first, shift_left); packed rows and the shared-prompt layout are
+not supported here (docs/scaling.md). Wired to --trainer.sp-size by rlkit/fsdp_workers.py and engine.forward_sp.
 """
 
 from __future__ import annotations
@@ -246,33 +247,3 @@ def shift_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_i
     ids = torch.where(inside, input_ids.gather(1, src), torch.zeros_like(input_ids))
     pos = torch.where(inside, position_ids.gather(1, src), torch.zeros_like(position_ids))
     return ids, pos, lead
-
-
-def forward_sp(engine, model, mb, temperature: float, with_entropy: bool):
-    """engine.forward with the sequence split over engine.sp_group (--trainer.sp-size): log-probs (and entropy) of
-    mb['responses'] (b, R), 0 past each response, equal to forward_padded's (tests/test_ulysses_ray.py).
-
-    Every rank of the group holds the same rows (ray_group's split_dp). The rollout's rows are left-padded: each is
-    shifted left (shift_left), run through sp_token_logprobs, and its response read at its own offset. The outputs'
-    gradient is multiplied by S: FSDP averages gradients over all N = D S ranks, but the S ranks of a replica hold
-    one replica's gradient between them (their sum, rlkit/ulysses.py's docstring), so the plain average would be
-    1/S of the data-parallel one; engine.global_counts divides by D (the dp group) to match."""
-    from rlkit.engine import trim_padding
-
-    group, dev = engine.sp_group, engine.device
-    prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
-    t, first, keep = trim_padding({k: mb[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
-    ids, pos, lead = shift_left(t["input_ids"], t["attention_mask"], t["position_ids"])
-    with engine.autocast():
-        lp, ent = sp_token_logprobs(model, ids, group, temperature, with_entropy, position_ids=pos)  # (b, T-1)
-    # response token k sits at column (prompt_len - first) + k - lead of the shifted row; the position before predicts it
-    at = (prompt_len - first - lead - 1)[:, None] + torch.arange(keep, device=dev)
-    s = dist.get_world_size(group)
-    b = len(mb)
-    logp = torch.zeros(b, resp_len, device=dev)
-    logp[:, :keep] = ScaleGrad.apply(lp.gather(1, at).float(), s)
-    if not with_entropy:
-        return logp, None
-    out_ent = torch.zeros(b, resp_len, device=dev)
-    out_ent[:, :keep] = ScaleGrad.apply(ent.gather(1, at).float(), s)
-    return logp, out_ent
