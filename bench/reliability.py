@@ -832,7 +832,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
             "2",
             "--trainer.sp-size",
             "2",
-            phrases=("does not take packed rows yet", "--model.remove-padding false"),
+            phrases=("does not take packed rows yet", "--model.no-remove-padding"),
         ),  # fmt: skip
         120,
     ),

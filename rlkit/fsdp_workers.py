@@ -139,7 +139,7 @@ class FSDPMixin:
         if e.value_head or e.remove_padding or e.attn_implementation != "sdpa" or e.gradient_checkpointing or e.vlm:
             raise ConfigError(
                 f"--trainer.sp-size {self.sp} runs a causal LM, padded rows, sdpa, no gradient checkpointing: add "
-                "--model.remove-padding false --model.attn-implementation sdpa --model.gradient-checkpointing off (no critic, no VLM)"
+                "--model.no-remove-padding --model.attn-implementation sdpa --model.gradient-checkpointing off (no critic, no VLM)"
             )
         from rlkit.rollout import text_config
         from rlkit.ulysses import kv_repeats

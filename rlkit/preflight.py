@@ -134,9 +134,7 @@ def check_sequence_parallel(cfg) -> None:
         raise ConfigError(f"{flag} must divide --trainer.n-workers {t.n_workers} (n-workers = sp-size x data-parallel size)")
     m = cfg.model
     if m.remove_padding:
-        raise ConfigError(
-            f"{flag} does not take packed rows yet (a block mask over the gathered sequence): add --model.remove-padding false"
-        )
+        raise ConfigError(f"{flag} does not take packed rows yet (a block mask over the gathered sequence): add --model.no-remove-padding")
     if m.attn_implementation not in ("auto", "sdpa"):
         raise ConfigError(f"{flag} runs its own sdpa attention over the gathered sequence: use --model.attn-implementation sdpa")
     if m.gradient_checkpointing == "on":  # the backward's recompute would run plain sdpa on a shard (wrong gradients)

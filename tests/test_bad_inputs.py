@@ -177,7 +177,7 @@ CASES = {
     ),
     "sp_packed": (
         lambda c, t: (setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "n_workers", 2), setattr(c.trainer, "sp_size", 2)),
-        ["--trainer.sp-size 2 does not take packed rows yet", "--model.remove-padding false"],
+        ["--trainer.sp-size 2 does not take packed rows yet", "--model.no-remove-padding"],
     ),
     "sp_attention": (
         lambda c, t: (
