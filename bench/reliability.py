@@ -845,8 +845,7 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
             "3",
             "--trainer.sp-size",
             "3",
-            "--model.remove-padding",
-            "false",
+            "--model.no-remove-padding",
             phrases=("--trainer.sp-size 3 must divide the model's 4 attention heads",),
         ),  # fmt: skip
         120,
