@@ -49,7 +49,8 @@ def _rollout_batch(grpo, cfg):
     batch["advantages"] = adv[:, None] * batch["response_mask"]
     before = {k: v.clone() for k, v in policy.state_dict()["model"].items()}
     metrics = policy.update(batch, grpo.make_actor_loss(cfg))
-    return batch, before, policy.state_dict()["model"], metrics, policy.update(batch, token_sum_loss(grpo, cfg))
+    after = {k: v.clone() for k, v in policy.state_dict()["model"].items()}  # (the live tensors: the next update moves them)
+    return batch, before, after, metrics, policy.update(batch, token_sum_loss(grpo, cfg))
 
 
 def token_sum_loss(grpo, cfg):
