@@ -48,6 +48,8 @@ SIGALRM timeout in --dry):
   rm             recipes/rm.py, its default 64 pairs: bf16 compute, a micro-batch of pairs a forward (N9); on a GPU, 24 GB
                  emulated, the peak against the memory model
   judge          rlkit.judge.Judge (p_yes), 32 prompts of ~1k tokens: the LM head on the last position only (N10)
+  ulysses        --trainer.sp-size 2: the engine's sequence-parallel pass on 2 processes (gloo, CPU: NCCL with 2 ranks needs
+                 2 GPUs) equals its padded pass on left-padded rows: log-probs, the gradients FSDP would average
 
 --skip takes words: a row is left out when any dash-separated part of its name is listed (--skip ray,vllm leaves
 out ray, ray-vllm, async-vllm and vllm; tools too: NEEDS).
@@ -1031,6 +1033,101 @@ def check_rm(ctx: dict) -> str:
     return detail
 
 
+def _ulysses_rank(rank: int, port: int, path: str, out) -> None:
+    """One of check_ulysses's two gloo processes: the engine's padded pass at S = 1 and its sequence-parallel pass at
+    S = 2 (TorchEngine.forward_sp) on rows left-padded by 0..3 tokens with responses of different lengths; the log-probs
+    and a loss's gradients (summed over the two ranks, then averaged as FSDP does) put on `out`."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        from rlkit.config import ModelConfig
+        from rlkit.engine import TorchEngine
+        from rlkit.protocol import DataProto
+        from rlkit.rollout import assemble
+
+        cfg = ModelConfig(path=path, dtype="float32", remove_padding=False, attn_implementation="sdpa", gradient_checkpointing="off")
+        engine = TorchEngine(cfg, None, device="cpu")
+        g = torch.Generator().manual_seed(0)
+        rows, prompt, response = 4, 24, 16
+        ids = torch.randint(3, 250, (rows, prompt), generator=g)
+        mask = (torch.arange(prompt) >= torch.arange(rows)[:, None]).long()  # row i: i padding tokens on the left
+        prompts = DataProto.from_dict(
+            tensors={"input_ids": ids * mask, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+        )
+        resp = torch.randint(3, 250, (rows, response), generator=g)
+        resp[torch.arange(rows), torch.tensor([15, 9, 12, 4])] = 2  # EOS (id 2) at different places: right padding
+        batch = assemble(prompts, resp, [2], 0)
+        adv = torch.linspace(-1, 1, rows * response).view(rows, response)
+
+        def loss_and_grads(lp):
+            m = batch["response_mask"]
+            (-(adv * lp * m).sum() / m.sum()).backward()
+            grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+            engine.model.zero_grad()
+            return grads
+
+        ref_lp, _ = engine.forward(engine.model, batch, 1.0, False)
+        ref = loss_and_grads(ref_lp)
+        engine.sp_group = dist.group.WORLD
+        lp, _ = engine.forward(engine.model, batch, 1.0, False)
+        sp = loss_and_grads(lp)
+        for grad in sp.values():  # FSDP's reduce: the ranks' gradients averaged
+            dist.all_reduce(grad)
+            grad /= 2
+        m = batch["response_mask"].bool()
+        lp_diff = (lp.detach() - ref_lp.detach())[m].abs().max().item()
+        g_max = max(v.abs().max().item() for v in ref.values())
+        g_diff = max((sp[k] - ref[k]).abs().max().item() for k in ref)
+        out.put((rank, lp_diff, g_diff / g_max, None))
+        dist.destroy_process_group()
+    except Exception as e:  # reported by the row, not lost in a child's stderr
+        out.put((rank, None, None, f"{type(e).__name__}: {e}"))
+
+
+def check_ulysses(ctx: dict) -> str:
+    """--trainer.sp-size 2 (Ulysses): the engine's sequence-parallel pass on 2 processes equals its padded one-process
+    pass (log-probs, and the gradients FSDP would average). On CPU processes over gloo in both modes: NCCL with 2 ranks
+    needs 2 GPUs and a loan has one, and gloo's all_to_all takes CPU tensors; the GPU run of SP needs a 2-GPU machine.
+    Forked (not spawned), so the processes run this process's rlkit as it is (tests/test_gpu_check_rows.py plants
+    defects)."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    from rlkit.ray_group import free_port
+
+    fork = mp.get_context("fork")
+    out, port = fork.Queue(), free_port()
+    procs = [fork.Process(target=_ulysses_rank, args=(r, port, ctx["model"], out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((out.get(timeout=240) for _ in procs), key=lambda x: x[0])
+    except queue.Empty:
+        results = None
+    for p in procs:
+        p.join(timeout=30 if results else 1)
+        if p.is_alive():
+            p.kill()
+    expect(results is not None, "the 2 gloo processes did not answer within 240 s (a hang in a collective)")
+    errors = [r[3] for r in results if r[3]]
+    expect(not errors, f"a rank failed: {errors[0] if errors else ''}")
+    lp_diff = max(r[1] for r in results)
+    g_rel = max(r[2] for r in results)
+    # float32: the same sums in another order (the shard's LM head, the gathered log-sum-exp): ~1e-6; a row read at the
+    # wrong offset, left padding attended to or labels rolled after the split move log-probs by 1e-2 or more
+    expect(lp_diff <= 1e-4, f"S = 2 log-probs differ from S = 1 by {lp_diff:.2e} (> 1e-4)")
+    expect(g_rel <= 1e-4, f"S = 2 gradients (averaged as FSDP does) differ from S = 1 by {g_rel:.2e} of the largest (> 1e-4)")
+    return (
+        f"S = 2 on 2 CPU processes over gloo (NCCL with 2 ranks needs 2 GPUs): left-padded rows, log-probs within {lp_diff:.1e} "
+        f"of S = 1, gradients within {g_rel:.1e} of the largest"
+    )
+
+
 def check_judge(ctx: dict) -> str:
     """rlkit.judge.Judge in p_yes mode, 32 prompts of ~1k tokens in one batch: the LM head runs on the last position
     only ((32, 1, V), not (32, W, V): 19 GiB in float32 at V = 151,936); on a GPU the pass's peak above the weights."""
@@ -1087,7 +1184,9 @@ ROWS = {
     "sft": (check_sft,),
     "rm": (check_rm,),
     "judge": (check_judge,),
+    "ulysses": (check_ulysses,),
 }
+LOAN_SKIP = {"ulysses": "not in the loan profile (its 8 minutes are spent; the row runs on CPU processes over gloo: --dry covers it)"}
 
 
 NEEDS = {"tools": ["vllm"]}  # what a row needs that its name does not say
@@ -1219,7 +1318,7 @@ def main() -> int:
         if only and name not in only:
             continue
         if limit is None:
-            check.rows.append((name, "SKIP", "not in the loan profile (needs vLLM or Ray)"))
+            check.rows.append((name, "SKIP", LOAN_SKIP.get(name, "not in the loan profile (needs vLLM or Ray)")))
         elif skipped(name, skip):
             check.rows.append((name, "SKIP", "--skip"))
         elif dry and not args.isolate:

@@ -351,6 +351,98 @@ def measure_pass(
     return measured, predicted
 
 
+# -- Ulysses sequence parallelism (--trainer.sp-size S, rlkit/ulysses.py): the longest row per GPU ------------------
+SP_BEGIN, SP_END = "<!-- gpu_memory.py sp table: begin -->", "<!-- gpu_memory.py sp table: end -->"
+SP_GPUS, SP_TRACE = 8, 8192  # one node of 8 GPUs (FSDP over all 8, D = 8 / S replicas); the layer traced at 8192 positions
+
+
+@cache
+def layer_kept_and_peak(name: str, tokens: int) -> tuple[int, int]:
+    """One decoder layer at `tokens` positions under bf16 autocast over float32 weights, traced on fake tensors: the
+    bytes its forward leaves for the backward (no gradient checkpointing: every layer keeps them) and its forward +
+    backward peak."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    cfg = qwen_config(name)
+    with FakeTensorMode():
+        layer, rotary = Qwen2DecoderLayer(cfg, 0), Qwen2RotaryEmbedding(cfg)
+        x = torch.randn(1, tokens, cfg.hidden_size, requires_grad=True)
+        pos = torch.arange(tokens)[None]
+        cos_sin = rotary(x, pos)
+        counter = LiveBytes()
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
+            y = y[0] if isinstance(y, tuple) else y
+            kept = counter.now
+            y.float().sum().backward()
+    return kept, counter.peak
+
+
+def sp_predict(model: str, length: int, sp: int, gpus: int = SP_GPUS) -> dict:
+    """Bytes per GPU of one update micro-batch of ONE row of `length` tokens (half prompt, half response) with
+    --trainer.sp-size `sp` on `gpus` GPUs: what the SP path runs (padded rows, sdpa, no gradient checkpointing), full
+    parameters, bf16 compute over float32 masters, a frozen reference. Per GPU:
+
+    - FSDP over all `gpus`: masters + AdamW (16 n), the reference (2 n), / gpus; the bf16 layer being run and the next
+      (prefetched) gathered, and the embedding and head (gathered for the whole pass);
+    - activations of L / S positions (every layer's saved tensors, traced per position at SP_TRACE, and one layer's
+      backward above them): 1/S of the one-rank ones;
+    - the logits of the L / S positions of the shard (sp_token_logprobs computes the head on the whole shard; at S = 1
+      the engine's padded pass reads only the response's L / 2): LOGITS["chunked"];
+    - the all-to-all buffers of one layer: q, k, v stacked (H + 2 H_kv r heads) and the output (H heads), sent and
+      received, in bf16, at L / S positions."""
+    c, cfg = counts(model), qwen_config(model)
+    n, layers, hidden = c["n"], c["layers"], c["hidden"]
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = hidden // heads
+    held = (16 * n + 2 * n) / gpus
+    embed = c["vocab"] * hidden * (1 if TIED[model] else 2)
+    per_layer = (n - embed) / layers
+    gathered = 2 * (2 * per_layer) + 2 * embed  # bf16: two layers and the embedding/head
+    grads = 4 * n / gpus
+    tokens = length / sp
+    kept, peak = (b / SP_TRACE for b in layer_kept_and_peak(model, SP_TRACE))
+    acts = tokens * ((layers - 1) * kept + peak)
+    r = sp // math.gcd(kv, sp)
+    a2a = 2 * tokens * (heads + 2 * kv * r) * head_dim * 2 + 2 * tokens * heads * head_dim * 2 if sp > 1 else 0
+    read = tokens if sp > 1 else length / 2
+    logits = logits_bytes(Setup(model=model), "update", 2, read, c["vocab"])
+    update = held + grads + gathered + acts + a2a + logits
+    return dict(held=held, gathered=gathered, grads=grads, acts=acts, a2a=a2a, logits=logits, update=update)
+
+
+def sp_fits(model: str, length: int, sp: int, gpu_gb: float = 80) -> bool:
+    """fits()'s rule: 1.15 x the update's bytes + 0.5 GiB of CUDA context within the card."""
+    return sp_predict(model, length, sp)["update"] * 1.15 + 0.5 * GiB <= gpu_gb * 1e9
+
+
+def sp_longest(model: str, sp: int, gpu_gb: float = 80, step: int = 1024) -> int | None:
+    """The longest row (a multiple of `step`) whose update fits (0: none; None: S does not divide the model's attention
+    heads, which preflight refuses); bytes grow with the length, so bisect."""
+    if qwen_config(model).num_attention_heads % sp:
+        return None
+    lo, hi = 0, 1
+    while sp_fits(model, hi * step, sp, gpu_gb):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if sp_fits(model, mid * step, sp, gpu_gb) else (lo, mid)
+    return lo * step
+
+
+def sp_table() -> str:
+    """docs/gpu.md's sequence-parallel table: the longest row per model and S on 8 x 80 GB."""
+    sizes = (1, 2, 4, 8)
+    head = "| model | " + " | ".join(f"S = {s}" for s in sizes) + " |\n| --- | " + " | ".join("---:" for _ in sizes) + " |"
+    lines = [head]
+    for m in QWEN25:
+        cells = [sp_longest(m, s) for s in sizes]
+        heads = qwen_config(m).num_attention_heads
+        lines.append(f"| {m} | " + " | ".join(f"refused ({heads} heads)" if c is None else f"{c // 1024}k" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def setups() -> list[Setup]:
     """The documented rows: 0.5B / 1.5B / 7B x full / LoRA x HF / vLLM x sync / async, then Megatron TP 2."""
     rows = [
@@ -396,11 +488,18 @@ def doc_block() -> str:
     return f"{BEGIN}\n{table()}\n{END}"
 
 
+def sp_doc_block() -> str:
+    return f"{SP_BEGIN}\n{sp_table()}\n{SP_END}"
+
+
 def write_docs(path: Path = DOC) -> None:
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers")
-    path.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: doc_block(), text, flags=re.S))
+    for begin, end, block in ((BEGIN, END, doc_block), (SP_BEGIN, SP_END, sp_doc_block)):
+        if begin not in text or end not in text:
+            raise SystemExit(f"{path}: no {begin} ... {end} markers")
+        new = block()
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _, new=new: new, text, flags=re.S)
+    path.write_text(text)
 
 
 def main() -> int:

@@ -810,6 +810,46 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         ),  # fmt: skip
         120,
     ),
+    "sp_workers": (
+        "--trainer.sp-size 2 --trainer.n-workers 3 -> one line, before Ray starts",
+        bad_flag(
+            "--trainer.backend",
+            "ray",
+            "--trainer.n-workers",
+            "3",
+            "--trainer.sp-size",
+            "2",
+            phrases=("--trainer.sp-size 2 must divide --trainer.n-workers 3",),
+        ),  # fmt: skip
+        120,
+    ),
+    "sp_packed": (
+        "--trainer.sp-size 2 with packed rows (--model.remove-padding, the default) -> one line naming the fix",
+        bad_flag(
+            "--trainer.backend",
+            "ray",
+            "--trainer.n-workers",
+            "2",
+            "--trainer.sp-size",
+            "2",
+            phrases=("does not take packed rows yet", "--model.no-remove-padding"),
+        ),  # fmt: skip
+        120,
+    ),
+    "sp_heads": (
+        "--trainer.sp-size 3 on a model with 4 attention heads -> one line (config.json read, no model load)",
+        bad_flag(
+            "--trainer.backend",
+            "ray",
+            "--trainer.n-workers",
+            "3",
+            "--trainer.sp-size",
+            "3",
+            "--model.no-remove-padding",
+            phrases=("--trainer.sp-size 3 must divide the model's 4 attention heads",),
+        ),  # fmt: skip
+        120,
+    ),
     "long_prompt": (
         "a prompt over --data.max-prompt-length 3 -> one line naming the row",
         bad_flag("--data.max-prompt-length", "3", phrases=("row 0", "--data.max-prompt-length 3")),

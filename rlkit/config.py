@@ -432,6 +432,8 @@ class TrainerConfig(RunConfig):
     """FSDP2 compute dtype (auto: bfloat16 on GPU, float32 on CPU); master weights stay float32 (docs/scaling.md)"""
     fsdp_offload: bool = False
     """FSDP2: keep sharded weights, gradients and optimizer state in CPU memory (larger models, slower)"""
+    sp_size: int = 1
+    """Ulysses sequence parallelism with --trainer.backend ray: S workers split each row's positions (n_workers = S x data-parallel size; docs/scaling.md)"""
     engine: Literal["fsdp", "megatron"] = "fsdp"
     """the policy's engine on Ray: fsdp (FSDP2) or megatron (tensor parallel, --trainer.tp-size; docs/scaling.md)"""
     tp_size: int = 1
@@ -541,6 +543,7 @@ SYSTEM_OPTIONS = {
             "tp_size",
             "fsdp_param_dtype",
             "fsdp_offload",
+            "sp_size",
             "ray_address",
         )
     },

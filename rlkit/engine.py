@@ -325,19 +325,21 @@ def agreed_count(n: int) -> int:
     return n
 
 
-def global_counts(num_tokens: int, num_seqs: int) -> Norm:
+def global_counts(num_tokens: int, num_seqs: int, group=None) -> Norm:
     """The loss normalisers of a mini-batch: its token and sequence counts, over all data-parallel processes.
 
     With N processes each one's loss is divided by (global count / N): data parallelism (FSDP, DDP)
     averages gradients over processes, so the result is the gradient of the global mini-batch loss,
-    whatever the split. One process: the local counts.
+    whatever the split. One process: the local counts. group: the data-parallel group when it is not the
+    world (sequence parallelism: the S ranks of a replica hold the same rows, so they are counted once;
+    N is then the replicas, D = world / S, and forward_sp undoes FSDP's extra 1/S).
     """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = torch.tensor([num_tokens, num_seqs], dtype=torch.float64)
-        dist.all_reduce(t)
-        n = dist.get_world_size()
+        dist.all_reduce(t, group=group)
+        n = dist.get_world_size(group)
         return Norm(num_tokens=max(t[0].item(), 1.0) / n, num_seqs=t[1].item() / n, dp_size=n)
     return Norm(num_tokens=max(num_tokens, 1), num_seqs=num_seqs)
 
@@ -456,6 +458,7 @@ class TorchEngine:
                 "passes use the padded layout",
                 stacklevel=2,
             )
+        self.sp_group = self.dp_group = None  # --trainer.sp-size > 1: set by the FSDP workers (forward_sp, global_counts)
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
         self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
         if wrap is not None:
@@ -518,6 +521,8 @@ class TorchEngine:
         A value model returns (values, None) instead: V(s_t) read where the logits predicting y_t are.
         Padding-free (rlkit/packing.py) unless --model.remove-padding false; 0 past each response.
         """
+        if self.sp_group is not None:  # Ulysses sequence parallelism: padded rows, positions split over the group
+            return self.forward_sp(model, mb, temperature, with_entropy)
         if self.remove_padding:
             return self.forward_packed(model, mb, temperature, with_entropy)
         return self.forward_padded(model, mb, temperature, with_entropy)
@@ -621,6 +626,35 @@ class TorchEngine:
         out_ent[:, :keep] = ent.float().view(b, width)[:, :keep]
         return logp, out_ent
 
+    def forward_sp(self, model, mb: DataProto, temperature: float, with_entropy: bool):
+        """forward() with the sequence split over self.sp_group (--trainer.sp-size, rlkit/ulysses.py): equal to
+        forward_padded's (tests/test_ulysses_ray.py). Every rank of the group holds the same rows (ray_group's split_dp).
+        The rollout's rows are left-padded and ulysses attention takes no mask: each row is shifted left
+        (ulysses.shift_left), run through sp_token_logprobs, and its response read at its own offset. The outputs'
+        gradient is multiplied by S: FSDP averages over all N = D S ranks, but the S ranks of a replica hold one
+        replica's gradient between them (their sum), so the plain average would be 1/S of the data-parallel one;
+        global_counts over the dp group divides by D to match."""
+        import torch.distributed as dist
+
+        from rlkit import ulysses
+
+        group, dev = self.sp_group, self.device
+        prompt_len, resp_len = mb["prompts"].shape[1], mb["responses"].shape[1]
+        t, first, keep = trim_padding({k: mb[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids")}, prompt_len)
+        ids, pos, lead = ulysses.shift_left(t["input_ids"], t["attention_mask"], t["position_ids"])
+        with self.autocast():
+            lp, ent = ulysses.sp_token_logprobs(model, ids, group, temperature, with_entropy, position_ids=pos)  # (b, T-1)
+        # response token k sits at column (prompt_len - first) + k - lead of the shifted row; the position before predicts it
+        at = (prompt_len - first - lead - 1)[:, None] + torch.arange(keep, device=dev)
+        s, b = dist.get_world_size(group), len(mb)
+        logp = torch.zeros(b, resp_len, device=dev)
+        logp[:, :keep] = ulysses.ScaleGrad.apply(lp.gather(1, at).float(), s)
+        if not with_entropy:
+            return logp, None
+        out_ent = torch.zeros(b, resp_len, device=dev)
+        out_ent[:, :keep] = ulysses.ScaleGrad.apply(ent.gather(1, at).float(), s)
+        return logp, out_ent
+
     @torch.no_grad()
     def compute_log_prob(self, batch: DataProto, temperature: float, micro_batch_size: int, ref: bool = False, with_entropy: bool = False):
         """Log-probs of the current (or, with ref=True, the reference) policy, without gradients."""
@@ -701,7 +735,7 @@ class TorchEngine:
         """loss -> backward on each micro-batch of a mini-batch, the gradients accumulating. Returns the mini-batch's
         loss and loss parts (each summed over the micro-batches), or None after a non-finite loss (nan_policy skip)."""
         with_entropy = bool(getattr(loss_fn, "needs_entropy", False))  # (an attribute of the loss, not a config field)
-        norm = global_counts(int(mini["response_mask"].sum()), len(mini))  # the mini-batch's, whatever the split
+        norm = global_counts(int(mini["response_mask"].sum()), len(mini), self.dp_group)  # the mini-batch's, whatever the split
         total, part_sums = 0.0, {}
         for mb in self.micro_batches(mini, micro_batch_size):
             logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))

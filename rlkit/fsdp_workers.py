@@ -102,6 +102,7 @@ class FSDPMixin:
         init_process_group(rank, world_size, master_addr, master_port, dev)
         self.rank, self.world_size = rank, world_size
         fsdp = fsdp or {}
+        model_cfg = self._sequence_parallel(int(fsdp.get("sp_size", 1)), dev, model_cfg)
         compute = resolve_dtype(fsdp.get("param_dtype", "auto"), dev)
         if model_cfg.dtype == "auto":  # FSDP keeps float32 master weights; compute runs in `compute`
             model_cfg = dataclasses.replace(model_cfg, dtype="float32")
@@ -110,16 +111,57 @@ class FSDPMixin:
         self._shard_kw = {"param_dtype": compute if compute != stored else None, "offload": fsdp.get("offload", False)}
         return dev, model_cfg
 
+    def _sequence_parallel(self, sp: int, dev: torch.device, model_cfg):
+        """--trainer.sp-size S: a (dp, sp) mesh of D = N / S replicas of S ranks (ranks d S .. d S + S - 1 share rows,
+        ray_group's split_dp); FSDP still shards over all N ranks, rlkit/ulysses.py gets the sp group and
+        engine.global_counts the dp group (_wire_sp). sdpa, and no gradient checkpointing (its recompute would run
+        plain attention on a shard) under `auto`; preflight refuses the rest."""
+        self.sp, self.dp_rank, self.dp_world = sp, self.rank // sp, self.world_size // sp
+        self.sp_group = self.dp_group = None
+        if sp == 1:
+            return model_cfg
+        if self.world_size % sp:
+            raise ConfigError(f"--trainer.sp-size {sp} must divide --trainer.n-workers {self.world_size}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (self.dp_world, sp), mesh_dim_names=("dp", "sp"))
+        self.sp_group, self.dp_group = mesh["sp"].get_group(), mesh["dp"].get_group()
+        changes = {"attn_implementation": "sdpa"} if model_cfg.attn_implementation == "auto" else {}
+        if model_cfg.gradient_checkpointing == "auto":
+            changes["gradient_checkpointing"] = "off"
+        return dataclasses.replace(model_cfg, **changes)
+
+    def _wire_sp(self) -> None:
+        """Hand the groups to the engine (after it is built) and check what preflight checks, for a group built directly."""
+        if self.sp == 1:
+            return
+        e = self.engine
+        if e.value_head or e.remove_padding or e.attn_implementation != "sdpa" or e.gradient_checkpointing or e.vlm:
+            raise ConfigError(
+                f"--trainer.sp-size {self.sp} runs a causal LM, padded rows, sdpa, no gradient checkpointing: add "
+                "--model.no-remove-padding --model.attn-implementation sdpa --model.gradient-checkpointing off (no critic, no VLM)"
+            )
+        from rlkit.rollout import text_config
+        from rlkit.ulysses import kv_repeats
+
+        c = text_config(e.model.config)
+        kv_repeats(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, self.sp)
+        e.sp_group, e.dp_group = self.sp_group, self.dp_group
+
+    @dispatch("rank0")
+    def sp_size(self) -> int:
+        """S, the sequence-parallel size (ray_group's split_dp asks it)."""
+        return self.sp
+
     def _shard(self, model):
         return shard(model, **self._shard_kw)
 
     def _my_rows(self, batch: DataProto, mini_batch_size: int) -> DataProto:
-        """This process's 1/N of every mini-batch of `mini_batch_size` rows (the k-th optimizer step sees the same
-        trajectories as with one process)."""
-        share = mini_batch_size // self.world_size
-        rows = [
-            i for start in range(0, len(batch), mini_batch_size) for i in range(start + self.rank * share, start + (self.rank + 1) * share)
-        ]
+        """This process's 1/D of every mini-batch of `mini_batch_size` rows (the k-th optimizer step sees the same
+        trajectories as with one process); D = N / S data-parallel replicas, the S ranks of one taking the same rows."""
+        share = mini_batch_size // self.dp_world
+        d = self.dp_rank
+        rows = [i for start in range(0, len(batch), mini_batch_size) for i in range(start + d * share, start + (d + 1) * share)]
         return batch.index(rows)
 
     def _mean_over_ranks(self, metrics: dict) -> dict:
@@ -227,7 +269,8 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
         hf = dataclasses.replace(rollout_cfg, name="hf")  # a vLLM engine is made below, once the model is sharded
         super().__init__(model_cfg, actor_cfg, hf, data_cfg, device=str(dev), seed=seed, need_ref=need_ref, wrap=self._shard)
         self.rollout_cfg = rollout_cfg
-        self.dp_size = world_size  # each process updates on its 1/N of every mini-batch
+        self._wire_sp()
+        self.dp_size = self.dp_world  # each replica (S processes with --trainer.sp-size) updates on its 1/D of every mini-batch
         if rollout_cfg.name == "vllm":
             self._start_vllm(model_cfg.path, seed)
 
@@ -282,11 +325,11 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
     def set_agent(self, agent) -> None:
         super().set_agent(agent)  # every process runs the turn loop on its share of the rows
 
-    @dispatch("split")
+    @dispatch("split_dp")
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         return super().compute_log_prob(batch)
 
-    @dispatch("split")
+    @dispatch("split_dp")
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         return super().compute_ref_log_prob(batch)
 
@@ -391,6 +434,7 @@ class FSDPCriticWorker(FSDPMixin, CriticWorker):
     ):
         dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
         super().__init__(model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size, device=str(dev), seed=seed, wrap=self._shard)
+        self._wire_sp()  # (refuses S > 1: the value head has no sequence-parallel pass yet)
         self.dp_size = world_size
 
     @dispatch("split")

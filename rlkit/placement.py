@@ -139,8 +139,8 @@ def _owning(group, pools: dict, made: bool):
 
 
 def fsdp_options(t) -> dict:
-    """The FSDP2 settings of --trainer: compute dtype and CPU offload."""
-    return {"param_dtype": t.fsdp_param_dtype, "offload": t.fsdp_offload}
+    """The FSDP2 settings of --trainer: compute dtype, CPU offload and the sequence-parallel size."""
+    return {"param_dtype": t.fsdp_param_dtype, "offload": t.fsdp_offload, "sp_size": t.sp_size}
 
 
 def build_critic(cfg, policy=None):

@@ -18,6 +18,7 @@ def run(cfg) -> None:
     check_agent(cfg)
     check_async(cfg)
     check_megatron(cfg)
+    check_sequence_parallel(cfg)
     check_prompts(cfg)
 
 
@@ -113,6 +114,45 @@ def check_megatron(cfg) -> None:
     heads, groups = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     if heads % t.tp_size or groups % t.tp_size:
         raise ConfigError(f"--trainer.tp-size {t.tp_size} must divide the attention heads ({heads}) and key/value heads ({groups})")
+
+
+def check_sequence_parallel(cfg) -> None:
+    """--trainer.sp-size S > 1 (Ulysses, rlkit/ulysses.py): the FSDP engine on Ray, S dividing --trainer.n-workers and the
+    model's attention heads, the padded layout, sdpa, no gradient checkpointing, no critic, no VLM: all before Ray starts."""
+    t = cfg.trainer
+    s = getattr(t, "sp_size", 1)  # (recipes/rm.py's RunConfig has none)
+    if s == 1:
+        return
+    flag = f"--trainer.sp-size {s}"
+    if s < 1:
+        raise ConfigError(f"{flag}: must be at least 1 (1 = no sequence parallelism)")
+    if t.backend != "ray":
+        raise ConfigError(f"{flag} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N (a multiple of {s})")
+    if getattr(t, "engine", "fsdp") != "fsdp":
+        raise ConfigError(f"{flag} runs with the FSDP engine only (Megatron has its own tensor parallelism): use --trainer.engine fsdp")
+    if t.n_workers % s:
+        raise ConfigError(f"{flag} must divide --trainer.n-workers {t.n_workers} (n-workers = sp-size x data-parallel size)")
+    m = cfg.model
+    if m.remove_padding:
+        raise ConfigError(f"{flag} does not take packed rows yet (a block mask over the gathered sequence): add --model.no-remove-padding")
+    if m.attn_implementation not in ("auto", "sdpa"):
+        raise ConfigError(f"{flag} runs its own sdpa attention over the gathered sequence: use --model.attn-implementation sdpa")
+    if m.gradient_checkpointing == "on":  # the backward's recompute would run plain sdpa on a shard (wrong gradients)
+        raise ConfigError(f"{flag} does not run with gradient checkpointing yet: use --model.gradient-checkpointing off (or auto)")
+    if getattr(cfg, "critic", None) is not None:
+        raise ConfigError(
+            f"{flag}: the critic's value head has no sequence-parallel pass yet; use --trainer.sp-size 1 or a critic-free recipe"
+        )
+    c = _model_config(cfg)
+    if c is None:  # unreadable here: the workers report it
+        return
+    from rlkit.vlm import is_vlm
+
+    if is_vlm(c):
+        raise ConfigError(f"{flag} does not run on a vision-language model (M-RoPE positions, image tokens): use --trainer.sp-size 1")
+    heads = getattr(c, "num_attention_heads", None)
+    if heads and heads % s:
+        raise ConfigError(f"{flag} must divide the model's {heads} attention heads (each worker takes H/S heads): use a divisor of {heads}")
 
 
 def _model_config(cfg):

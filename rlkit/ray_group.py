@@ -9,6 +9,9 @@ worker class declares for that method:
                          one per worker; the results are concatenated (and unpadded)
     @dispatch("all")     every worker gets the same arguments; rank 0's result is returned
     @dispatch("rank0")   only rank 0 runs it
+    @dispatch("split_dp") as split, over the N / S data-parallel replicas: worker k gets chunk k // S, so the S
+                         workers of one sequence-parallel group get the same rows (S: the workers' sp_size(),
+                         --trainer.sp-size); each replica's first worker's results are concatenated
 
 so `policy.update(batch, loss_fn)` reads the same whether `policy` is a `LocalWorkerGroup` in
 this process or a `RayWorkerGroup` of eight processes. A worker that raises or dies ends the call
@@ -27,9 +30,9 @@ DISPATCH_ATTR = "_rlkit_dispatch"
 
 
 def dispatch(mode: str):
-    """Declare how a worker method is called by a group: 'split', 'all' or 'rank0'."""
-    if mode not in ("split", "all", "rank0"):
-        raise ValueError(f"unknown dispatch mode {mode!r}: use 'split', 'all' or 'rank0'")
+    """Declare how a worker method is called by a group: 'split', 'split_dp', 'all' or 'rank0'."""
+    if mode not in ("split", "split_dp", "all", "rank0"):
+        raise ValueError(f"unknown dispatch mode {mode!r}: use 'split', 'split_dp', 'all' or 'rank0'")
 
     def mark(fn):
         setattr(fn, DISPATCH_ATTR, mode)
@@ -166,6 +169,7 @@ class RayWorkerGroup:
             pool = ResourcePool(pool, cpus_per_worker, gpus_per_worker, name=worker_cls.__name__)
         self.pool, self.worker_cls, self.n, self.timeout_s = pool, worker_cls, pool.n, timeout_s
         self.owned_pools = [pool] if own_pool else []  # removed by close()
+        self.sp = None  # the workers' sp_size, asked by the first split_dp call
         cpus, gpus = pool.cpus * share, pool.gpus * share
         master_addr, master_port = rendezvous(pool)
         remote = ray.remote(worker_cls)
@@ -229,14 +233,22 @@ class RayWorkerGroup:
             data, rest = args[0], args[1:]
             if not isinstance(data, DataProto):
                 raise TypeError(f"{name} is dispatched with 'split': its first argument must be a DataProto")
-            padded, pad = data.pad_to_divisor(self.n)
-            chunks = padded.chunk(self.n)
-            results = self._get([getattr(w, name).remote(c, *rest, **kwargs) for w, c in zip(self.workers, chunks)])
+            s = self._sp_size() if mode == "split_dp" else 1
+            padded, pad = data.pad_to_divisor(self.n // s)
+            chunks = padded.chunk(self.n // s)
+            results = self._get([getattr(w, name).remote(chunks[k // s], *rest, **kwargs) for k, w in enumerate(self.workers)])
+            results = results[::s]  # the S workers of a replica return the same rows
             if isinstance(results[0], DataProto):
                 return DataProto.concat(results).unpad(pad)
             return results[0]  # e.g. metrics, already reduced across workers by the workers themselves
 
         return call
+
+    def _sp_size(self) -> int:
+        """The workers' sequence-parallel size S (asked once): the workers of one replica are ranks d S .. d S + S - 1."""
+        if self.sp is None:
+            self.sp = self._get(self.workers[0].sp_size.remote())
+        return self.sp
 
     def close(self) -> None:
         """Kill the workers and free the pools they own (their own pool, or the pools made for them)."""

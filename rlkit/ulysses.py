@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism, library level (issue #38 item 3; not wired to a flag yet: docs/scaling.md).
+"""Ulysses sequence parallelism (issue #38 item 3; --trainer.sp-size, docs/scaling.md).
 
 S ranks (the "SP group") each hold T/S consecutive positions of every row. Everything but attention is per
 position, so each rank runs the embeddings, MLPs, norms and LM head on its own shard. Attention needs the whole
@@ -21,7 +21,8 @@ of the weights, and their SUM over the SP group is the full gradient (tests/test
 against S = 1).
 
 Scope: causal rows with no padding mask (right padding after the real tokens is harmless: causal attention never
-reads it); packed rows and the shared-prompt layout are not supported here (docs/scaling.md).
+reads it; left-padded rollout rows are shifted left first, shift_left); packed rows and the shared-prompt layout are
+not supported here (docs/scaling.md). Wired to --trainer.sp-size by rlkit/fsdp_workers.py and engine.forward_sp.
 """
 
 from __future__ import annotations
@@ -216,3 +217,33 @@ def sp_token_logprobs(model, input_ids: torch.Tensor, group, temperature: float 
     if not with_entropy:
         return lp, None
     return lp, gather_seq(ent.view(b, n), group)[:, : t - 1]
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def shift_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """Rows [pad.. tokens.. pad..] -> [tokens.. pad..]: each row moved left by its leading padding, position ids kept, so
+    the padding is on the right where causal attention never reads it (ulysses_attention takes no padding mask).
+    Returns (ids, positions, lead (B,)); a row whose tokens are not contiguous (padding inside) is refused."""
+    b, t = input_ids.shape
+    lead = (attention_mask.cumsum(1) == 0).sum(1)  # (B,) leading padding
+    src = torch.arange(t, device=input_ids.device) + lead[:, None]
+    inside = src < t
+    src = src.clamp(max=t - 1)
+    mask = attention_mask.gather(1, src) * inside
+    if not torch.equal(mask.bool(), torch.arange(t, device=mask.device) < attention_mask.sum(1, keepdim=True)):
+        raise ValueError("sequence parallelism needs each row's tokens contiguous (padding only before and after them)")
+    ids = torch.where(inside, input_ids.gather(1, src), torch.zeros_like(input_ids))
+    pos = torch.where(inside, position_ids.gather(1, src), torch.zeros_like(position_ids))
+    return ids, pos, lead

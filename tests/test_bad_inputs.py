@@ -165,6 +165,49 @@ CASES = {
         ["--trainer.tp-size 7 must divide the attention heads"],
     ),
     "megatron_local": (lambda c, t: setattr(c.trainer, "engine", "megatron"), ["--trainer.engine megatron runs on Ray workers"]),
+    # --trainer.sp-size (Ulysses): each refused before Ray starts; the padded layout set where the case is about something else
+    "sp_local": (lambda c, t: setattr(c.trainer, "sp_size", 2), ["--trainer.sp-size 2 runs on Ray workers", "--trainer.backend ray"]),
+    "sp_workers": (
+        lambda c, t: (setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "n_workers", 3), setattr(c.trainer, "sp_size", 2)),
+        ["--trainer.sp-size 2 must divide --trainer.n-workers 3"],
+    ),
+    "sp_megatron": (
+        lambda c, t: (setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "engine", "megatron"), setattr(c.trainer, "sp_size", 2)),
+        ["--trainer.sp-size 2 runs with the FSDP engine only", "--trainer.engine fsdp"],
+    ),
+    "sp_packed": (
+        lambda c, t: (setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "n_workers", 2), setattr(c.trainer, "sp_size", 2)),
+        ["--trainer.sp-size 2 does not take packed rows yet", "--model.no-remove-padding"],
+    ),
+    "sp_attention": (
+        lambda c, t: (
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "n_workers", 2),
+            setattr(c.trainer, "sp_size", 2),
+            setattr(c.model, "remove_padding", False),
+            setattr(c.model, "attn_implementation", "eager"),
+        ),
+        ["--trainer.sp-size 2 runs its own sdpa attention", "--model.attn-implementation sdpa"],
+    ),
+    "sp_checkpointing": (
+        lambda c, t: (
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "n_workers", 2),
+            setattr(c.trainer, "sp_size", 2),
+            setattr(c.model, "remove_padding", False),
+            setattr(c.model, "gradient_checkpointing", "on"),
+        ),
+        ["--trainer.sp-size 2 does not run with gradient checkpointing", "--model.gradient-checkpointing off"],
+    ),
+    "sp_heads": (  # the embedded model has 4 attention heads (its config.json, read without loading it)
+        lambda c, t: (
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "n_workers", 3),
+            setattr(c.trainer, "sp_size", 3),
+            setattr(c.model, "remove_padding", False),
+        ),
+        ["--trainer.sp-size 3 must divide the model's 4 attention heads"],
+    ),
     "swap_without_async": (lambda c, t: setattr(c.trainer, "swap_every", 4), ["--trainer.swap-every", "--trainer.async-steps 1"]),
     "swap_with_generate": (
         lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "swap_every", 4), setattr(c.rollout, "hf_impl", "generate")),
@@ -239,6 +282,22 @@ def test_the_critics_grad_clip_is_checked_too():
     cfg.critic.grad_clip = 0.0
     with pytest.raises(ConfigError, match=r"--critic.grad-clip 0.0"):
         preflight.check_grad_clip(cfg)
+
+
+def test_sequence_parallel_refuses_the_critic_and_a_vision_language_model_before_the_model_loads(monkeypatch):
+    from rlkit import preflight
+
+    cfg = load_recipe("ppo").Config()  # a critic (value head): no sequence-parallel pass yet
+    cfg.trainer.backend, cfg.trainer.n_workers, cfg.trainer.sp_size, cfg.model.remove_padding = "ray", 2, 2, False
+    with pytest.raises(ConfigError, match=r"--trainer.sp-size 2: the critic's value head has no sequence-parallel pass yet"):
+        preflight.check_sequence_parallel(cfg)
+    cfg = load_recipe("grpo").Config()
+    cfg.trainer.backend, cfg.trainer.n_workers, cfg.trainer.sp_size, cfg.model.remove_padding = "ray", 2, 2, False
+    preflight.check_sequence_parallel(cfg)  # the embedded model (4 heads): accepted
+    vlm = SimpleNamespace(vision_config={}, num_attention_heads=4)  # what config.json of a Qwen2-VL says, in short
+    monkeypatch.setattr(preflight, "_model_config", lambda cfg: vlm)
+    with pytest.raises(ConfigError, match=r"--trainer.sp-size 2 does not run on a vision-language model"):
+        preflight.check_sequence_parallel(cfg)
 
 
 def test_nan_policy_skip_stops_after_k_skipped_steps(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit import agent, algos, async_rollout, engine
+from rlkit import agent, algos, async_rollout, engine, ulysses
 from rlkit.engine import TorchEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,3 +170,20 @@ def test_tools_row_fails_when_the_multi_turn_sampler_samples_the_base_model(ctx,
     monkeypatch.setattr(agent, "sampler_for", vllm_sampler(lora=False))
     status, detail = run_row("tools", ctx)
     assert status == "FAIL" and "to the base model" in detail, detail
+
+
+@pytest.mark.parametrize(
+    "defect, change",
+    [
+        ("labels rolled after the split", lambda mp: mp.setattr(ulysses, "roll_labels", lambda ids: ids)),  # each shard's own next token
+        ("left padding not shifted away", lambda mp: mp.setattr(ulysses, "shift_left", lambda i, m, p: (i, p, 0 * m[:, 0]))),
+    ],
+)
+def test_ulysses_row_fails_when_labels_are_rolled_after_the_split_or_the_padding_is_attended(ctx, monkeypatch, defect, change):
+    """The row's 2 processes are forked, so they run this process's rlkit with the defect planted."""
+    if defect.startswith("labels"):  # the PASS once, for both cases (~10 s a run on 2 cores)
+        status, detail = run_row("ulysses", ctx)
+        assert status == "PASS", detail
+    change(monkeypatch)
+    status, detail = run_row("ulysses", ctx)
+    assert status == "FAIL" and "log-probs differ from S = 1" in detail, (defect, detail)

@@ -91,6 +91,33 @@ def test_the_docs_table_is_what_the_model_writes_now():
     assert text[start:end] == gm.doc_block(), "docs/gpu.md's memory table is stale: run python bench/gpu_memory.py --write-docs"
 
 
+def test_the_sequence_parallel_table_is_what_the_model_writes_now():
+    text = gm.DOC.read_text()
+    start, end = text.index(gm.SP_BEGIN), text.index(gm.SP_END) + len(gm.SP_END)
+    assert text[start:end] == gm.sp_doc_block(), (
+        "docs/gpu.md's sequence-parallel table is stale: run python bench/gpu_memory.py --write-docs"
+    )
+
+
+def test_sequence_parallel_divides_activations_and_logits_by_s_and_adds_the_all_to_all_buffers():
+    """--trainer.sp-size S on fixed values (1.5B: 12 query heads, 2 KV heads, head dim 128; 8 GPUs): a rank holds
+    the activations and logits of L / S positions, the sharded states do not change with S, and each layer's
+    all-to-all sends and receives q, k, v (H + 2 H_kv r heads, r = S / gcd(H_kv, S)) and the output (H heads) in bf16."""
+    L = 65536
+    one, two, four = (gm.sp_predict("1.5B", L, s) for s in (1, 2, 4))
+    assert one["held"] == two["held"] == four["held"] == 18 * gm.counts("1.5B")["n"] / 8  # masters, AdamW, reference / 8
+    assert two["acts"] == pytest.approx(one["acts"] / 2, rel=1e-12) and four["acts"] == pytest.approx(one["acts"] / 4, rel=1e-12)
+    v = gm.counts("1.5B")["vocab"]
+    assert four["logits"] == gm.logits_bytes(gm.Setup(model="1.5B"), "update", 2, L / 4, v)  # the shard's L/4 positions
+    assert one["a2a"] == 0
+    assert two["a2a"] == 2 * (L / 2) * (12 + 2 * 2 * 1) * 128 * 2 + 2 * (L / 2) * 12 * 128 * 2  # r = 1: one KV head per rank
+    assert four["a2a"] == 2 * (L / 4) * (12 + 2 * 2 * 2) * 128 * 2 + 2 * (L / 4) * 12 * 128 * 2  # r = 2: each KV head twice
+    assert 4 * 2**30 > two["a2a"] > 0.1 * 2**30  # ~0.4 GiB at 64k: small beside the activations it divides
+    longest = [gm.sp_longest("1.5B", s) for s in (1, 2, 4)]
+    assert longest[0] < longest[1] < longest[2] and longest[2] >= 3 * longest[0]
+    assert gm.sp_longest("1.5B", 8) is None  # 8 does not divide 12 heads: refused, as preflight does
+
+
 # ----------------------------------------------------------------------------- bench/gpu_check.py's machinery
 
 

@@ -65,6 +65,7 @@ OTHER_PATHS = {
     "trainer.fsdp_param_dtype": ("--trainer.backend ray", ENGINE),
     "trainer.fsdp_offload": ("--trainer.backend ray", ENGINE),
     "trainer.tp_size": ("--trainer.engine megatron", ENGINE),
+    "trainer.sp_size": ("--trainer.backend ray (Ulysses sequence parallelism)", ENGINE),
     "trainer.ray_address": ("--trainer.backend ray", ENGINE),
     "trainer.async_workers": ("--trainer.async-steps", ASYNC),
     "trainer.async_timeout_s": ("--trainer.async-steps", ASYNC),
