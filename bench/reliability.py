@@ -781,7 +781,12 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     "r3_with_vllm": (
         "--actor.router-replay r3 with --rollout.name vllm -> one line",
         bad_flag(
-            "--model.path", MOE, "--actor.router-replay", "r3", "--rollout.name", "vllm",
+            "--model.path",
+            MOE,
+            "--actor.router-replay",
+            "r3",
+            "--rollout.name",
+            "vllm",
             phrases=("--actor.router-replay r3", "--rollout.name vllm", "r2"),
         ),  # fmt: skip
         120,
@@ -789,7 +794,12 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     "r3_with_drop_finished": (
         "--actor.router-replay r3 with --rollout.drop-finished 0.5 -> one line",
         bad_flag(
-            "--model.path", MOE, "--actor.router-replay", "r3", "--rollout.drop-finished", "0.5",
+            "--model.path",
+            MOE,
+            "--actor.router-replay",
+            "r3",
+            "--rollout.drop-finished",
+            "0.5",
             phrases=("--actor.router-replay r3", "--rollout.drop-finished 0.5"),
         ),  # fmt: skip
         120,
@@ -797,7 +807,14 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     "moe_with_megatron": (
         "a mixture-of-experts model with --trainer.engine megatron -> one line before Ray starts",
         bad_flag(
-            "--model.path", MOE, "--trainer.backend", "ray", "--trainer.engine", "megatron", "--trainer.n-workers", "2",
+            "--model.path",
+            MOE,
+            "--trainer.backend",
+            "ray",
+            "--trainer.engine",
+            "megatron",
+            "--trainer.n-workers",
+            "2",
             phrases=("--trainer.engine megatron", "mixture-of-experts"),
         ),  # fmt: skip
         120,
@@ -805,7 +822,12 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
     "moe_with_vllm_on_cpu": (
         "a mixture-of-experts model with --rollout.name vllm on CPU -> one line before the model loads",
         bad_flag(
-            "--model.path", MOE, "--rollout.name", "vllm", "--trainer.device", "cpu",
+            "--model.path",
+            MOE,
+            "--rollout.name",
+            "vllm",
+            "--trainer.device",
+            "cpu",
             phrases=("--rollout.name vllm on CPU", "mixture-of-experts"),
         ),  # fmt: skip
         120,

@@ -215,7 +215,12 @@ CASES = {
         ["--actor.router-replay r3", "--trainer.async-steps 1"],
     ),
     "moe_with_megatron": (
-        lambda c, t: (moe(c), setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "engine", "megatron"), setattr(c.trainer, "n_workers", 2)),
+        lambda c, t: (
+            moe(c),
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "engine", "megatron"),
+            setattr(c.trainer, "n_workers", 2),
+        ),
         ["--trainer.engine megatron", "mixture-of-experts", "use --trainer.engine fsdp"],
     ),
     "moe_with_vllm_on_cpu": (
