@@ -36,6 +36,15 @@ def rollout(eng, impl="fast", groups=4, n=2, micro_batch_size=None):
     return out
 
 
+def left_pad(batch, cols, pad_id):
+    """Two more prompt columns that are padding in every row (a prompt budget wider than the batch's prompts)."""
+    out = batch.select()
+    for key, fill in (("prompts", pad_id), ("input_ids", pad_id), ("attention_mask", 0), ("position_ids", 0), ("routed_experts", -1)):
+        x = batch[key]
+        out[key] = torch.cat([x.new_full((len(x), cols, *x.shape[2:]), fill), x], dim=1)
+    return out
+
+
 def drift_routers(model, scale=3.0):
     """Perturb every router so that most tokens would route elsewhere: only replay keeps the recorded experts."""
     g = torch.Generator().manual_seed(2)
@@ -60,7 +69,7 @@ def test_the_rollout_records_what_the_trainers_packed_pass_routes_and_replay_fol
     eng = engine("r3")
     eng.max_tokens = 40  # token-budget micro-batches: several per batch, cut inside the groups
     assert eng.remove_padding and eng.share_prompt
-    batch = rollout(eng, impl, micro_batch_size=4)
+    batch = left_pad(rollout(eng, impl, micro_batch_size=4), 2, eng.tokenizer.pad_token_id)
     rec = batch["routed_experts"].long()
     # R2's record: the trainer's own packed pass (share_prompt: each group's prompt once, unpacked to every row)
     _, _, r2 = eng.compute_log_prob(batch.select([k for k in batch.tensors if k != "routed_experts"]), 1.0, 8, record_routing=True)
