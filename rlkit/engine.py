@@ -460,6 +460,7 @@ class TorchEngine:
         self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
         # MoE router replay (docs/moe.md): a batch's routed_experts (B, L, layers, k) is forced in the policy's passes
         self.router_replay = getattr(actor_cfg, "router_replay", "none") if actor_cfg is not None else "none"
+        self.compare_routing = False  # with router_replay none: measure a batch's routing without forcing it (tests)
         self._route = None  # the RouterReplay of the pass now running (_routing), or None
         if wrap is not None:
             model = wrap(model)
@@ -519,16 +520,23 @@ class TorchEngine:
     def _routing(self, model, mb: DataProto, record: bool = False):
         """Router replay around one micro-batch's passes (docs/moe.md): `record` records the routing of this forward
         (R2's old-log-prob pass); a micro-batch carrying routed_experts is replayed (--actor.router-replay r2/r3) or,
-        with none, only compared. The forward lays the routing out like the model's input (forward_packed: packed rows
+        with compare_routing, only compared. Other engines (a critic, a teacher, a generation-only copy: router_replay
+        none) route with their own routers. The forward lays the routing out like the model's input (forward_packed: packed rows
         and shared prompts, packing.pack_like; forward_padded: trimmed columns). In the update the backward runs inside
         too: gradient checkpointing's recompute calls the routers again and must route the same. Yields the
         RouterReplay (None: nothing to do)."""
-        if not record and "routed_experts" not in mb:
+        carries = "routed_experts" in mb
+        mode = (
+            "record" if record
+            else "replay" if carries and self.router_replay != "none"
+            else "compare" if carries and self.compare_routing
+            else None
+        )  # fmt: skip
+        if mode is None:
             yield None
             return
         from rlkit.moe import RouterReplay
 
-        mode = "record" if record else "replay" if self.router_replay != "none" else "compare"
         rep = RouterReplay(model, mode, None if record else mb["routed_experts"])
         self._route = rep
         try:

@@ -56,12 +56,12 @@ def after_init(cls, **attrs):
 
 
 def routes_freely(mp):
-    """A TorchEngine whose update compares the batch's routing instead of replaying it (router_replay none)."""
+    """A TorchEngine whose update compares the batch's routing instead of replaying it."""
     init = TorchEngine.__init__
 
     def patched(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.router_replay = "none"
+        self.router_replay, self.compare_routing = "none", True
 
     mp.setattr(TorchEngine, "__init__", patched)
 
