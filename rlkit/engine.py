@@ -521,10 +521,10 @@ class TorchEngine:
         """Router replay around one micro-batch's passes (docs/moe.md): `record` records the routing of this forward
         (R2's old-log-prob pass); a micro-batch carrying routed_experts is replayed (--actor.router-replay r2/r3) or,
         with compare_routing, only compared. Other engines (a critic, a teacher, a generation-only copy: router_replay
-        none) route with their own routers. The forward lays the routing out like the model's input (forward_packed: packed rows
-        and shared prompts, packing.pack_like; forward_padded: trimmed columns). In the update the backward runs inside
-        too: gradient checkpointing's recompute calls the routers again and must route the same. Yields the
-        RouterReplay (None: nothing to do)."""
+        none) route with their own routers. The forward lays the routing out like the model's input (forward_packed:
+        packed rows and shared prompts, packing.pack_like; forward_padded: trimmed columns). In the update the backward
+        runs inside too: gradient checkpointing's recompute calls the routers again and must route the same. Yields
+        the RouterReplay (None: nothing to do)."""
         carries = "routed_experts" in mb
         mode = (
             "record" if record
