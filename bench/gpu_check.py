@@ -26,6 +26,8 @@ SIGALRM timeout in --dry):
   bf16-learning  (GPU) weights move under bf16 compute as in float32 (5 AdamW steps), and a learnable toy reward rises
                  within 50 GRPO steps in bf16
   critic         recipes/ppo.py: the value model trains beside the policy (finite critic loss and gradients)
+  moe-replay     the embedded MoE with --actor.router-replay r3 in bf16: every update forward dispatches the rollout's
+                 recorded experts (disagreement 0); the routers' drift from them and the rollout-vs-trainer KL reported
   token-budget   --actor.max-token-len-per-micro-batch on a model whose EOS is sampled (unequal lengths, so ranks split
                  into unequal counts): every micro-batch within the budget (one rank); on 2+ GPUs under FSDP with 2
                  ranks, where unequal counts used to hang
@@ -732,6 +734,32 @@ def check_critic(ctx: dict) -> str:
     return f"vf_loss {last['critic/vf_loss']:.3f}, critic grad norm {last['critic/grad_norm']:.2f}"
 
 
+def check_moe_replay(ctx: dict) -> str:
+    """The embedded MoE (rlkit/assets/tiny-moe: 8 experts, top-2) in recipes/grpo.py with --actor.router-replay r3 and
+    --rollout.log-probs, bf16 compute over float32 masters, lr 1e-3 and 2 epochs of 2 optimizer steps (the routes move):
+    every update forward dispatches the experts the rollout recorded (moe/disagreement 0 in every layer) while the
+    routers' own top-k drifts from them (moe/drift: rollout vs trainer plus the update's steps, reported)."""
+    from rlkit import demos
+
+    grpo, cfg = grpo_cfg(ctx, "moe-replay", actor__router_replay="r3", actor__lr=1e-3, actor__ppo_epochs=2)
+    defaults = grpo.Config()
+    cfg.model.path = str(demos.MOE_MODEL)
+    cfg.data.train_files, cfg.reward.custom_fn = defaults.data.train_files, defaults.reward.custom_fn  # its task and scorer
+    cfg.data.max_prompt_length, cfg.data.max_response_length = defaults.data.max_prompt_length, defaults.data.max_response_length
+    cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size, cfg.rollout.n = 8, 4, 8, 4
+    cfg.rollout.log_probs = True
+    _, rows = run_recipe(grpo, cfg)
+    layers = sorted(k for k in rows[-1] if k.startswith("moe/disagreement/layer_"))
+    expect(len(layers) == 2, f"moe/ metrics {sorted(k for k in rows[-1] if k.startswith('moe/'))}: the update replayed nothing")
+    dis = [r[k] for r in rows for k in layers]
+    expect(max(dis) == 0, f"routing disagreement {dis} under replay: an update forward routed otherwise than the rollout")
+    for key in ("actor/loss", "actor/grad_norm"):
+        expect(all(math.isfinite(r[key]) for r in rows), f"{key} not finite")
+    drift = ", ".join(f"{r['moe/drift']:.3f}" for r in rows)
+    kl = ", ".join(f"{r['rollout_corr/kl']:.1e}" for r in rows)
+    return f"disagreement 0 in {len(layers)} layers x {len(rows)} steps; routers' drift from the rollout's routing {drift}; rollout-vs-trainer KL {kl}"
+
+
 def check_token_budget(ctx: dict) -> str:
     """--actor.max-token-len-per-micro-batch of one and a half groups at the full length (two groups of short responses fit
     in a micro-batch, two of full ones do not), on a tiny model whose EOS is sampled (make_model(eos=True)): responses end
@@ -1172,6 +1200,7 @@ ROWS = {
     "bf16-learning": (check_bf16_learning,),
     "critic": (check_critic,),
     "token-budget": (check_token_budget,),
+    "moe-replay": (check_moe_replay,),
     "flash-attn": (check_flash_attn,),
     "ray": (check_ray,),
     "ray-vllm": (check_ray_vllm,),

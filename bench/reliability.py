@@ -105,6 +105,9 @@ def cmdline(pid: int) -> str:
 # ----------------------------------------------------------------------------- the cases: each returns None (PASS) or why it FAILs
 
 
+MOE = str(ROOT / "rlkit" / "assets" / "tiny-moe")  # the embedded mixture-of-experts (docs/moe.md)
+
+
 def bad_flag(*args: str, phrases: tuple[str, ...], recipe_name: str = "grpo"):
     def case(tmp: Path):
         return one_line_error(recipe(tmp, *args, recipe_name=recipe_name), *phrases)
@@ -770,6 +773,65 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         bad_flag("--rollout.drop-finished", "0.5", "--rollout.hf-impl", "generate", phrases=("--rollout.drop-finished 0.5", "fast")),
         120,
     ),
+    "router_replay_no_experts": (
+        "--actor.router-replay r2 on a model without experts -> one line before the model loads",
+        bad_flag("--actor.router-replay", "r2", phrases=("--actor.router-replay r2", "has no experts")),
+        120,
+    ),
+    "r3_with_vllm": (
+        "--actor.router-replay r3 with --rollout.name vllm -> one line",
+        bad_flag(
+            "--model.path",
+            MOE,
+            "--actor.router-replay",
+            "r3",
+            "--rollout.name",
+            "vllm",
+            phrases=("--actor.router-replay r3", "--rollout.name vllm", "r2"),
+        ),  # fmt: skip
+        120,
+    ),
+    "r3_with_drop_finished": (
+        "--actor.router-replay r3 with --rollout.drop-finished 0.5 -> one line",
+        bad_flag(
+            "--model.path",
+            MOE,
+            "--actor.router-replay",
+            "r3",
+            "--rollout.drop-finished",
+            "0.5",
+            phrases=("--actor.router-replay r3", "--rollout.drop-finished 0.5"),
+        ),  # fmt: skip
+        120,
+    ),
+    "moe_with_megatron": (
+        "a mixture-of-experts model with --trainer.engine megatron -> one line before Ray starts",
+        bad_flag(
+            "--model.path",
+            MOE,
+            "--trainer.backend",
+            "ray",
+            "--trainer.engine",
+            "megatron",
+            "--trainer.n-workers",
+            "2",
+            phrases=("--trainer.engine megatron", "mixture-of-experts"),
+        ),  # fmt: skip
+        120,
+    ),
+    "moe_with_vllm_on_cpu": (
+        "a mixture-of-experts model with --rollout.name vllm on CPU -> one line before the model loads",
+        bad_flag(
+            "--model.path",
+            MOE,
+            "--rollout.name",
+            "vllm",
+            "--trainer.device",
+            "cpu",
+            phrases=("--rollout.name vllm on CPU", "mixture-of-experts"),
+        ),  # fmt: skip
+        120,
+    ),
     "temperature_nan": (
         "--rollout.temperature nan -> one line (not 'lower --actor.lr' later)",
         bad_flag("--rollout.temperature", "nan", phrases=("--rollout.temperature nan", "finite")),
@@ -847,6 +909,24 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
             "3",
             "--model.no-remove-padding",
             phrases=("--trainer.sp-size 3 must divide the model's 4 attention heads",),
+        ),  # fmt: skip
+        120,
+    ),
+    "sp_router_replay": (
+        "--trainer.sp-size 2 with --actor.router-replay r2 on the embedded MoE -> one line (no routing split over the shards)",
+        bad_flag(
+            "--model.path",
+            MOE,
+            "--trainer.backend",
+            "ray",
+            "--trainer.n-workers",
+            "2",
+            "--trainer.sp-size",
+            "2",
+            "--model.no-remove-padding",
+            "--actor.router-replay",
+            "r2",
+            phrases=("--trainer.sp-size 2 does not carry --actor.router-replay r2", "--actor.router-replay none"),
         ),  # fmt: skip
         120,
     ),

@@ -284,6 +284,8 @@ class ActorConfig(UpdateConfig):
     """the correction's upper bound C: the -tis cap, the upper bound of -mis and geo-mask (default per mode: 2.0; geo-mask 1.001)"""
     rollout_is_low: float | None = None
     """the lower bound of -mis and geo-mask (default per mode: 0.5; geo-mask 0.999)"""
+    router_replay: Literal["none", "r2", "r3"] = "none"
+    """MoE: force recorded expert routing in the training forwards: r2 recorded in the old-log-prob pass, r3 at rollout (docs/moe.md)"""
 
     @property
     def rollout_is_threshold(self):
@@ -516,7 +518,7 @@ SYSTEM_OPTIONS = {
         "model": ("freeze_vision_tower",),
     },
     "off_policy": {  # the correction for a sampler that is not the trainer (vllm, async): docs/off-policy.md
-        "actor": ("rollout_correction", "rollout_is_cap", "rollout_is_low"),
+        "actor": ("rollout_correction", "rollout_is_cap", "rollout_is_low", "router_replay"),
         "rollout": ("log_probs",),
     },
     "reliability": {  # what a non-finite step or a failing scorer does
@@ -662,6 +664,33 @@ def check_flags(cfg) -> None:
             raise ConfigError(f"--data.train-batch-size {b}: must be at least 1")
     elif b <= 0 or m <= 0 or b % m:
         raise ConfigError(f"--data.train-batch-size {b} must be a positive multiple of --actor.ppo-mini-batch-size {m}")
+    check_router_replay(cfg)
+
+
+def check_router_replay(cfg) -> None:
+    """--actor.router-replay r3 records the routing in the rollout's own forwards: only the HF decode paths record it
+    (the fast loop, generate), and only when every row's forward calls line up with its columns. (Whether the model has
+    experts at all, and the engines, are the preflight's: they read the model's config.json.)"""
+    mode = getattr(cfg.actor, "router_replay", "none")
+    if mode != "r3":
+        return
+    r, t = cfg.rollout, cfg.trainer
+    why = (
+        "--rollout.name vllm (vLLM 0.32 can return routed experts, enable_return_routed_experts, but rlkit does not read "
+        "them yet)" if r.name != "hf"
+        else f"--rollout.drop-finished {r.drop_finished} (finished rows leave the decode batch: the steps' routing no longer "
+        "lines up with the rows)" if r.drop_finished
+        else "--trainer.swap-mode reprefill (the re-prefill routes the prompt again under new weights)"
+        if getattr(t, "swap_every", 0) and getattr(t, "swap_mode", "keep_kv") == "reprefill"
+        else f"--trainer.async-steps {t.async_steps} (the async generation worker does not record routing yet)"
+        if getattr(t, "async_steps", 0)
+        else "the multi-turn turn loop (grpo_tools.py: tool tokens are not sampled)" if getattr(cfg, "agent", None) is not None
+        else None
+    )  # fmt: skip
+    if why:
+        raise ConfigError(
+            f"--actor.router-replay r3 records routing at rollout, which cannot be done with {why}; use --actor.router-replay r2"
+        )
 
 
 def rows_per_mini_batch(actor, rollout, prompts: int | None = None) -> int:

@@ -461,6 +461,10 @@ class TorchEngine:
         self.sp_group = self.dp_group = None  # --trainer.sp-size > 1: set by the FSDP workers (forward_sp, global_counts)
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
         self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
+        # MoE router replay (docs/moe.md): a batch's routed_experts (B, L, layers, k) is forced in the policy's passes
+        self.router_replay = getattr(actor_cfg, "router_replay", "none") if actor_cfg is not None else "none"
+        self.compare_routing = False  # with router_replay none: measure a batch's routing without forcing it (tests)
+        self._route = None  # the RouterReplay of the pass now running (_routing), or None
         if wrap is not None:
             model = wrap(model)
             self.ref_model = wrap(self.ref_model) if self.ref_model is not None else None
@@ -515,6 +519,40 @@ class TorchEngine:
             spans = packing.split_to_count(spans, packing.row_costs(batch["input_ids"], mask, prompt_len, share), count)
         return [batch[a:b] for a, b in spans]
 
+    @contextmanager
+    def _routing(self, model, mb: DataProto, record: bool = False):
+        """Router replay around one micro-batch's passes (docs/moe.md): `record` records the routing of this forward
+        (R2's old-log-prob pass); a micro-batch carrying routed_experts is replayed (--actor.router-replay r2/r3) or,
+        with compare_routing, only compared. Other engines (a critic, a teacher, a generation-only copy: router_replay
+        none) route with their own routers. The forward lays the routing out like the model's input (forward_packed:
+        packed rows and shared prompts, packing.pack_like; forward_padded: trimmed columns). In the update the backward
+        runs inside too: gradient checkpointing's recompute calls the routers again and must route the same. Yields
+        the RouterReplay (None: nothing to do)."""
+        carries = "routed_experts" in mb
+        mode = (
+            "record" if record
+            else "replay" if carries and self.router_replay != "none"
+            else "compare" if carries and self.compare_routing
+            else None
+        )  # fmt: skip
+        if mode is None:
+            yield None
+            return
+        from rlkit.moe import RouterReplay
+
+        rep = RouterReplay(model, mode, None if record else mb["routed_experts"])
+        self._route = rep
+        try:
+            with rep:
+                yield rep
+        finally:
+            self._route = None
+
+    def _route_input(self, routing: torch.Tensor) -> None:
+        """The routing of the model call about to run (its rows and positions: laid out like its input_ids)."""
+        if self._route is not None and self._route.mode != "record":
+            self._route.routing_in = routing.long()
+
     def forward(self, model, mb: DataProto, temperature: float, with_entropy: bool):
         """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R).
 
@@ -561,6 +599,9 @@ class TorchEngine:
         # the LM head reads the union of the rows' read positions (rows, K, V); when that union wastes much memory
         # (rows x K >> T at a real vocabulary) run the rows one by one, each on its own positions
         one_by_one = rows > 1 and rows * len(p.read) > 2 * len(p.labels) and rows * len(p.read) * vocab * 4 > self.union_logits_bytes
+        one_by_one = one_by_one and self._route is None  # router replay: one model call, so a recompute replays its routing
+        if self._route is not None:
+            self._route_input(packing.pack_like(p, mb["routed_experts"]) if "routed_experts" in mb else None)
         # FSDP: each model call gathers every layer, so every process makes as many calls (agreed_count): its rows in
         # that many consecutive groups, row 0 again where it has fewer rows than calls (same values, written twice)
         calls = agreed_count(rows if one_by_one else 1)
@@ -583,6 +624,8 @@ class TorchEngine:
                 ).logits  # (rows, K, V)
             if not self.keep_logits:
                 out = out[:, read.to(dev)]
+            if self._route is not None and self._route.mode == "record":  # the packed rows' routing back in the batch's layout
+                self._route.recorded = packing.unpack_like(p, self._route.routing())
             if self.value_head:
                 out_lp[dst] = out[row.to(dev), k.to(dev), 0].float()
                 continue
@@ -606,8 +649,15 @@ class TorchEngine:
 
             only.update(vlm.model_inputs(mb, t["input_ids"], model.config, self.device))
             t.pop("position_ids")
+        if self._route is not None and "routed_experts" in mb:
+            self._route_input(mb["routed_experts"][:, first : first + t["input_ids"].shape[1]])  # the columns kept
         with self.autocast():
             out = model(**t, use_cache=False, **only).logits
+        if self._route is not None and self._route.mode == "record":  # (b, L, layers, k): -1 at padding
+            got = self._route.routing()
+            rec = got.new_full((len(mb), mb["input_ids"].shape[1], *got.shape[2:]), -1)
+            rec[:, first : first + got.shape[1]] = got
+            self._route.recorded = rec.masked_fill(~mb["attention_mask"].bool()[:, :, None, None], -1)
         if self.value_head:
             values = torch.zeros(len(mb), resp_len, device=self.device)
             values[:, :keep] = out[:, -keep - 1 : -1, 0].float()  # position t-1 values state y_<t
@@ -656,17 +706,35 @@ class TorchEngine:
         return logp, out_ent
 
     @torch.no_grad()
-    def compute_log_prob(self, batch: DataProto, temperature: float, micro_batch_size: int, ref: bool = False, with_entropy: bool = False):
-        """Log-probs of the current (or, with ref=True, the reference) policy, without gradients."""
+    def compute_log_prob(
+        self,
+        batch: DataProto,
+        temperature: float,
+        micro_batch_size: int,
+        ref: bool = False,
+        with_entropy: bool = False,
+        record_routing: bool = False,
+    ):
+        """Log-probs of the current (or, with ref=True, the reference) policy, without gradients.
+
+        MoE router replay (docs/moe.md): a batch carrying routed_experts is replayed in the policy's pass (R3: the
+        rollout's routing); the reference routes with its own routers (it is another network: its KL term compares it
+        as it is). record_routing (R2): also return the routing of this pass, (B, L, layers, k) int16, -1 = no token."""
         ctx, model = self._reference() if ref else (nullcontext(), self.model)
-        out_lp, out_ent = [], []
+        out_lp, out_ent, routing = [], [], []
         with ctx:
             for mb in self.micro_batches(batch, micro_batch_size):
-                lp, ent = self.forward(model, mb, temperature, with_entropy)
+                if ref:  # the reference's own routing
+                    mb = mb.select([k for k in mb.tensors if k != "routed_experts"])
+                with self._routing(model, mb, record=record_routing) as rep:
+                    lp, ent = self.forward(model, mb, temperature, with_entropy)
+                if record_routing:
+                    routing.append(rep.recorded.to(torch.int16))
                 out_lp.append(lp.cpu())
                 if with_entropy:
                     out_ent.append(ent.cpu())
-        return torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)
+        out = torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)
+        return (*out, torch.cat(routing)) if record_routing else out
 
     def compute_values(self, batch: DataProto, micro_batch_size: int) -> torch.Tensor:
         """A value model's V(s_t) at every response position, (B, R), without gradients; 0 past each response's end."""
@@ -720,6 +788,7 @@ class TorchEngine:
                 "(ppo_epochs > 1 or several mini-batches): compute them with policy.compute_log_prob first"
             )
         log = UpdateMetrics(self.role)
+        self._moe_counts = None  # router replay's per-layer counts over the update's forwards (_count_routing)
         with self._checkpointing():
             for epoch in range(epochs):
                 data = batch.shuffled(shuffle_seed + epoch) if shuffle_seed is not None else batch
@@ -729,7 +798,27 @@ class TorchEngine:
                     if summed is not None:  # None: a non-finite loss, the step skipped
                         self._step(*summed, log)
         self.optimizer.zero_grad(set_to_none=True)
-        return log.result()
+        return log.result() | self._routing_metrics()
+
+    def _count_routing(self, rep) -> None:
+        """Add one micro-batch's router replay counts (recorded tokens, those routed otherwise, those whose router drifted)."""
+        counts = torch.stack([rep.counted, rep.used, rep.drifted])  # (3, layers)
+        self._moe_counts = counts if self._moe_counts is None else self._moe_counts + counts
+
+    def _routing_metrics(self) -> dict:
+        """moe/disagreement/layer_<i>: the share of recorded tokens the update's forwards routed through other experts
+        than the record (0 under replay); moe/drift/layer_<i>: the share whose router's own top-k differs from the record
+        (what replay overrides: R3, rollout vs trainer and the update's own steps; R2, the update's steps); moe/disagreement
+        and moe/drift: their means over the layers. Counted over every forward of the update (micro-batches, epochs)."""
+        if self._moe_counts is None:
+            return {}
+        counted, used, drifted = self._moe_counts
+        dis, drift = used / counted.clamp(min=1), drifted / counted.clamp(min=1)
+        out = {"moe/disagreement": dis.mean().item(), "moe/drift": drift.mean().item()}
+        for i in range(len(counted)):
+            out[f"moe/disagreement/layer_{i}"] = dis[i].item()
+            out[f"moe/drift/layer_{i}"] = drift[i].item()
+        return out
 
     def _backward(self, mini: DataProto, loss_fn: LossFn, micro_batch_size: int, temperature: float, reuse_old: bool, log):
         """loss -> backward on each micro-batch of a mini-batch, the gradients accumulating. Returns the mini-batch's
@@ -738,15 +827,18 @@ class TorchEngine:
         norm = global_counts(int(mini["response_mask"].sum()), len(mini), self.dp_group)  # the mini-batch's, whatever the split
         total, part_sums = 0.0, {}
         for mb in self.micro_batches(mini, micro_batch_size):
-            logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
-            mb = mb.to(self.device)
-            if reuse_old:  # the old log-probs and the entropy metric, from this very pass
-                mb["old_log_probs"] = logp.detach()
-                log.add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
-            loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
-            if not self._finite(loss, "loss", log):
-                return None
-            loss.backward()
+            with self._routing(self.model, mb) as rep:  # router replay: forward and backward (checkpointing's recompute)
+                logp, ent = self.forward(self.model, mb, temperature, with_entropy or ("metric" if reuse_old else False))
+                mb = mb.to(self.device)
+                if reuse_old:  # the old log-probs and the entropy metric, from this very pass
+                    mb["old_log_probs"] = logp.detach()
+                    log.add("entropy", algos.masked_mean(ent.detach(), mb["response_mask"]).item())
+                loss, parts, metrics = loss_fn(mb, logp, ent if with_entropy else None, norm)
+                if not self._finite(loss, "loss", log):
+                    return None
+                loss.backward()
+            if rep is not None:
+                self._count_routing(rep)
             total += loss.item()
             for k, v in parts.items():
                 part_sums[k] = part_sums.get(k, 0.0) + float(v.detach())

@@ -48,6 +48,8 @@ class Packed:
     dst_row: torch.Tensor  # (T,) ... its row in the batch
     dst_col: torch.Tensor  # (T,) ... its column in responses
     labels: torch.Tensor  # (T,) ... the token
+    origin: torch.Tensor | None = None  # (rows, C) each position's flat index b * L + column in the input, -1 = padding
+    place: torch.Tensor | None = None  # (b, L) each input position's flat index row * C + column in the packed rows, -1 = none
 
     @property
     def num_positions(self) -> int:
@@ -91,13 +93,14 @@ def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool =
 
     one_row: every segment in a single row (the varlen layout of flash-attention), else rows as long as the longest segment.
     """
-    b = len(input_ids)
+    b, width = input_ids.shape
     starts = group_starts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len], share) + [b]
     segments = []  # per segment: (ids, pos, sub) lists and the reads: (position in segment, batch row, response column)
     for g in range(len(starts) - 1):
         rows = range(starts[g], starts[g + 1])
         first = rows[0]
         pcols = segment_tokens(attention_mask[first, :prompt_len])
+        src = [first * width + pcols]  # each token's flat index in the input: the prompt's from the group's first row
         ids = [input_ids[first, pcols]]
         pos = [position_ids[first, pcols]]
         sub = [torch.zeros(len(pcols), dtype=torch.long)]  # 0 = the prompt, k = the k-th response of the segment
@@ -106,6 +109,7 @@ def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool =
         for k, r in enumerate(rows, start=1):
             rcols = segment_tokens(attention_mask[r, prompt_len:])
             ids.append(input_ids[r, prompt_len + rcols])
+            src.append(r * width + prompt_len + rcols)
             pos.append(position_ids[r, prompt_len + rcols])
             sub.append(torch.full((len(rcols),), k, dtype=torch.long))
             # response token j is predicted at the position before it: the prompt's last token, then token j-1
@@ -113,7 +117,7 @@ def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool =
             before[0:1] = len(pcols) - 1
             reads.append((before, torch.full((len(rcols),), r), rcols))
             n_tok += len(rcols)
-        segments.append((torch.cat(ids), torch.cat(pos), torch.cat(sub), reads))
+        segments.append((torch.cat(ids), torch.cat(pos), torch.cat(sub), reads, torch.cat(src), (first, rows[-1] + 1, pcols)))
     # first-fit decreasing into rows of the longest segment's length
     cap = sum(len(s[0]) for s in segments) if one_row else max(len(s[0]) for s in segments)
     order = sorted(range(len(segments)), key=lambda i: -len(segments[i][0]))
@@ -132,13 +136,15 @@ def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool =
     pos = torch.zeros(n_rows, cap, dtype=position_ids.dtype)
     seg = torch.full((n_rows, cap), -1, dtype=torch.long)  # -1 = padding
     sub = torch.zeros(n_rows, cap, dtype=torch.long)
+    origin = torch.full((n_rows, cap), -1, dtype=torch.long)
     src_row, src_pos, dst_row, dst_col = [], [], [], []
     for j, members in enumerate(bins):
         at = 0
         for i in members:
-            s_ids, s_pos, s_sub, reads = segments[i]
+            s_ids, s_pos, s_sub, reads, s_src, _ = segments[i]
             L = len(s_ids)
             ids[j, at : at + L], pos[j, at : at + L], sub[j, at : at + L], seg[j, at : at + L] = s_ids, s_pos, s_sub, i
+            origin[j, at : at + L] = s_src
             for before, r, c in reads:
                 src_row.append(torch.full_like(before, j))
                 src_pos.append(before + at)
@@ -148,7 +154,33 @@ def pack(input_ids, attention_mask, position_ids, prompt_len: int, share: bool =
     src_row, src_pos, dst_row, dst_col = (torch.cat(x).long() for x in (src_row, src_pos, dst_row, dst_col))
     read, src_k = torch.unique(src_pos, sorted=True, return_inverse=True)
     labels = input_ids[dst_row, prompt_len + dst_col]
-    return Packed(ids, pos, seg, sub, read, src_row, src_k, dst_row, dst_col, labels)
+    place = torch.full((b * width,), -1, dtype=torch.long)
+    real = origin.reshape(-1) >= 0
+    place[origin.reshape(-1)[real]] = real.nonzero().squeeze(-1)
+    place = place.view(b, width)
+    for *_, (first, end, pcols) in segments:  # a shared prompt's other rows read the first row's positions
+        place[first + 1 : end, pcols] = place[first, pcols]
+    return Packed(ids, pos, seg, sub, read, src_row, src_k, dst_row, dst_col, labels, origin, place)
+
+
+def pack_like(p: Packed, x: torch.Tensor, fill: int = -1) -> torch.Tensor:
+    """A per-token tensor x (b, L, ...) in the input's layout laid out like p.input_ids: (rows, C, ...), `fill` at padding.
+    A shared prompt's positions take the group's first row's values (the tokens the packed row holds)."""
+    flat = x.reshape(-1, *x.shape[2:])
+    out = flat.new_full((p.origin.numel(), *x.shape[2:]), fill)
+    real = p.origin.reshape(-1) >= 0
+    out[real] = flat[p.origin.reshape(-1)[real]]
+    return out.view(*p.origin.shape, *x.shape[2:])
+
+
+def unpack_like(p: Packed, y: torch.Tensor, fill: int = -1) -> torch.Tensor:
+    """The inverse of pack_like: y (rows, C, ...) in the packed layout -> (b, L, ...) in the input's, `fill` where the
+    input has no token; every row of a shared prompt gets the prompt's values."""
+    flat = y.reshape(-1, *y.shape[2:])
+    out = flat.new_full((p.place.numel(), *y.shape[2:]), fill)
+    real = p.place.reshape(-1) >= 0
+    out[real] = flat[p.place.reshape(-1)[real]]
+    return out.view(*p.place.shape, *y.shape[2:])
 
 
 def row_costs(input_ids, attention_mask, prompt_len: int, share: bool) -> tuple[list[int], list[int], set[int]]:

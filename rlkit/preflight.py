@@ -17,6 +17,7 @@ def run(cfg) -> None:
     check_grad_clip(cfg)
     check_agent(cfg)
     check_async(cfg)
+    check_moe(cfg)
     check_megatron(cfg)
     check_sequence_parallel(cfg)
     check_prompts(cfg)
@@ -143,6 +144,11 @@ def check_sequence_parallel(cfg) -> None:
         raise ConfigError(
             f"{flag}: the critic's value head has no sequence-parallel pass yet; use --trainer.sp-size 1 or a critic-free recipe"
         )
+    if getattr(cfg.actor, "router_replay", "none") != "none":  # forward_sp lays out no routing over the shards
+        raise ConfigError(
+            f"{flag} does not carry --actor.router-replay {cfg.actor.router_replay} yet (the routing is not split over the shards): "
+            "use --trainer.sp-size 1 or --actor.router-replay none"
+        )
     c = _model_config(cfg)
     if c is None:  # unreadable here: the workers report it
         return
@@ -153,6 +159,53 @@ def check_sequence_parallel(cfg) -> None:
     heads = getattr(c, "num_attention_heads", None)
     if heads and heads % s:
         raise ConfigError(f"{flag} must divide the model's {heads} attention heads (each worker takes H/S heads): use a divisor of {heads}")
+
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's expert count: Qwen3-MoE, Mixtral, DeepSeek
+
+
+def has_experts(config) -> bool:
+    """Whether a transformers config (a VLM's text config too) describes a mixture-of-experts model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(getattr(c, k, 0) for c in (config, text) for k in EXPERT_KEYS)
+
+
+def check_moe(cfg) -> None:
+    """A mixture-of-experts model (config.json's expert count) with what cannot serve it, and --actor.router-replay on a
+    model without experts. The flag-only r3 refusals are config.check_router_replay's."""
+    replay = getattr(getattr(cfg, "actor", None), "router_replay", "none")
+    t = cfg.trainer
+    megatron = getattr(t, "backend", "local") == "ray" and getattr(t, "engine", "fsdp") == "megatron"
+    on_cpu = t.device == "cpu" or (t.device == "auto" and not getattr(t, "ray_address", None) and not _cuda())
+    vllm_cpu = getattr(getattr(cfg, "rollout", None), "name", "hf") == "vllm" and on_cpu
+    if replay == "none" and not megatron and not vllm_cpu:
+        return
+    c = _model_config(cfg)
+    if c is None:  # unreadable here: the model load reports it
+        return
+    moe = has_experts(c)
+    if replay != "none" and not moe:
+        raise ConfigError(
+            f"--actor.router-replay {replay}: {cfg.model.path} has no experts (its config.json names no "
+            f"{' / '.join(EXPERT_KEYS)}); router replay is for mixture-of-experts models: drop the flag"
+        )
+    if moe and megatron:
+        raise ConfigError(
+            f"--trainer.engine megatron does not map mixture-of-experts models ({getattr(c, 'model_type', None)}); use --trainer.engine fsdp"
+        )
+    if moe and vllm_cpu:
+        # measured (docs/moe.md): vllm-cpu 0.32 serves tiny-moe's first weights exactly, but reloading even the
+        # same weights in place leaves its log-probs 4.5 off the trainer's: RL would sample from a broken model
+        raise ConfigError(
+            "--rollout.name vllm on CPU cannot serve a mixture-of-experts model past the first weight sync "
+            "(vllm-cpu's in-place reload corrupts its experts); use --rollout.name hf"
+        )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _model_config(cfg):

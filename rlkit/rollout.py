@@ -339,6 +339,7 @@ class HFRollout:
         on_new_weights=None,
         swap_mode: str = "keep_kv",
         version: int = 0,
+        record_routing: bool = False,
     ) -> DataProto:
         """Sample one response per row (repeat the prompts first for n samples). temperature 0 = greedy.
 
@@ -349,6 +350,9 @@ class HFRollout:
         the batch; new weights polled every swap_every tokens. With on_new_weights the batch also holds
         `token_version` (B, R) long: the version of the weights that sampled each token (`version` until the first
         swap; -1 after EOS), and a swap in one micro-batch carries over to the next.
+        record_routing (an MoE model, R3: docs/moe.md): also return `routed_experts` (B, P+R, layers, k) int16, the
+        experts each token's forward used in this decode (the prefill's columns, then one per step; -1 at padding and
+        at the last sampled token, never fed back). Not with drop_finished (moe.RouterReplay.routing refuses it).
         """
         if on_new_weights is not None:
             if swap_mode not in ("keep_kv", "reprefill"):
@@ -362,7 +366,12 @@ class HFRollout:
         for chunk in chunks:
             ids = chunk["input_ids"].to(self.device)
             mask = chunk["attention_mask"].to(self.device)
-            with self.autocast():
+            rec = None
+            if record_routing:
+                from rlkit.moe import RouterReplay
+
+                rec = RouterReplay(self.model, "record")
+            with self.autocast(), rec if rec is not None else nullcontext():
                 cache = None if self.vlm else self.fast_loop_applies(ids.shape[1] + max_new_tokens)  # VLM: generate
                 if cache is not None:
                     resp, lp, ver, version = self.decode(
@@ -376,6 +385,9 @@ class HFRollout:
                 else:
                     resp, lp = self.hf_generate(ids, mask, max_new_tokens, temperature, top_p, top_k, return_log_probs, chunk)
             piece = assemble(chunk, resp, self.eos, self.tokenizer.pad_token_id)
+            if rec is not None:
+                routing = rec.routing(rows=len(piece), length=piece["input_ids"].shape[1]).to(torch.int16)
+                piece["routed_experts"] = routing.masked_fill(~piece["attention_mask"].bool()[:, :, None, None], -1)
             if lp is not None:
                 piece["rollout_log_probs"] = lp * piece["response_mask"]
             if on_new_weights is not None:

@@ -112,6 +112,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
+        self.router_replay = getattr(actor_cfg, "router_replay", "none")  # MoE: none, r2, r3 (docs/moe.md)
         self.updates = 0
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
         self.agent = None  # set_agent: generate() runs this turn loop instead of single-turn sampling
@@ -139,6 +140,8 @@ class ActorRolloutRefWorker(CheckpointFiles):
         extra = {"return_log_probs": True} if r.log_probs and not validate and isinstance(self.rollout, HFRollout) else {}
         if r.drop_finished and isinstance(self.rollout, HFRollout):  # (config: hf fast only)
             extra["drop_finished"] = r.drop_finished
+        if self.router_replay == "r3" and not validate:  # R3: the routing of the forwards that sample (docs/moe.md)
+            extra["record_routing"] = True
         extra.update(stream)
         return self.rollout.generate(
             prompts,
@@ -172,13 +175,21 @@ class ActorRolloutRefWorker(CheckpointFiles):
         policy before that step, the update's own log-probs (detached), and needs no pass of its own. (Not "the
         batch is on-policy": an asynchronous batch sampled k updates ago qualifies too; its correction compares
         those log-probs with the sampler's.)"""
-        return self.actor_cfg.ppo_epochs == 1 and self.actor_cfg.ppo_mini_batch_size >= self.data_cfg.train_batch_size
+        one = self.actor_cfg.ppo_epochs == 1 and self.actor_cfg.ppo_mini_batch_size >= self.data_cfg.train_batch_size
+        return one and self.router_replay != "r2"  # R2 records in the old-log-prob pass: it runs (compute_log_prob)
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
-        """Per-token log-probs of the responses under the current policy (π_old) and their entropy."""
+        """Per-token log-probs of the responses under the current policy (π_old) and their entropy. Router replay
+        (docs/moe.md): r2 records this pass's routing into the batch (routed_experts), r3 replays the rollout's."""
         self._trainer_pass()
-        lp, ent = self.engine.compute_log_prob(batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, with_entropy=True)
-        return DataProto.from_dict(tensors={"old_log_probs": lp, "entropys": ent})
+        r2 = self.router_replay == "r2" and "routed_experts" not in batch
+        out = self.engine.compute_log_prob(
+            batch, self.rollout_cfg.temperature, self.log_prob_micro_batch, with_entropy=True, record_routing=r2
+        )
+        tensors = {"old_log_probs": out[0], "entropys": out[1]}
+        if r2:
+            tensors["routed_experts"] = out[2]  # (B, L, layers, k): replayed in every update forward
+        return DataProto.from_dict(tensors=tensors)
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         """Per-token log-probs under the reference policy (LoRA: adapter disabled; else a frozen copy). A batch that

@@ -30,6 +30,13 @@ from rlkit.rewards import RewardFn, time_limit
 FIXTURE = ROOT / "tests" / "fixtures" / "my_reward.py"
 
 
+def moe(cfg):
+    """The embedded mixture-of-experts (rlkit/assets/tiny-moe) as the policy."""
+    from rlkit import demos
+
+    cfg.model.path = str(demos.MOE_MODEL)
+
+
 def tiny(grpo, tmp_path, **data):
     cfg = grpo.Config()
     cfg.data.train_files = [_write_parquet(tmp_path / "train.parquet", [_row() for _ in range(8)])]
@@ -199,6 +206,17 @@ CASES = {
         ),
         ["--trainer.sp-size 2 does not run with gradient checkpointing", "--model.gradient-checkpointing off"],
     ),
+    "sp_router_replay": (  # forward_sp splits no routing over the shards (on the embedded MoE: 4 heads, S = 2 divides them)
+        lambda c, t: (
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "n_workers", 2),
+            setattr(c.trainer, "sp_size", 2),
+            setattr(c.model, "remove_padding", False),
+            setattr(c.actor, "router_replay", "r2"),
+            moe(c),
+        ),
+        ["--trainer.sp-size 2 does not carry --actor.router-replay r2", "--actor.router-replay none"],
+    ),
     "sp_heads": (  # the embedded model has 4 attention heads (its config.json, read without loading it)
         lambda c, t: (
             setattr(c.trainer, "backend", "ray"),
@@ -225,6 +243,43 @@ CASES = {
     "drop_finished_with_generate": (
         lambda c, t: (setattr(c.rollout, "drop_finished", 0.5), setattr(c.rollout, "hf_impl", "generate")),
         ["--rollout.drop-finished 0.5", "fast"],
+    ),
+    # MoE router replay (docs/moe.md): the model's config.json is read for its experts, never the weights
+    "router_replay_no_experts": (lambda c, t: setattr(c.actor, "router_replay", "r2"), ["--actor.router-replay r2", "has no experts"]),
+    "r3_with_vllm": (
+        lambda c, t: (moe(c), setattr(c.actor, "router_replay", "r3"), setattr(c.rollout, "name", "vllm")),
+        ["--actor.router-replay r3", "--rollout.name vllm", "use --actor.router-replay r2"],
+    ),
+    "r3_with_drop_finished": (
+        lambda c, t: (moe(c), setattr(c.actor, "router_replay", "r3"), setattr(c.rollout, "drop_finished", 0.5)),
+        ["--actor.router-replay r3", "--rollout.drop-finished 0.5"],
+    ),
+    "r3_with_reprefill": (
+        lambda c, t: (
+            moe(c),
+            setattr(c.actor, "router_replay", "r3"),
+            setattr(c.trainer, "async_steps", 1),
+            setattr(c.trainer, "swap_every", 4),
+            setattr(c.trainer, "swap_mode", "reprefill"),
+        ),
+        ["--actor.router-replay r3", "--trainer.swap-mode reprefill"],
+    ),
+    "r3_with_async": (
+        lambda c, t: (moe(c), setattr(c.actor, "router_replay", "r3"), setattr(c.trainer, "async_steps", 1)),
+        ["--actor.router-replay r3", "--trainer.async-steps 1"],
+    ),
+    "moe_with_megatron": (
+        lambda c, t: (
+            moe(c),
+            setattr(c.trainer, "backend", "ray"),
+            setattr(c.trainer, "engine", "megatron"),
+            setattr(c.trainer, "n_workers", 2),
+        ),
+        ["--trainer.engine megatron", "mixture-of-experts", "use --trainer.engine fsdp"],
+    ),
+    "moe_with_vllm_on_cpu": (
+        lambda c, t: (moe(c), setattr(c.rollout, "name", "vllm"), setattr(c.trainer, "device", "cpu")),
+        ["--rollout.name vllm on CPU", "mixture-of-experts", "use --rollout.name hf"],
     ),
     "filter_drops_every_prompt": (
         lambda c, t: (setattr(c.data, "max_prompt_length", 2), setattr(c.data, "filter_overlong_prompts", True)),

@@ -55,6 +55,17 @@ def after_init(cls, **attrs):
     cls.__init__ = patched
 
 
+def routes_freely(mp):
+    """A TorchEngine whose update compares the batch's routing instead of replaying it."""
+    init = TorchEngine.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.router_replay, self.compare_routing = "none", True
+
+    mp.setattr(TorchEngine, "__init__", patched)
+
+
 def float32_copy(logits, pos, labels, temperature=1.0, with_entropy=False):
     """token_logprob_entropy as it was before chunking: a float32 log-softmax of every logit read."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -107,6 +118,7 @@ DEFECTS = {
     "logits-memory": (lambda mp: mp.setattr(algos, "token_logprob_entropy", float32_copy), "the memory model predicts"),
     "critic": (lambda mp: mp.setattr(algos, "value_loss", no_gradient(algos.value_loss)), "no gradient"),
     "token-budget": (lambda mp: mp.setattr(TorchEngine, "micro_batches", lambda self, b, n: b.split(n)), "over the budget"),
+    "moe-replay": (lambda mp: routes_freely(mp), "routing disagreement"),
     "async": (
         lambda mp: mp.setattr(async_rollout.Rollouts, "_pack_weights", lambda self, workers, version: {}),
         "staleness [0.0, 1.0, 2.0]",
@@ -121,7 +133,7 @@ DEFECTS = {
 def test_row_fails_with_its_defect_back(ctx, monkeypatch, case):
     """grpo-full: the weights stored in bf16 (no float32 masters); grpo-lora: bf16 adapters; checkpointing: the layers
     left in eval mode (HF checkpoints none); logits-memory: a float32 copy of the logits instead of the chunked pass;
-    critic: a value loss without gradient; token-budget: micro-batches by rows; async: the trainer's weights never sent
+    critic: a value loss without gradient; token-budget: micro-batches by rows; moe-replay: the update routes freely; async: the trainer's weights never sent
     to the generation process; sft: one pass per mini-batch; rm (N9): a forward of the whole batch, float32 compute."""
     row = case.removesuffix("-micro-batch").removesuffix("-float32")
     status, detail = run_row(row, ctx)
