@@ -268,6 +268,15 @@ def make_envs(make_env, n: int) -> list:
     return [seat for _ in range(n // 2) for seat in make_env.pair()]
 
 
+def check_self_play(n: int) -> None:
+    """--agent.self-play with --rollout.n n: n / 2 games per prompt, and each seat's group needs two or more of them."""
+    if n < 4 or n % 2:
+        raise ConfigError(
+            f"--agent.self-play: --rollout.n {n}: the n samples of a prompt are n / 2 games, and each seat's "
+            "GRPO group needs 2 or more of them: use an even n >= 4"
+        )
+
+
 def _call(fn, max_seconds: float = 0.0):
     """fn() within max_seconds, or the exception it raised (for _checked)."""
     try:
@@ -610,11 +619,8 @@ class AgentPolicy:
             raise ConfigError(
                 f"--agent.max-turns must be >= 1 and --agent.max-tool-calls >= 0, got {agent_cfg.max_turns}, {agent_cfg.max_tool_calls}"
             )
-        if agent_cfg.self_play and (rollout_cfg.n < 4 or rollout_cfg.n % 2):
-            raise ConfigError(
-                f"--agent.self-play: --rollout.n {rollout_cfg.n}: the n samples of a prompt are n / 2 games, and each seat's "
-                "GRPO group needs 2 or more of them: use an even n >= 4"
-            )
+        if agent_cfg.self_play:
+            check_self_play(rollout_cfg.n)
         self.policy, self.tools, self.agent_cfg = policy, tools, agent_cfg
         make_env = EnvFactory(
             agent_cfg.env, tools, agent_cfg.max_turns, agent_cfg.max_tool_calls, parse, agent_cfg.self_play

@@ -192,3 +192,44 @@ def test_self_play_bad_inputs_are_one_line(tok):
     for n in (2, 3, 5):
         with pytest.raises(ConfigError, match=f"^--agent.self-play: --rollout.n {n}: .* use an even n >= 4$"):
             agent.AgentPolicy(None, None, AgentConfig(env=GAME, self_play=True), type("R", (), {"n": n})(), 64)
+
+
+def test_grpo_tools_one_step_in_self_play_on_the_embedded_model(tmp_path):
+    """One GRPO step of recipes/grpo_tools.py with the policy on both seats of TicTacToe: 1 prompt x 4 samples = 2 games
+    per prompt; the tiny model rarely writes a valid move, so most games end by textarena's invalid-move rule (the
+    second invalid move loses: +1 / -1), which is still an outcome per seat."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    rows = [
+        {"data_source": "rlkit/env", "prompt": [{"role": "user", "content": "Play."}], "ability": "game",
+         "reward_model": {"style": "env", "ground_truth": ""}, "extra_info": {"seed": k}}
+        for k in range(4)
+    ]  # fmt: skip
+    pd.DataFrame(rows).to_parquet(tmp_path / "ttt.parquet")
+    spec = importlib.util.spec_from_file_location("recipe_grpo_tools", Path(__file__).resolve().parents[1] / "recipes" / "grpo_tools.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = recipe.Config()
+    import shutil
+
+    model = tmp_path / "tiny-guess"  # the embedded model with a longer context in its config: textarena's rules are long
+    shutil.copytree(demos.GUESS_MODEL, model)  # (a llama: RoPE, no learned positions, so only the config's number changes)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 2048}))
+    cfg.model.path = str(model)
+    cfg.agent = AgentConfig(tools="", env=GAME, self_play=True, max_turns=3)
+    cfg.data.train_files, cfg.data.val_files = [str(tmp_path / "ttt.parquet")], []
+    cfg.data.max_response_length = 400  # the game's observations (board, moves) are ~200 tokens a turn with this tokenizer
+    cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 1, 1, 4  # 2 games
+    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.default_local_dir = 1, 0, str(tmp_path)
+    recipe.main(cfg)
+    last = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 1
+    # zero-sum: a finished game gives its seats +r and -r, an unfinished one 0 and 0, so the seats' means are opposite
+    assert last["agent/seat0/reward"] == pytest.approx(-last["agent/seat1/reward"])
+    assert 0 <= last["agent/selfplay/draws"] <= 1 and last["agent/turns/mean"] >= 1
+    assert all(key in last for key in ("actor/pg_loss", "agent/env_errors/mean"))
