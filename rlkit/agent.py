@@ -520,10 +520,12 @@ def seat_metrics(batch: DataProto, scores: torch.Tensor) -> dict:
     """Self-play: each seat's mean outcome and the share of drawn (or unfinished) games; {} without seats."""
     if "agent_seat" not in batch or (batch["agent_seat"] < 0).all():
         return {}
-    seat = batch["agent_seat"]
-    out = {f"agent/seat{s}/reward": scores[seat == s].float().mean().item() for s in (0, 1) if (seat == s).any()}
-    out["agent/selfplay/draws"] = (scores[seat == 0] == 0).float().mean().item()  # no winner: a draw, or no outcome
-    return out
+    seat, scores = batch["agent_seat"], scores.float()
+    return {
+        "agent/seat0/reward": scores[seat == 0].mean().item(),  # the seat that moves first
+        "agent/seat1/reward": scores[seat == 1].mean().item(),
+        "agent/selfplay/draws": (scores[seat == 0] == 0).float().mean().item(),  # games with no winner: drawn, or no outcome
+    }
 
 
 # ----------------------------------------------------------------------------- backends

@@ -22,6 +22,8 @@ Kinds shipped here:
 - `TextArenaEnv`, `SkyRLEnv`: the environments of two PyPI libraries, textarena (single-player text games) and
   skyrl-gym (`--agent.env textarena:GuessTheNumber-v0`, `--agent.env skyrl:gsm8k_multi_turn`; install words
   `textarena`, `skyrl` of scripts/install.sh).
+- `TextArenaSeat`: self-play (--agent.self-play), one seat of a two-player textarena game (`TextArenaGame`); the turn
+  loop plays a game's two seats as two episodes, sampling only the seat to move (`waiting`, `observe`, `leave`).
 
 An env whose `gives_reward` is true has its episode reward added to the scorer's (rlkit.recipe.score, from the
 batch's `env_reward`); its dataset's data_source is then usually "rlkit/env", a scorer that gives 0.
