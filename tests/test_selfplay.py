@@ -97,6 +97,10 @@ def test_both_seats_play_each_row_holds_its_seats_tokens_and_outcome(tok):
     assert "You are Player 0" in text[0] and "You are Player 1" not in text[0]
     assert "You are Player 1" in text[1] and "You are Player 0" not in text[1]
     assert "Player 1 placed their symbol (X) in cell 1." in text[0]  # seat 1's move, in seat 0's observation (mask 0)
+    first_obs = tok.decode(eps[0].ids[eps[0].mask.index(0) : eps[0].mask.index(1, eps[0].mask.index(0))])  # seat 0's
+    # the other's move as it wrote it, then the game's words; the seat's own move is in its context already, not repeated
+    assert "\n[1]\nPlayer 1 placed their symbol (X) in cell 1." in first_obs and "[4]\nPlayer 0 placed" not in first_obs
+    assert "[4]\nPlayer 0 placed their symbol (O) in cell 4." in tok.decode(eps[1].prompt)  # seat 1 sees seat 0's move
     prompt1 = tok.decode(eps[1].prompt)  # seat 1's prompt: the first move is part of it
     assert "Game A." in prompt1 and "Player 0 placed their symbol (O) in cell 4." in prompt1 and eps[1].turns == 2
     assert "attempted an invalid move" in tok.decode(eps[2].ids) and "attempted an invalid move" not in tok.decode(
