@@ -217,9 +217,7 @@ def main(cfg: Config) -> dict:
                     batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
             # ALGO LOGIC: the groups: a prompt's n samples; in self-play, its rows of one seat
-            uid = agent.seat_groups(
-                batch
-            )  # (--agent.self-play: seat 0 vs seat 0, never its opponent)
+            uid = agent.seat_groups(batch)  # self-play: seat 0 vs seat 0's
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
             advantages = algos.grpo_advantage(scores, uid, cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
