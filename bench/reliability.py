@@ -930,6 +930,24 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         ),  # fmt: skip
         120,
     ),
+    "selfplay_three_players": (
+        "--agent.self-play on a three-player textarena game -> one line, before the model loads",
+        bad_flag(
+            "--agent.env",
+            "textarena:ThreePlayerTicTacToe-v0",
+            "--agent.self-play",
+            "--agent.tools",
+            "",
+            phrases=("a game for more than two players",),
+            recipe_name="grpo_tools",
+        ),  # fmt: skip
+        120,
+    ),
+    "selfplay_one_player": (
+        "--agent.self-play with a one-player env (guess) -> one line, before the model loads",
+        bad_flag("--agent.env", "guess", "--agent.self-play", phrases=("needs a two-player textarena game",), recipe_name="grpo_tools"),
+        120,
+    ),
     "long_prompt": (
         "a prompt over --data.max-prompt-length 3 -> one line naming the row",
         bad_flag("--data.max-prompt-length", "3", phrases=("row 0", "--data.max-prompt-length 3")),

@@ -26,6 +26,8 @@ Run it:
 
     python recipes/grpo_tools.py           # embedded tool model + multiplication, CPU, ~7 min
     python recipes/grpo_tools.py --agent.env guess   # guess-the-number (docs/environments.md)
+    python recipes/grpo_tools.py --agent.env textarena:TicTacToe-v0-raw --agent.self-play \\
+        --agent.tools "" --rollout.n 4 --data.train-files train.parquet   # both seats (docs/environments.md)
     python recipes/grpo_tools.py --help    # every option, documented
     python recipes/grpo_tools.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
         --agent.tools calculator,python \\
@@ -214,13 +216,15 @@ def main(cfg: Config) -> dict:
                 if not policy.update_is_one_step():  # one step: pi_old = pi, taken from the update
                     batch = batch.union(policy.compute_log_prob(batch))  # + old_log_probs, entropys
 
+            # ALGO LOGIC: the groups: a prompt's n samples; in self-play, its rows of one seat
+            uid = agent.seat_groups(batch)  # self-play: seat 0 vs seat 0's
             # ALGO LOGIC: group-relative advantage, the same for every token of a response
-            advantages = algos.grpo_advantage(scores, batch["uid"], cfg.norm_adv_by_std_in_grpo)
+            advantages = algos.grpo_advantage(scores, uid, cfg.norm_adv_by_std_in_grpo)
             batch["advantages"] = advantages[:, None] * batch["response_mask"]  # (B*n,) -> (B*n, R)
             # ALGO LOGIC: or per turn: each sampled token gets its turn's advantage (--turn-credit)
             turns = agent.turn_rewards(batch, scores)  # rewards, exists, keys: (B*n, T)
             if cfg.turn_credit != "outcome":
-                adv = turn_advantages(cfg, *turns, batch["uid"])  # (B*n, T)
+                adv = turn_advantages(cfg, *turns, uid)  # (B*n, T)
                 mask = batch["response_mask"]
                 batch["advantages"] = algos.turn_token_advantages(adv, batch["turn_index"], mask)
 
@@ -236,6 +240,7 @@ def main(cfg: Config) -> dict:
         # turns, tool calls / errors / timeouts / time, stopped by a limit, tokens
         metrics.update(agent.agent_metrics(batch))
         metrics.update(agent.turn_metrics(batch, turns[0], turns[1], batch["advantages"]))
+        metrics.update(agent.seat_metrics(batch, scores))  # self-play: each seat's outcome, draws
         run.end_of_step(step, metrics, timings, batch)
     return run.finish()
 

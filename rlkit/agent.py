@@ -37,9 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
-from rlkit.envs import EnvFactory
+from rlkit.envs import EnvFactory, StepTimeout
 from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
 from rlkit.tools import Tools, parse_hermes, render_prompt, truncate_middle
@@ -67,6 +68,9 @@ class AgentConfig:
     max_step_seconds: float = 120.0
     """an environment step that takes longer ends its episode (agent/env_errors/timeout; the step is abandoned); 0 = no limit;
     an env class with step_many (the tools) bounds its own steps"""
+    self_play: bool = False
+    """a two-player textarena game (--agent.env textarena:GAME-ID): the policy plays both seats, rows 2k and 2k+1 being
+    seats 0 and 1 of one game, each credited with its own outcome; GRPO groups a prompt's rows by seat (docs/environments.md)"""
     sandbox_level: Literal["process", "network", "strict"] = "process"
     """the least isolation the python tool may run under, else stop before the model loads (see docs/sandbox.md)"""
 
@@ -94,6 +98,7 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)  # per turn: the env's reward for it (0 for a turn no step followed)
     turn_obs: list[int] = field(default_factory=list)  # per turn: a hash of the observation it answered (step groups)
     env_reward: bool = False  # whether the env gives rewards (then `reward` is added to the scorer's)
+    seat: int = -1  # self-play: the seat (0, 1) this episode played; -1 = not a two-player game
 
     def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
@@ -145,19 +150,85 @@ def run_turns(
 
     Each episode drives its own Env (rlkit/envs.py), made by `make_env()` (default: a ToolEnv on `tools`) and reset on
     its row of `rows` (data_source, ground_truth, extra_info, prompt). An env whose first observation differs from the
-    row's prompt gets that observation rendered by the chat template as its prompt (Episode.prompt)."""
+    row's prompt gets that observation rendered by the chat template as its prompt (Episode.prompt).
+
+    Self-play (a factory with `seats == 2`, --agent.self-play): rows 2k and 2k+1 are seats 0 and 1 of one game
+    (`make_env.pair()`). A seat whose env is `waiting` (the other seat is to move) is not sampled; once it is to move
+    again, `env.observe()` gives what it has not seen (the other's move) as its step result would, and the game's end
+    its own outcome. A seat that has not moved yet gets its prompt then (the first move is part of it). An episode that
+    ends before its game does (a limit, an env error) calls `env.leave(error)`: the game ends for the other seat too."""
     if make_env is None:
         make_env = EnvFactory("tools", tools, cfg.max_turns, cfg.max_tool_calls, parse)
     rows = rows if rows is not None else [{}] * len(prompts)
     episodes = [Episode(list(p)) for p in prompts]
-    envs = [make_env() for _ in prompts]
-    for e, env, row in zip(episodes, envs, rows):
-        first = env.reset(row)
+    envs = make_envs(make_env, len(prompts))
+    firsts: dict[int, list[dict]] = {}  # self-play: a seat that waits for the first move -> its first observation so far
+    pending: dict[int, list[int]] = {}  # self-play: a seat that waits for the other's move -> the ids of its last turn
+    errors: dict[int, str] = {}  # an episode's env error, for its env's leave()
+
+    def set_prompt(e: Episode, first: list[dict], row: dict) -> None:
         e.turn_obs.append(obs_key(first))
         base = row.get("prompt")
         if base is not None and not isinstance(base, str) and first != list(base):  # the env shows its own first observation
             e.prompt = tokenizer(render_prompt(tokenizer, first, []), add_special_tokens=False)["input_ids"]
-    while active := [i for i, e in enumerate(episodes) if not e.done]:
+
+    def end(i: int, by_limit: bool) -> None:
+        episodes[i].finish(by_limit)
+        if hasattr(envs[i], "leave"):  # self-play: its game ends for the other seat too (a no-op when it is over)
+            envs[i].leave(errors.get(i, ""))
+
+    def settle(i: int, ids: list[int], obs: list[dict], reward: float, done: bool, error: str | None) -> None:
+        """Episode i after the env's answer to its turn `ids`: end it, or append the observation for its next turn."""
+        e = episodes[i]
+        e.reward += reward
+        e.turn_rewards[-1] += reward
+        if error:  # the model's action broke the env (or the env broke): this episode ends here, the run goes on
+            e.env_errors += 1
+            e.env_error = error.split(":", 1)[0]  # its reason, one of ENV_ERRORS
+            errors[i] = error
+            if not _warned:
+                _warned.append(error)
+                logger.warning("an environment step failed (counted in agent/env_errors, the episode ends): %s", error)
+            end(i, by_limit=False)
+        elif done:
+            end(i, by_limit=getattr(envs[i], "stopped_by_limit", False))
+        elif e.turns >= cfg.max_turns:
+            end(i, by_limit=True)
+        else:
+            cut = [m for m in obs if len(m["content"]) > cfg.max_observation_chars]
+            obs = [{**m, "content": truncate_middle(m["content"], cfg.max_observation_chars)} for m in obs]
+            e.obs_truncated += len(cut)
+            suffix = tool_suffix_ids(tokenizer, obs, tokenizer.convert_ids_to_tokens(ids[-1]))  # after the sampled end of turn
+            if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the observation
+                end(i, by_limit=True)
+            else:
+                e.append(suffix, False)
+                e.turn_obs.append(obs_key(obs))  # what the next turn answers
+
+    for i, (e, env, row) in enumerate(zip(episodes, envs, rows)):
+        first = env.reset(row)
+        if getattr(env, "waiting", False):
+            firsts[i] = first
+        else:
+            set_prompt(e, first, row)
+    while True:
+        while ready := [i for i in (*firsts, *pending) if not getattr(envs[i], "waiting", False)]:  # self-play: this seat's turn
+            i = ready[0]
+            obs, reward, done, error = _checked(_call(envs[i].observe, cfg.max_step_seconds))
+            if i in pending:
+                settle(i, pending.pop(i), obs, reward, done, error)  # (may end the game: the other seat is ready then)
+                continue
+            first, e = firsts.pop(i), episodes[i]
+            set_prompt(e, first + obs, rows[i])  # the first move is part of its prompt
+            if error or done:  # the game ended before this seat moved: no turn to credit (its row trains nothing)
+                e.reward, e.env_errors, e.env_error = reward, int(bool(error)), (error or "").split(":", 1)[0]
+                end(i, by_limit=getattr(envs[i], "stopped_by_limit", False))
+        if not (active := [i for i, e in enumerate(episodes) if not e.done and i not in pending and i not in firsts]):
+            for i in (*firsts, *pending):  # waiting for a move that no episode will make (an env that never hands over)
+                firsts.pop(i, None), pending.pop(i, None)
+                episodes[i].env_errors, episodes[i].env_error = 1, "malformed"
+                episodes[i].finish(by_limit=False)
+            break
         outs = sample([episodes[i].prompt + episodes[i].ids for i in active], [max_response_tokens - len(episodes[i].ids) for i in active])
         stepping = []  # (row, its turn's ids): the turns that ended in an end-of-turn token; their env takes the action
         for i, (ids, log_probs) in zip(active, outs):
@@ -166,41 +237,52 @@ def run_turns(
             e.turns += 1
             e.turn_rewards.append(0.0)  # the env's reward for this turn, if a step follows
             if not ids or ids[-1] not in eos:  # the token budget ran out inside the turn
-                e.finish(by_limit=True)
+                end(i, by_limit=True)
             else:
                 stepping.append((i, ids))
         actions = [tokenizer.decode(ids[:-1]) for _, ids in stepping]  # the turn's text without its end-of-turn token
         steps = step_all([envs[i] for i, _ in stepping], actions, cfg.max_step_seconds)
         for (i, ids), (obs, reward, done, error) in zip(stepping, steps):
-            e = episodes[i]
-            e.reward += reward
-            e.turn_rewards[-1] = reward
-            if error:  # the model's action broke the env (or the env broke): this episode ends here, the run goes on
-                e.env_errors += 1
-                e.env_error = error.split(":", 1)[0]  # its reason, one of ENV_ERRORS
-                if not _warned:
-                    _warned.append(error)
-                    logger.warning("an environment step failed (counted in agent/env_errors, the episode ends): %s", error)
-                e.finish(by_limit=False)
-            elif done:
-                e.finish(by_limit=getattr(envs[i], "stopped_by_limit", False))
-            elif e.turns >= cfg.max_turns:
-                e.finish(by_limit=True)
+            if not (error or done) and getattr(envs[i], "waiting", False):  # self-play: the other seat moves next
+                episodes[i].turn_rewards[-1] += reward
+                episodes[i].reward += reward
+                pending[i] = ids
             else:
-                cut = [m for m in obs if len(m["content"]) > cfg.max_observation_chars]
-                obs = [{**m, "content": truncate_middle(m["content"], cfg.max_observation_chars)} for m in obs]
-                e.obs_truncated += len(cut)
-                suffix = tool_suffix_ids(tokenizer, obs, tokenizer.convert_ids_to_tokens(ids[-1]))  # after the sampled end of turn
-                if len(e.ids) + len(suffix) >= max_response_tokens:  # no room left to sample after the observation
-                    e.finish(by_limit=True)
-                else:
-                    e.append(suffix, False)
-                    e.turn_obs.append(obs_key(obs))  # what the next turn answers
+                settle(i, ids, obs, reward, done, error)
     for e, env in zip(episodes, envs):
         for key in ENV_STATS:
             setattr(e, key, getattr(env, key, getattr(e, key)))
         e.env_reward = getattr(env, "gives_reward", False)
+        e.seat = getattr(env, "seat", -1)
     return episodes
+
+
+def make_envs(make_env, n: int) -> list:
+    """One Env per episode: make_env() each, or in self-play (`make_env.seats == 2`) the seats of n / 2 games."""
+    if getattr(make_env, "seats", 1) == 1:
+        return [make_env() for _ in range(n)]
+    if n % 2:
+        raise ConfigError(
+            f"--agent.self-play: rows 2k and 2k+1 are the two seats of a game, so a batch needs an even number of rows, got {n}"
+        )
+    return [seat for _ in range(n // 2) for seat in make_env.pair()]
+
+
+def check_self_play(n: int) -> None:
+    """--agent.self-play with --rollout.n n: n / 2 games per prompt, and each seat's group needs two or more of them."""
+    if n < 4 or n % 2:
+        raise ConfigError(
+            f"--agent.self-play: --rollout.n {n}: the n samples of a prompt are n / 2 games, and each seat's "
+            "GRPO group needs 2 or more of them: use an even n >= 4"
+        )
+
+
+def _call(fn, max_seconds: float = 0.0):
+    """fn() within max_seconds, or the exception it raised (for _checked)."""
+    try:
+        return _within(max_seconds, fn)
+    except Exception as e:
+        return e
 
 
 ENV_STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_time")  # an env's own counters, copied to its Episode
@@ -213,10 +295,6 @@ def obs_key(messages: list[dict]) -> int:
     """A stable 48-bit hash of an observation's messages (the same in every process: Ray workers): step groups' anchor."""
     text = json.dumps(messages, sort_keys=True, default=str)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=6).digest(), "little")
-
-
-class StepTimeout(Exception):
-    pass
 
 
 def _within(seconds: float, fn, *args):
@@ -347,6 +425,7 @@ def assemble_episodes(prompts: DataProto, episodes: list[Episode], width: int, p
     out["turn_reward"] = turn_reward  # (B, R)
     out["turn_obs"] = turn_obs  # (B, R)
     out["agent_tool_tokens"] = (real - mask).sum(-1).float()  # (B,)
+    out["agent_seat"] = torch.tensor([float(e.seat) for e in episodes])  # (B,) self-play: the seat played, -1 none
     for key in EPISODE_STATS:
         out[f"agent_{key}"] = torch.tensor([float(getattr(e, key)) for e in episodes])
     for reason in ENV_ERRORS:
@@ -425,6 +504,28 @@ def turn_metrics(batch: DataProto, rewards: torch.Tensor, exists: torch.Tensor, 
         out[f"agent/turn/{k}/advantage"] = advantages[on].float().mean().item() if on.any() else 0.0
         out[f"agent/turn/{k}/length"] = on.sum(1)[exists[:, k]].float().mean().item()
     return out
+
+
+def seat_groups(batch: DataProto):
+    """The GRPO groups (uid) of a batch: in self-play (rows with agent_seat >= 0) a prompt's rows of one seat, so that a
+    seat's outcome is compared with that seat's in the prompt's other games (the same role, the same opening), never
+    with its own opponent's (zero-sum: the mirror of its own); else the uid as is."""
+    uid = batch["uid"]
+    if "agent_seat" not in batch or (batch["agent_seat"] < 0).all():
+        return uid
+    return np.array([f"{u}/seat{int(s)}" for u, s in zip(uid, batch["agent_seat"].tolist())], dtype=object)
+
+
+def seat_metrics(batch: DataProto, scores: torch.Tensor) -> dict:
+    """Self-play: each seat's mean outcome and the share of drawn (or unfinished) games; {} without seats."""
+    if "agent_seat" not in batch or (batch["agent_seat"] < 0).all():
+        return {}
+    seat, scores = batch["agent_seat"], scores.float()
+    return {
+        "agent/seat0/reward": scores[seat == 0].mean().item(),  # the seat that moves first
+        "agent/seat1/reward": scores[seat == 1].mean().item(),
+        "agent/selfplay/draws": (scores[seat == 0] == 0).float().mean().item(),  # games with no winner: drawn, or no outcome
+    }
 
 
 # ----------------------------------------------------------------------------- backends
@@ -520,8 +621,12 @@ class AgentPolicy:
             raise ConfigError(
                 f"--agent.max-turns must be >= 1 and --agent.max-tool-calls >= 0, got {agent_cfg.max_turns}, {agent_cfg.max_tool_calls}"
             )
+        if agent_cfg.self_play:
+            check_self_play(rollout_cfg.n)
         self.policy, self.tools, self.agent_cfg = policy, tools, agent_cfg
-        make_env = EnvFactory(agent_cfg.env, tools, agent_cfg.max_turns, agent_cfg.max_tool_calls, parse)  # --agent.env
+        make_env = EnvFactory(
+            agent_cfg.env, tools, agent_cfg.max_turns, agent_cfg.max_tool_calls, parse, agent_cfg.self_play
+        )  # --agent.env
         self.turn_loop = TurnLoop(
             tools, agent_cfg, rollout_cfg, max_response_length, parse, make_env
         )  # (--trainer.async-steps: the worker's too)

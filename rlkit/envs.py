@@ -22,6 +22,8 @@ Kinds shipped here:
 - `TextArenaEnv`, `SkyRLEnv`: the environments of two PyPI libraries, textarena (single-player text games) and
   skyrl-gym (`--agent.env textarena:GuessTheNumber-v0`, `--agent.env skyrl:gsm8k_multi_turn`; install words
   `textarena`, `skyrl` of scripts/install.sh).
+- `TextArenaSeat`: self-play (--agent.self-play), one seat of a two-player textarena game (`TextArenaGame`); the turn
+  loop plays a game's two seats as two episodes, sampling only the seat to move (`waiting`, `observe`, `leave`).
 
 An env whose `gives_reward` is true has its episode reward added to the scorer's (rlkit.recipe.score, from the
 batch's `env_reward`); its dataset's data_source is then usually "rlkit/env", a scorer that gives 0.
@@ -209,7 +211,7 @@ class TextArenaEnv:
     The game instance is drawn from the row's extra_info["seed"] (without one, every episode is a new random game);
     the game draws from a random stream of its own (textarena seeds Python's global `random`, which rlkit's checkpoints
     save: it is left as it was).
-    Games for two or more players are refused (EnvFactory): rlkit has no self-play of both seats yet."""
+    Two-player games are played by `TextArenaSeat`s (--agent.self-play); more players are refused (EnvFactory)."""
 
     gives_reward = True
 
@@ -248,6 +250,105 @@ class TextArenaEnv:
         return [], float((rewards or {}).get(0, 0.0)), True
 
 
+class TextArenaGame:
+    """One two-player textarena game shared by its two seats (`TextArenaSeat`, self-play): the game, its random
+    stream, and how it ended. `left` is set when one seat's episode ended before the game did (the turn loop's limits,
+    or an error: then its text), and the game is over for both, with no outcome."""
+
+    def __init__(self, game_id: str):
+        self.arena = TextArenaEnv.__new__(TextArenaEnv)  # its random stream and _in_game, not its one-player reset
+        self.arena.env, self.arena.rng = library("textarena:" + game_id).make(game_id), random.Random().getstate()
+        self.rewards: dict | None = None  # each seat's outcome, once the game is over
+        self.left: str | None = None
+
+    @property
+    def over(self) -> bool:
+        return self.rewards is not None or self.left is not None
+
+    def to_move(self) -> int:
+        return self.arena.env.state.current_player_id
+
+
+class TextArenaSeat:
+    """Self-play: one seat (0 or 1) of a two-player textarena game as an Env; the two seats of a game are two episodes
+    (rows) of the turn loop, made together by `EnvFactory.pair()`, each with its own tokens and its own outcome.
+
+    Seat 0 resets the game on its row (its extra_info["seed"]); seat 1 joins it (its own row is not read). While the other
+    seat is to move, `waiting` is true and the turn loop does not sample this seat; `observe()` then gives what the seat
+    has not seen yet (the other's move and the game's messages, as TextArenaEnv shows them: raw ids leave out the seat's
+    own move) and, once the game is over, ([], this seat's reward, True): textarena's close(), +1 / -1 for a win / loss,
+    0 for a draw (zero-sum), credited to the seat's last turn. A seat whose episode ends first (a limit, an error: the
+    turn loop calls `leave`) ends the game for both with no outcome (reward 0; the other seat is stopped by a limit,
+    or ends with the same env error)."""
+
+    gives_reward = True
+
+    def __init__(self, game: TextArenaGame, seat: int):
+        self.game, self.seat, self.shown = game, seat, ""
+        self.stopped_by_limit = False
+
+    def reset(self, row: dict) -> list[dict]:
+        """The row's prompt; the seat to move first also gets the game's first observation (the other one gets it,
+        with the first move, from observe())."""
+        if self.seat == 0:
+            self.game.arena._in_game(self.game.arena.env.reset, num_players=2, seed=(row.get("extra_info") or {}).get("seed"))
+        prompt = list(row.get("prompt") or [])
+        if self.waiting:
+            return prompt
+        obs = self._observe()
+        return prompt + [{"role": "user", "content": obs}] if obs else prompt
+
+    @property
+    def waiting(self) -> bool:
+        """The other seat is to move (the game is not over)."""
+        return not self.game.over and self.game.to_move() != self.seat
+
+    def _observe(self) -> str:
+        player, obs = self.game.arena.env.get_observation()
+        assert player == self.seat, f"seat {self.seat} observed on seat {player}'s turn"
+        if isinstance(obs, str):  # a wrapper's text: the history so far, this seat's
+            new, self.shown = (obs[len(self.shown) :] if obs.startswith(self.shown) else obs), obs
+            return new.strip()
+        return "\n".join(str(m[1]) for m in obs if m[0] != self.seat).strip()
+
+    def step(self, action: str) -> tuple[list[dict], float, bool]:
+        """This seat's move. The game over: ([], its reward, True); the same seat to move again (an invalid move that
+        textarena lets it retry): the game's reply; else ([], 0.0, False) and `waiting` (observe() later)."""
+        if self.game.to_move() != self.seat:
+            raise RuntimeError(f"seat {self.seat} moved on seat {self.game.to_move()}'s turn")
+        done, _ = self.game.arena._in_game(self.game.arena.env.step, action=action)
+        if done:
+            rewards, _ = self.game.arena.env.close()
+            self.game.rewards = dict(rewards or {})
+            return [], float(self.game.rewards.get(self.seat, 0.0)), True
+        if self.waiting:
+            return [], 0.0, False
+        obs = self._observe()
+        return ([{"role": "user", "content": obs}] if obs else []), 0.0, False
+
+    def observe(self) -> tuple[list[dict], float, bool]:
+        """What happened since this seat's last move, once it is to move again or the game is over."""
+        if self.game.left is not None:
+            if self.game.left:  # the other seat's episode ended with an env error: the same one here
+                error = self.game.left.split(":", 1)
+                raise (StepTimeout if error[0] == "timeout" else RuntimeError)(f"the other seat: {error[-1].strip()}")
+            self.stopped_by_limit = True  # the other seat's episode hit a limit: no outcome
+            return [], 0.0, True
+        if self.game.rewards is not None:
+            return [], float(self.game.rewards.get(self.seat, 0.0)), True
+        obs = self._observe()
+        return ([{"role": "user", "content": obs}] if obs else []), 0.0, False
+
+    def leave(self, error: str = "") -> None:
+        """This seat's episode ended before the game did: the game ends for both, with no outcome."""
+        if not self.game.over:
+            self.game.left = error
+
+
+class StepTimeout(Exception):
+    """A step that ran past --agent.max-step-seconds (rlkit.agent counts it as agent/env_errors/timeout)."""
+
+
 class SkyRLEnv:
     """Adapter: a skyrl-gym text environment as an Env (skyrl_gym 0.4: `make(id, env_config, extras)`,
     `init(prompt) -> (prompt, metadata)`, `step(action) -> {observations, reward, done, metadata}`, `close()`).
@@ -277,26 +378,45 @@ class SkyRLEnv:
         return list(out["observations"]), float(out["reward"]), bool(out["done"])
 
 
-def check_library_env(spec: str) -> None:
-    """--agent.env LIB:ID: the package is installed, ID is one of its environments and (textarena) a one-player game;
-    else a one-line ConfigError."""
+def check_library_env(spec: str, self_play: bool = False) -> None:
+    """--agent.env LIB:ID: the package is installed, ID is one of its environments and (textarena) a one-player game,
+    or with self_play (--agent.self-play) a two-player one; else a one-line ConfigError."""
     lib, env_id = spec.split(":", 1)
     mod = library(spec)
     registry = mod.envs.registration.ENV_REGISTRY if lib == "textarena" else mod.registry
     if env_id not in registry:
         known = sorted(k for k in registry if not k.endswith(("-raw", "-train")))  # textarena: each id also has these two
         raise ConfigError(f"--agent.env {spec}: {env_id!r} is not a {lib} environment; known: {', '.join(known[:12])}, ...")
-    if lib == "textarena":
+    if lib != "textarena":
+        if self_play:
+            raise ConfigError(f"--agent.self-play: needs a two-player textarena game (--agent.env textarena:GAME-ID), got {spec}")
+        return
+    players = None  # 1 or 2: the number the game starts with
+    for n in (1, 2):
         try:
-            TextArenaEnv(env_id).reset({})
-        except AssertionError as e:  # textarena's states assert their number of players
-            raise ConfigError(
-                f"--agent.env {spec}: a game for more than one player ({e}); rlkit plays one-player textarena games only "
-                "(self-play of every seat is not implemented)"
-            ) from None
+            if n == 1:
+                TextArenaEnv(env_id).reset({})
+            else:
+                game = TextArenaGame(env_id)
+                game.arena._in_game(game.arena.env.reset, num_players=2, seed=0)
+            players = n
+            break
+        except AssertionError:  # textarena's states assert their number of players
+            continue
         except Exception as e:  # e.g. a game whose word list must be downloaded (no network)
             why = next((line.strip() for line in str(e).splitlines() if line.strip(" *")), "")  # one line
             raise ConfigError(f"--agent.env {spec}: textarena could not start it offline: {type(e).__name__}: {why}") from None
+    if players is None:
+        raise ConfigError(
+            f"--agent.env {spec}: a game for more than two players; rlkit plays one-player textarena games, and two-player "
+            "ones with --agent.self-play"
+        )
+    if players == 2 and not self_play:
+        raise ConfigError(
+            f"--agent.env {spec}: a game for two players; add --agent.self-play (the policy plays both seats, docs/environments.md)"
+        )
+    if players == 1 and self_play:
+        raise ConfigError(f"--agent.self-play: --agent.env {spec} is a one-player game; self-play needs a two-player one")
 
 
 # ----------------------------------------------------------------------------- --agent.env
@@ -313,6 +433,7 @@ class EnvFactory:
     max_turns: int = 3
     max_tool_calls: int = 2
     parse: object = parse_hermes
+    self_play: bool = False  # --agent.self-play: a two-player textarena game, its seats made by pair()
 
     def __post_init__(self):
         if self.name not in ("tools", "guess") and ":" not in self.name:
@@ -320,7 +441,19 @@ class EnvFactory:
                 f"--agent.env {self.name!r}: choose tools, guess, textarena:GAME-ID, skyrl:ENV-ID, or a factory as path/file.py:make_env"
             )
         if self.name.split(":", 1)[0] in LIBRARIES:
-            check_library_env(self.name)
+            check_library_env(self.name, self.self_play)
+        elif self.self_play:
+            raise ConfigError(f"--agent.self-play: needs a two-player textarena game (--agent.env textarena:GAME-ID), got {self.name}")
+
+    @property
+    def seats(self) -> int:
+        """Episodes per game: 2 in self-play (rows 2k, 2k+1 are seats 0 and 1 of one game), else 1."""
+        return 2 if self.self_play else 1
+
+    def pair(self) -> tuple[TextArenaSeat, TextArenaSeat]:
+        """Self-play: the two seats of a new game."""
+        game = TextArenaGame(self.name.split(":", 1)[1])
+        return TextArenaSeat(game, 0), TextArenaSeat(game, 1)
 
     def __call__(self) -> Env:
         if self.name == "tools":
@@ -328,6 +461,8 @@ class EnvFactory:
         if self.name == "guess":
             return GuessEnv()
         lib, env_id = self.name.split(":", 1)
+        if self.self_play:
+            raise ConfigError("--agent.self-play: the seats of a game are made together, by EnvFactory.pair()")
         if lib in LIBRARIES:
             return TextArenaEnv(env_id) if lib == "textarena" else SkyRLEnv(env_id)
         env = load_function(self.name)()

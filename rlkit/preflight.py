@@ -43,7 +43,11 @@ def check_agent(cfg) -> None:
     tools_from_names(a.tools, max(a.max_tool_response_chars, 1))  # unknown names: one line listing the shipped tools
     from rlkit.envs import EnvFactory
 
-    EnvFactory(getattr(a, "env", "tools"))  # --agent.env: tools, guess or path.py:make_env
+    EnvFactory(getattr(a, "env", "tools"), self_play=getattr(a, "self_play", False))  # --agent.env: tools, guess or path.py:make_env
+    if getattr(a, "self_play", False) and hasattr(cfg, "rollout"):
+        from rlkit.agent import check_self_play
+
+        check_self_play(cfg.rollout.n)  # --rollout.n: pairs of games, two or more per seat group
     if a.max_turns < 1:
         raise ConfigError(f"--agent.max-turns {a.max_turns}: must be at least 1 (the first turn is the model's answer or its first call)")
     if a.max_tool_calls < 0:

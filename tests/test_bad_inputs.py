@@ -400,6 +400,22 @@ TOOL_CASES = {
         lambda c, t: setattr(c.agent, "env", "chess"),
         ["--agent.env 'chess'", "choose tools, guess, textarena:GAME-ID, skyrl:ENV-ID, or a factory"],
     ),
+    "self_play_three_players": (  # textarena's ThreePlayerTicTacToe asserts 3 players: no seat count rlkit plays
+        lambda c, t: (setattr(c.agent, "env", "textarena:ThreePlayerTicTacToe-v0"), setattr(c.agent, "self_play", True)),
+        ["--agent.env textarena:ThreePlayerTicTacToe-v0: a game for more than two players", "--agent.self-play"],
+    ),
+    "self_play_one_player_env": (
+        lambda c, t: (setattr(c.agent, "env", "textarena:GuessTheNumber-v0"), setattr(c.agent, "self_play", True)),
+        ["--agent.self-play: --agent.env textarena:GuessTheNumber-v0 is a one-player game"],
+    ),
+    "self_play_not_textarena": (
+        lambda c, t: setattr(c.agent, "self_play", True),  # the default env: tools
+        ["--agent.self-play: needs a two-player textarena game (--agent.env textarena:GAME-ID), got tools"],
+    ),
+    "self_play_n_2": (  # tools_cfg's --rollout.n 2: one game per prompt, a seat group of one
+        lambda c, t: (setattr(c.agent, "env", "textarena:TicTacToe-v0"), setattr(c.agent, "self_play", True)),
+        ["--agent.self-play: --rollout.n 2:", "use an even n >= 4"],
+    ),
     "prompt_with_tools_too_long": (  # the embedded prompts: 19 tokens, 31 with the tools offered; checked with them
         lambda c, t: setattr(c.data, "max_prompt_length", 25),
         ["has 31 tokens, over --data.max-prompt-length 25", "train.parquet"],

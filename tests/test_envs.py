@@ -351,7 +351,8 @@ def test_library_env_errors_are_one_line(monkeypatch):
     cases = {
         "textarena:Nope-v0": "'Nope-v0' is not a textarena environment; known: 2048-v0,",
         "skyrl:nope": "'nope' is not a skyrl environment; known: aime, gsm8k, gsm8k_multi_turn,",
-        "textarena:TicTacToe-v0": "a game for more than one player (The number of players has to be 2, received 1); rlkit plays one-player",
+        "textarena:TicTacToe-v0": "a game for two players; add --agent.self-play (the policy plays both seats",
+        "textarena:ThreePlayerTicTacToe-v0": "a game for more than two players; rlkit plays one-player textarena games, and two-player",
     }
     for spec, msg in cases.items():
         with pytest.raises(ConfigError, match=f"^--agent.env {spec}: ") as e:
