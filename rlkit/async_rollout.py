@@ -624,7 +624,7 @@ class Rollouts:
                 self.close()
                 raise RunFailed(_died(w, proc.pid, code, kind or "batch", self.k))
         held = [(now - t0, w, j) for j, (w, t0, _) in self.jobs_out.items() if w is not None]
-        if self.timeout_s and held and max(held)[0] >= self.timeout_s:
+        if self.timeout_s and held and (max(held)[0] >= self.timeout_s or now - start >= self.timeout_s):  # name who holds it
             waited, w, j = max(held)
             pid = self.procs[w][0].pid
             self._kill(self.procs[w][0])

@@ -104,11 +104,11 @@ def test_dropped_groups_are_replaced_by_new_draws():
 
 # -- 2. real workers --------------------------------------------------------------------------------------------------
 def test_a_slowed_worker_does_not_hold_the_step(tmp_path, monkeypatch):
-    """2 workers, G = 2 (4 jobs per draw of B = 8); worker 1 sleeps 4 s before each job (stream_hooks.slowed, from
+    """2 workers, G = 2 (4 jobs per draw of B = 8); worker 1 sleeps 3 s before each job (stream_hooks.slowed, from
     outside). Every step still trains on B = 8 whole groups (8 * n rows), and most come from the fast worker 0."""
-    monkeypatch.setattr(Rollouts, "serve", staticmethod(functools.partial(slowed, workers=(1,), generate_s=4.0)))
+    monkeypatch.setattr(Rollouts, "serve", staticmethod(functools.partial(slowed, workers=(1,), generate_s=3.0)))
     grpo = load_recipe("grpo")
-    cfg = quick_config(grpo, tmp_path, steps=3, async_steps=1, async_workers=2, queue_groups=2)
+    cfg = quick_config(grpo, tmp_path, steps=2, async_steps=1, async_workers=2, queue_groups=2)
     grpo.main(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     for r in rows:
@@ -122,11 +122,20 @@ def test_a_slowed_worker_does_not_hold_the_step(tmp_path, monkeypatch):
 
 def test_a_worker_that_never_delivers_stops_the_run_in_one_line(tmp_path, monkeypatch):
     """Worker 1 takes a job and hangs: the fast worker cannot make up for a job that never comes back, so after
-    --trainer.async-timeout-s the run stops naming the worker and the flag, and no process is left."""
+    --trainer.async-timeout-s the run stops naming the worker and the flag, and no process is left. (The limit is
+    lowered to 4 s once the workers are up: starting them on a loaded machine can take longer than that; worker 0's
+    jobs of 4 groups take ~0.2 s, and the 20 steps far longer than 4 s.)"""
     monkeypatch.setattr(Rollouts, "serve", staticmethod(functools.partial(slowed, workers=(1,), hang=True)))
+    start = Rollouts._start_processes
+
+    def started(self, args):
+        start(self, args)
+        self.timeout_s = 4.0
+
+    monkeypatch.setattr(Rollouts, "_start_processes", started)
     grpo = load_recipe("grpo")
-    cfg = quick_config(grpo, tmp_path, steps=3, async_steps=1, async_workers=2, queue_groups=4, async_timeout_s=5)
-    with pytest.raises(RunFailed, match=r"generation worker 1 .* never delivered it \(--trainer.async-timeout-s 5\)") as e:
+    cfg = quick_config(grpo, tmp_path, steps=20, async_steps=1, async_workers=2, queue_groups=4, async_timeout_s=600)
+    with pytest.raises(RunFailed, match=r"generation worker 1 .* never delivered it \(--trainer.async-timeout-s 4\)") as e:
         grpo.main(cfg)
     assert "\n" not in str(e.value)
     assert mp.active_children() == []
