@@ -736,9 +736,9 @@ class Rollouts:
             out["async/dropped_groups"] = q.pop("dropped_groups", 0)
             out["async/gen_idle_s"] = q.pop("gen_idle_s", 0.0)
             for w in range(self.n_workers):
-                out[f"async/groups_from_{w}"] = q.pop(f"from_{w}", 0)
+                out["async/" + f"groups_from_{w}"] = q.pop(f"from_{w}", 0)  # (docs/metrics.md: async/groups_from_<w>)
             for key, count in sorted(q.items()):  # stale_<s>
-                out[f"async/groups_{key}"] = count
+                out["async/" + f"groups_{key}"] = count  # async/groups_stale_<s>
         return out
 
     def close(self) -> None:
