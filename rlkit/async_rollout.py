@@ -33,6 +33,13 @@ place (--trainer.swap-mode keep_kv or reprefill); the batch carries token_versio
 the async/token_staleness_*, async/version_span* metrics and, with --trainer.max-staleness s, the sample_keep mask
 the update applies (docs/off-policy.md, "Three regimes").
 
+The queue of groups (--trainer.queue-groups G, local backend): in place of each batch's fixed split, every draw of B
+prompts goes on one job queue as jobs of G groups that whichever worker is free pulls (each job to start on the
+trainer's version then or newer, pushed on the workers' updates queues), finished groups come back on one shared
+queue, and each step takes the next B ready groups (Rollouts._next_groups), dropping those more than
+--trainer.max-staleness versions behind; async/groups_stale_<s>, async/groups_from_<w>, async/dropped_groups,
+async/gen_idle_s. A checkpoint saves the loader's position before the oldest draw with a group not yet taken.
+
 The loss corrects for it with the recipe's decoupled PPO: pi_old = the trainer's log-probs before the
 update (pi_prox), w = f(pi_prox / mu) (--actor.rollout-correction), see docs/off-policy.md.
 
