@@ -68,7 +68,9 @@ def test_sample_keep_masks_samples_out_of_the_loss():
     batch = trainer.generate(prompts.repeat(2, interleave=True))  # (16, R)
     batch = batch.union(trainer.compute_log_prob(batch))
     batch["advantages"] = torch.randn(len(batch))[:, None] * batch["response_mask"]
-    loss = grpo.make_actor_loss(grpo.Config())
+    cfg = grpo.Config()
+    cfg.actor.use_kl_loss = False  # (no reference pass here: the loss is the clipped surrogate alone)
+    loss = grpo.make_actor_loss(cfg)
     batch["sample_keep"] = torch.zeros(len(batch), dtype=torch.bool)
     assert trainer.update(batch, loss)["actor/grad_norm"] == 0
     batch["sample_keep"] = torch.arange(len(batch)) % 2 == 0
