@@ -763,6 +763,35 @@ CASES = {  # name: (what it does / expects, the case, time limit in s)
         bad_flag("--trainer.async-steps", "1", "--trainer.max-staleness", "-1", phrases=("--trainer.max-staleness -1",)),
         120,
     ),
+    "queue_without_async": (
+        "--trainer.queue-groups 2 without --trainer.async-steps -> one line",
+        bad_flag("--trainer.queue-groups", "2", phrases=("--trainer.queue-groups", "--trainer.async-steps 1")),
+        120,
+    ),
+    "queue_with_ray": (
+        "--trainer.queue-groups 2 with --trainer.backend ray -> one line, before Ray starts",
+        bad_flag(
+            "--trainer.async-steps",
+            "1",
+            "--trainer.queue-groups",
+            "2",
+            "--trainer.backend",
+            "ray",
+            phrases=("--trainer.queue-groups 2 does not run with --trainer.backend ray",),
+        ),
+        120,
+    ),
+    "max_staleness_masks_every_batch": (
+        "--trainer.max-staleness 1 < --trainer.async-steps 2 (k-step, no queue: every batch masked forever) -> one line",
+        bad_flag(
+            "--trainer.async-steps",
+            "2",
+            "--trainer.max-staleness",
+            "1",
+            phrases=("--trainer.max-staleness 1 < --trainer.async-steps 2 masks every batch", "--trainer.queue-groups"),
+        ),
+        120,
+    ),
     "drop_finished_out_of_range": (
         "--rollout.drop-finished 2 -> one line",
         bad_flag("--rollout.drop-finished", "2", phrases=("--rollout.drop-finished 2.0",)),

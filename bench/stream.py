@@ -1,5 +1,6 @@
 """Held-out accuracy against wall-clock seconds: synchronous GRPO vs one-step-off (k = 1) vs in-flight weight updates
-(k = 1, --trainer.swap-every C, keep_kv and reprefill), on the embedded task, whole runs alternated in one process.
+(k = 1, --trainer.swap-every C, keep_kv and reprefill) vs the queue of groups (k = 1, 2 workers, --trainer.queue-groups 4),
+on the embedded task, whole runs alternated in one process.
 
 Each arm is `recipes/grpo.py`'s default embedded run (the tiny 0.56M model, 32 prompts x 8 samples) for --steps steps,
 validating on --val-prompts held-out prompts every --test-freq steps. Wall-clock at a validation = the sum of the
@@ -30,12 +31,15 @@ ARMS = {  # name: --trainer flags
     "k1": dict(async_steps=1),
     "keep_kv": dict(async_steps=1, swap_every=1, swap_mode="keep_kv"),
     "reprefill": dict(async_steps=1, swap_every=1, swap_mode="reprefill"),
+    "queue": dict(async_steps=1, async_workers=2, queue_groups=4),  # the queue of groups, 2 workers pulling 4 prompts a job
 }
 
 
-def one_run(grpo, arm: str, steps: int, test_freq: int, val_prompts: int, seed: int, out: Path, swap_every: int) -> list[dict]:
+def one_run(grpo, arm: str, steps: int, test_freq: int, val_prompts: int, seed: int, out: Path, swap_every: int, max_len=0) -> list[dict]:
     cfg = grpo.Config()
     cfg.data.val_max_samples = val_prompts
+    if max_len:
+        cfg.data.max_response_length = max_len
     cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.seed = steps, test_freq, seed
     cfg.trainer.default_local_dir, cfg.trainer.save_freq = str(out), 10**9
     for k, v in ARMS[arm].items():
@@ -58,10 +62,11 @@ def curve(rows: list[dict]) -> list[tuple[int, float, float]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default="sync,k1,keep_kv,reprefill", help=f"comma-separated: {', '.join(ARMS)}")
+    p.add_argument("--max-response-length", type=int, default=0, help="--data.max-response-length (0: the recipe's default)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--test-freq", type=int, default=10)
     p.add_argument("--val-prompts", type=int, default=128)
-    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--reps", type=int, default=1, help="repetitions, rep r with seed --seed + r")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--swap-every", type=int, default=1, help="--trainer.swap-every of the in-flight arms (embedded responses: <= 8 tokens)")
     args = p.parse_args()
@@ -74,7 +79,15 @@ def main() -> None:
         for rep in range(args.reps):
             for arm in arms:
                 rows = one_run(
-                    grpo, arm, args.steps, args.test_freq, args.val_prompts, args.seed, Path(tmp) / f"{arm}-{rep}", args.swap_every
+                    grpo,
+                    arm,
+                    args.steps,
+                    args.test_freq,
+                    args.val_prompts,
+                    args.seed + rep,
+                    Path(tmp) / f"{arm}-{rep}",
+                    args.swap_every,
+                    args.max_response_length,
                 )
                 c = curve(rows)
                 curves[arm].append(c)

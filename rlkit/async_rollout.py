@@ -33,6 +33,13 @@ place (--trainer.swap-mode keep_kv or reprefill); the batch carries token_versio
 the async/token_staleness_*, async/version_span* metrics and, with --trainer.max-staleness s, the sample_keep mask
 the update applies (docs/off-policy.md, "Three regimes").
 
+The queue of groups (--trainer.queue-groups G, local backend): in place of each batch's fixed split, every draw of B
+prompts goes on one job queue as jobs of G groups that whichever worker is free pulls (each job to start on the
+trainer's version then or newer, pushed on the workers' updates queues), finished groups come back on one shared
+queue, and each step takes the next B ready groups (Rollouts._next_groups), dropping those more than
+--trainer.max-staleness versions behind; async/groups_stale_<s>, async/groups_from_<w>, async/dropped_groups,
+async/gen_idle_s. A checkpoint saves the loader's position before the oldest draw with a group not yet taken.
+
 The loss corrects for it with the recipe's decoupled PPO: pi_old = the trainer's log-probs before the
 update (pi_prox), w = f(pi_prox / mu) (--actor.rollout-correction), see docs/off-policy.md.
 
@@ -63,11 +70,6 @@ from rlkit.protocol import DataProto
 ASYNC_KV_BUDGET_FRACTION = 0.25  # the generation worker's share of the free GPU memory for HF generation (the trainer's: 0.5)
 
 
-# Seconds the generation worker sleeps at each in-flight poll (--trainer.swap-every): a test knob that makes the tiny model's
-# generation slower than the trainer's update, the regime where weights arrive mid-generation (tests/test_stream_async.py).
-SLOW_POLL_ENV = "RLKIT_TEST_SLOW_POLL_S"
-
-
 class Generator:
     """The generation worker: the trainer's rollout worker (ActorRolloutRefWorker: the same rollout, turn loop,
     micro-batches and reference pass) as a generation-only copy, loaded with the trainer's weights job by job."""
@@ -90,7 +92,6 @@ class Generator:
         self.need_ref, self.version = need_ref, 0
         self.swap_every, self.swap_mode = trainer_cfg.swap_every, trainer_cfg.swap_mode  # in-flight weight updates (0: off)
         self.updates = None  # --trainer.swap-every: the queue the trainer pushes each new version on (_serve sets it)
-        self.poll_delay_s = float(os.environ.get(SLOW_POLL_ENV, 0) or 0)  # tests: a slow generator, see SLOW_POLL_ENV
 
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
         """Batch i: load `weights` (flat, layout, version) when given, sample, add the reference log-probs.
@@ -99,9 +100,12 @@ class Generator:
         starts on version v or newer (the newest pushed: a run's batches start no older than the k-step loop's), and
         every C tokens the fast loop asks on_new_weights for a newer one; the batch then holds token_version (B, R)."""
         stream = {}
-        if isinstance(weights, tuple) and weights and weights[0] == "await":
+        if isinstance(weights, tuple) and weights and weights[0] == "await":  # (--trainer.queue-groups without swap-every too)
             self._await(weights[1])
-            stream = dict(swap_every=self.swap_every, on_new_weights=self.on_new_weights, swap_mode=self.swap_mode, version=self.version)
+            if self.swap_every:
+                stream = dict(
+                    swap_every=self.swap_every, on_new_weights=self.on_new_weights, swap_mode=self.swap_mode, version=self.version
+                )
         elif weights is not None:
             flat, layout, self.version = receive_weights(weights)
             self.worker.load_weights(flat, layout)
@@ -143,8 +147,6 @@ class Generator:
         """The fast loop's poll (HFRollout.decode, every --trainer.swap-every tokens): None when the trainer pushed nothing
         since this worker's last load, else (version, loader): loader(model) copies the weights into this worker's model
         in place (the rollout's model is the engine's) and the tokens from here on carry that version."""
-        if self.poll_delay_s:
-            time.sleep(self.poll_delay_s)
         payload = self.newest()
         if payload is None:
             return None
@@ -241,32 +243,48 @@ def receive_weights(payload) -> tuple[torch.Tensor, list, int]:
     return flat, layout, version
 
 
-def _serve(args, jobs, results, updates=None) -> None:
+def _serve(args, jobs, results, updates=None, stop=None) -> None:
     """The spawned generation process (--trainer.backend local): build a Generator, then generate every job it is sent.
-    updates: the queue of pushed weights (--trainer.swap-every), read by the Generator between and inside jobs."""
-    import multiprocessing as mp
+    updates: the queue of pushed weights (--trainer.swap-every, --trainer.queue-groups), read by the Generator between and
+    inside jobs. stop (--trainer.queue-groups): the trainer's event; then `jobs` and `results` are shared by all workers,
+    so each message names this worker -- ("took", job, (w, idle s)) when it takes a job, ("groups", job, (w, batch)).
 
+    Ctrl-C in a terminal reaches the whole process group: the worker ignores SIGINT, the trainer's close() stops it. It
+    also stops on its own when the trainer is gone (SIGKILL), checked before every job and every 2 s while idle."""
+    import multiprocessing as mp
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    w = args[-1]
     try:
         gen = Generator(*args)
         gen.updates = updates
-        results.put(("ready", None, None))
+        results.put(("ready", None, w))
     except Exception:
         results.put(("error", None, traceback.format_exc()))
         return
+    idle_from = time.monotonic()
     while True:
+        if not mp.parent_process().is_alive() or (stop is not None and stop.is_set()):  # the trainer died, or closes us
+            results.cancel_join_thread()  # (nobody reads what is still buffered: do not wait to flush it at exit)
+            return
         try:
             job = jobs.get(timeout=2.0)
         except queue.Empty:
-            if not mp.parent_process().is_alive():  # the trainer died without closing us
-                return
             continue
         if job is None:
             gen.close()
             return
+        if stop is not None:
+            if stop.is_set():
+                continue
+            results.put(("took", job[0], (w, time.monotonic() - idle_from)))
         try:
-            results.put(("batch", *gen.generate(*job)))
+            i, batch = gen.generate(*job)
+            results.put(("batch", i, batch) if stop is None else ("groups", i, (w, batch)))
             if jobs.empty():  # no job queued: idle until one comes (sleeping while one waits would only cost a wake)
                 gen.idle()
+            idle_from = time.monotonic()
         except Exception:
             results.put(("error", None, traceback.format_exc()))
             return
@@ -373,6 +391,16 @@ class Rollouts:
         self.handoff_dtype = handoff_dtype(cfg.model, cfg.trainer.device)
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
+        # --trainer.queue-groups G: a queue of groups in place of the fixed split (Rollouts._next_groups)
+        self.queue_groups, self.batch_groups = getattr(cfg.trainer, "queue_groups", 0), cfg.data.train_batch_size
+        self.shared = None  # (jobs, results, stop): the queues every worker pulls from and pushes to, the stop event
+        self.ready = collections.deque()  # finished groups not yet taken, in arrival order: (group (n rows), worker, oldest version)
+        self.outstanding = 0  # groups queued, generating or ready, not yet taken or dropped
+        self.jobs_out: dict[int, list] = {}  # job id -> [worker (None until taken), time taken, its uids]
+        self.n_jobs = 0  # jobs queued so far
+        self.draws: dict[int, tuple] = {}  # draw d -> (the loader's state before prompts(d), its uids not yet taken or dropped)
+        self.pushed = None  # the version last pushed to every worker's updates queue
+        self.qstats = collections.Counter()  # since the last metrics(): dropped_groups, gen_idle_s, stale_<s>, from_<w>
         if self.k == 0:  # (the flags' ranges and what cannot run beside them: config.TrainerConfig.check, preflight.check_async)
             return
         t = cfg.trainer
@@ -393,17 +421,26 @@ class Rollouts:
         return batch.repeat(self.group_size, interleave=True)  # (B*n, P), a group's rows adjacent
 
     # -- the workers: spawned processes (local backend) or Ray actors ---------------------------------------------
+    serve = staticmethod(_serve)  # what a spawned worker runs: a test wraps it (a slow or hung worker), see tests/test_stream_queue.py
+
     def _start_processes(self, args) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
+        if self.queue_groups:  # one queue of jobs all workers pull from, one of finished groups they all push to
+            self.shared = (ctx.Queue(), ctx.Queue(), ctx.Event())
         for w in range(self.n_workers):
-            jobs, results = ctx.Queue(), ctx.Queue()
-            updates = ctx.Queue() if self.swap_every else None
+            jobs, results = self.shared[:2] if self.shared else (ctx.Queue(), ctx.Queue())
+            updates = ctx.Queue() if self.swap_every or self.queue_groups else None
             self.update_queues.append(updates)
-            proc = ctx.Process(target=_serve, args=((*args, w), jobs, results, updates), daemon=True, name=f"rlkit-rollout-{w}")
+            extra = (self.shared[2],) if self.shared else ()
+            proc = ctx.Process(target=self.serve, args=((*args, w), jobs, results, updates, *extra), daemon=True, name=f"rlkit-rollout-{w}")
             proc.start()
             self.procs.append((proc, jobs, results))
+        if self.shared:
+            for _ in range(self.n_workers):
+                self._take_message("ready")
+            return
         for w in range(self.n_workers):
             self._receive(w, "ready")
 
@@ -528,11 +565,130 @@ class Rollouts:
         flat, layout = self.policy.trainable_weights(self.handoff_dtype)
         return send_weights(flat, layout, version, workers, self.weights_dir)
 
+    # -- --trainer.queue-groups G: workers pull G prompts' groups at a time, the trainer takes the next B ready groups ---------
+    def _push_weights(self, version: int) -> None:
+        """Every worker's updates queue gets the trainer's weights when they changed: a job starts on the newest there."""
+        if self.pushed != version:
+            for w, payload in self._pack_weights(list(range(self.n_workers)), version).items():
+                self.update_queues[w].put(payload)
+            self.pushed = version
+
+    def _submit_draw(self) -> None:
+        """Draw the loader's next B prompts (draw d, uids "d-j") and queue them as jobs of G groups, each to start on the
+        trainer's version now or newer."""
+        self.submitted += 1
+        d, state, version = self.submitted, self.loader.state_dict(), self.policy.weights_version()
+        self._push_weights(version)
+        batch, n = self.prompts(d), self.group_size  # (B*n, P)
+        uids = [str(u) for u in batch["uid"][::n]]
+        self.draws[d] = (state, set(uids))
+        for start in range(0, len(uids), self.queue_groups):
+            stop = min(start + self.queue_groups, len(uids))
+            self.n_jobs += 1
+            self.jobs_out[self.n_jobs] = [None, None, uids[start:stop]]
+            self.shared[0].put((self.n_jobs, batch.index(list(range(start * n, stop * n))), ("await", version)))
+        self.outstanding += len(uids)
+
+    def _take_message(self, kind: str | None = None) -> None:
+        """The next message on the shared results queue: a worker ready, a job taken (who, after how long idle) or its
+        finished groups (split into self.ready); an error, a dead worker, a job held or a wait past
+        --trainer.async-timeout-s raise RunFailed naming the worker."""
+        results, start = self.shared[1], time.monotonic()
+        while True:
+            self._check_workers(kind, start)  # (before every message too: a fast worker's stream must not hide a dead one)
+            try:
+                got, j, payload = results.get(timeout=2.0)
+                break
+            except queue.Empty:
+                continue
+        if got == "error":
+            self.close()
+            raise RunFailed(f"a generation worker (--trainer.async-steps {self.k}) failed:\n{payload}")
+        assert kind is None or got == kind, (got, kind)
+        if got == "took":
+            w, idle = payload
+            self.jobs_out[j][:2] = [w, time.monotonic()]
+            self.qstats["gen_idle_s"] += idle
+        elif got == "groups":
+            w, batch = payload
+            self.jobs_out.pop(j)
+            n, mask = self.group_size, batch["response_mask"].bool()
+            if "token_version" not in batch:  # k-step: every token the version its job started on
+                batch["token_version"] = torch.where(mask, batch.meta["policy_version"], -1)  # (G*n, R)
+            for g in range(len(batch) // n):
+                rows = list(range(g * n, (g + 1) * n))
+                v = batch["token_version"][rows][mask[rows]]
+                oldest = int(v.min()) if len(v) else batch.meta["policy_version"]  # its oldest token's version
+                self.ready.append((batch.index(rows), w, oldest))
+
+    def _check_workers(self, kind: str | None, start: float) -> None:
+        """RunFailed, the workers stopped, when one has died, holds a job past --trainer.async-timeout-s, or none has
+        sent anything for that long since `start`."""
+        now = time.monotonic()
+        for w, (proc, _, _) in enumerate(self.procs):
+            if not proc.is_alive():
+                code = proc.exitcode
+                self.close()
+                raise RunFailed(_died(w, proc.pid, code, kind or "batch", self.k))
+        held = [(now - t0, w, j) for j, (w, t0, _) in self.jobs_out.items() if w is not None]
+        if self.timeout_s and held and (max(held)[0] >= self.timeout_s or now - start >= self.timeout_s):  # name who holds it
+            waited, w, j = max(held)
+            pid = self.procs[w][0].pid
+            self._kill(self.procs[w][0])
+            raise RunFailed(
+                f"generation worker {w} (pid {pid}, --trainer.queue-groups {self.queue_groups}) took job {j} {waited:.0f} s ago and "
+                f"never delivered it (--trainer.async-timeout-s {self.timeout_s:g}): it is hung or stopped. Raise the flag if "
+                "a job really takes that long, or lower --trainer.queue-groups (fewer groups per job)"
+            )
+        if self.timeout_s and now - start >= self.timeout_s:
+            self.close()
+            raise RunFailed(
+                f"no generation worker (--trainer.async-workers {self.n_workers}) sent anything for {now - start:.0f} s "
+                f"(--trainer.async-timeout-s {self.timeout_s:g}): they are hung. Raise the flag if a job really takes that long"
+            )
+
+    def _next_groups(self) -> DataProto:
+        """The next B ready groups, whoever generated them, with at least (k+1)B groups kept outstanding; a group whose
+        oldest token is more than --trainer.max-staleness s updates behind is dropped (counted) and the next one taken."""
+        start, now, B = time.perf_counter(), self.policy.weights_version(), self.batch_groups
+        self._push_weights(now)  # a worker's next job starts on these
+        taken = []  # (group, worker, staleness)
+        while len(taken) < B:
+            while self.outstanding < (self.k + 1) * B - len(taken):
+                self._submit_draw()
+            if not self.ready:
+                self._take_message()
+                continue
+            group, w, oldest = self.ready.popleft()
+            self.outstanding -= 1
+            uid = str(group["uid"][0])
+            d = int(uid.split("-")[0])
+            self.draws[d][1].discard(uid)
+            if not self.draws[d][1]:
+                del self.draws[d]
+            if self.max_staleness and now - oldest > self.max_staleness:
+                self.qstats["dropped_groups"] += 1
+                continue
+            taken.append((group, w, now - oldest))
+        wait = time.perf_counter() - start
+        for _, w, s in taken:
+            self.qstats[f"from_{w}"] += 1
+            self.qstats[f"stale_{s}"] += 1
+            self.stats.append((s, 0.0))
+        self.stats[-1] = (self.stats[-1][0], wait)  # (async/wait_s: the step's, once)
+        batch = DataProto.concat([g for g, _, _ in taken])  # (B*n, ...)
+        batch.meta["policy_version"] = now - max(s for _, _, s in taken)  # the oldest group's
+        sums, _ = staleness(batch["token_version"], batch["response_mask"], now)
+        self.token_stats.append(sums)
+        return batch
+
     def next(self) -> DataProto:
         """The next generation batch: prompts(i) generated now (k = 0), or k batches ago by the workers."""
         self.i += 1
         if self.k == 0:
             return self.policy.generate(self.prompts(self.i))
+        if self.queue_groups:
+            return self._next_groups()
         while self.submitted < self.i + self.k:  # keep k batches queued beyond this one
             self._submit()
         start = time.perf_counter()
@@ -556,6 +712,8 @@ class Rollouts:
     def loader_state(self) -> dict | None:
         """What a checkpoint saves as the loader's position: the state before the oldest batch queued but not yet taken
         (a resumed run draws those prompts again, sampled by its own weights), or None when none is queued."""
+        if self.queue_groups:  # the oldest draw with a group not yet taken or dropped
+            return self.draws[min(self.draws)][0] if self.draws else None
         return self.drawn_from[min(self.drawn_from)] if self.drawn_from else None
 
     def metrics(self) -> dict:
@@ -580,6 +738,14 @@ class Rollouts:
                 "async/version_span_max": max(x["span_max"] for x in t),
                 "async/dropped_samples": sum(x["dropped"] for x in t),
             })  # fmt: skip
+        if self.queue_groups:  # the groups' staleness histogram, who generated them, what was dropped, the workers' idle time
+            q, self.qstats = self.qstats, collections.Counter()
+            out["async/dropped_groups"] = q.pop("dropped_groups", 0)
+            out["async/gen_idle_s"] = q.pop("gen_idle_s", 0.0)
+            for w in range(self.n_workers):
+                out["async/" + f"groups_from_{w}"] = q.pop(f"from_{w}", 0)  # (docs/metrics.md: async/groups_from_<w>)
+            for key, count in sorted(q.items()):  # stale_<s>
+                out["async/" + f"groups_{key}"] = count  # async/groups_stale_<s>
         return out
 
     def close(self) -> None:
@@ -595,11 +761,16 @@ class Rollouts:
                 self.pool.remove()
         procs, self.procs = self.procs, []
         updates, self.update_queues = self.update_queues, []
+        shared, self.shared = self.shared, None
+        if shared is not None:  # the shared queue: the workers stop before their next job, one None each wakes an idle one
+            shared[2].set()
+            for _ in procs:
+                shared[0].put(None)
         for q in updates:
             if q is not None:
                 q.cancel_join_thread()
                 q.close()
-        for _, jobs, _ in procs:
+        for _, jobs, _ in procs if shared is None else []:
             jobs.put(None)
         for proc, jobs, results in procs:
             proc.join(timeout=10)

@@ -453,7 +453,9 @@ class TrainerConfig(RunConfig):
     swap_mode: Literal["keep_kv", "reprefill"] = "keep_kv"
     """with --trainer.swap-every: keep_kv (go on with the KV cache of the old weights, PipelineRL) or reprefill (recompute prompt + tokens so far under the new weights, partial rollout)"""
     max_staleness: int = 0
-    """with --trainer.async-steps >= 1: s > 0 = samples whose oldest token is more than s updates behind are masked out of the loss, counted in async/dropped_samples (0 = off)"""
+    """with --trainer.async-steps >= 1: s > 0 = samples whose oldest token is more than s updates behind are masked out of the loss, counted in async/dropped_samples; with --trainer.queue-groups: such groups are dropped, async/dropped_groups (0 = off)"""
+    queue_groups: int = 0
+    """with --trainer.async-steps >= 1: G > 0 = a queue of groups: workers pull G prompts at a time and push their groups back, each step takes the next B ready ones, whoever made them (0 = each batch split evenly between the workers)"""
 
     def check(self) -> None:
         if self.val_n <= 0:
@@ -479,6 +481,17 @@ class TrainerConfig(RunConfig):
             flag = "--trainer.swap-every" if self.swap_every else "--trainer.max-staleness"
             raise ConfigError(
                 f"{flag} applies to the asynchronous generation worker only: add --trainer.async-steps 1 (or more), or drop it"
+            )
+        if self.queue_groups < 0:
+            raise ConfigError(f"--trainer.queue-groups {self.queue_groups}: must be >= 0 (0 = off: each batch split between the workers)")
+        if k == 0 and self.queue_groups:
+            raise ConfigError(
+                "--trainer.queue-groups applies to the asynchronous generation workers only: add --trainer.async-steps 1 (or more), or drop it"
+            )
+        if 0 < self.max_staleness < k and not self.swap_every and not self.queue_groups:
+            raise ConfigError(
+                f"--trainer.max-staleness {self.max_staleness} < --trainer.async-steps {k} masks every batch from step {k + 1} on (each is "
+                f"{k} updates behind, forever): raise it to >= {k}, or add --trainer.queue-groups G (stale groups are dropped, fresh ones taken)"
             )
         if self.swap_mode != "keep_kv" and not self.swap_every:
             raise ConfigError(
@@ -550,7 +563,9 @@ SYSTEM_OPTIONS = {
         )
     },
     "vllm": {"rollout": ("name", "gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "max_num_seqs", "lora_adapter_sync")},
-    "async_rollout": {"trainer": ("async_steps", "async_workers", "async_timeout_s", "swap_every", "swap_mode", "max_staleness")},
+    "async_rollout": {
+        "trainer": ("async_steps", "async_workers", "async_timeout_s", "swap_every", "swap_mode", "max_staleness", "queue_groups")
+    },
     "sandbox": {
         "reward": ("sandbox", "sandbox_level", "sandbox_workers", "sandbox_fresh", "sandbox_memory_mb"),
         "agent": ("sandbox_level",),

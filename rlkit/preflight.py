@@ -74,6 +74,11 @@ def check_async(cfg) -> None:
         )
     if t.backend == "ray" and t.engine == "megatron":
         raise ConfigError(f"--trainer.async-steps {k} does not run with --trainer.engine megatron yet; use --trainer.engine fsdp")
+    if getattr(t, "queue_groups", 0) and t.backend == "ray":
+        raise ConfigError(
+            f"--trainer.queue-groups {t.queue_groups} does not run with --trainer.backend ray (the queue is the local backend's "
+            "worker processes); use --trainer.backend local or --trainer.queue-groups 0"
+        )
     c = getattr(t, "swap_every", 0)
     if c:  # in-flight weight updates: rlkit's fast loop in a worker process that can read a second queue mid-generation
         why = (

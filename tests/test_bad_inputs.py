@@ -239,6 +239,15 @@ CASES = {
         lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "max_staleness", -1)),
         ["--trainer.max-staleness -1"],
     ),
+    "queue_without_async": (lambda c, t: setattr(c.trainer, "queue_groups", 2), ["--trainer.queue-groups", "--trainer.async-steps 1"]),
+    "queue_with_ray": (
+        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "queue_groups", 2), setattr(c.trainer, "backend", "ray")),
+        ["--trainer.queue-groups 2 does not run with --trainer.backend ray"],
+    ),
+    "max_staleness_masks_every_batch": (
+        lambda c, t: (setattr(c.trainer, "async_steps", 2), setattr(c.trainer, "max_staleness", 1)),
+        ["--trainer.max-staleness 1 < --trainer.async-steps 2 masks every batch", "--trainer.queue-groups"],
+    ),
     "drop_finished_out_of_range": (lambda c, t: setattr(c.rollout, "drop_finished", 2.0), ["--rollout.drop-finished 2.0"]),
     "drop_finished_with_generate": (
         lambda c, t: (setattr(c.rollout, "drop_finished", 0.5), setattr(c.rollout, "hf_impl", "generate")),

@@ -5,15 +5,17 @@ the worker wiring (rlkit/async_rollout.py: the updates queue, Generator.on_new_w
 drop (sample_keep -> workers.update masks the rows out of the loss) and the flags' refusals. Two tiny grpo runs, ~1 min.
 """
 
+import functools
 import multiprocessing as mp
 
 import pytest
 import torch
+from stream_hooks import slowed
 from test_grpo_recipe import load_recipe, read_jsonl
 from test_off_policy import quick_config
 
 from rlkit import preflight
-from rlkit.async_rollout import SLOW_POLL_ENV, staleness
+from rlkit.async_rollout import Rollouts, staleness
 from rlkit.config import check_flags
 from rlkit.errors import ConfigError
 
@@ -37,12 +39,12 @@ def test_staleness_of_a_hand_built_batch():
 
 
 def test_in_flight_swaps_stamp_several_versions_in_a_sample(tmp_path, monkeypatch):
-    """k = 1, --trainer.swap-every 1, a slow generator (each poll sleeps 0.4 s: generating a batch outlasts an update).
+    """k = 1, --trainer.swap-every 1, a slow generator (each poll sleeps 0.4 s, stream_hooks.slowed: generating a batch outlasts an update).
     Step 1's batch is all version 0 (trainer at 0). From step 2 on the trainer is at t-1 when it takes batch t, which
     the worker began on version t-2 (the newest pushed when it started): its first tokens are 1 behind, and once the
     trainer pushes t-1 (after update t-1) the tokens still to come are sampled by t-1, 0 behind: staleness max 1, mean
     in (0, 1), a sample spans at most 1 version, and some sample does span 1."""
-    monkeypatch.setenv(SLOW_POLL_ENV, "0.4")
+    monkeypatch.setattr(Rollouts, "serve", staticmethod(functools.partial(slowed, poll_s=0.4)))
     grpo = load_recipe("grpo")
     cfg = quick_config(grpo, tmp_path, steps=3, async_steps=1, swap_every=1, swap_mode="reprefill")
     grpo.main(cfg)
@@ -57,17 +59,22 @@ def test_in_flight_swaps_stamp_several_versions_in_a_sample(tmp_path, monkeypatc
     assert mp.active_children() == []
 
 
-def test_max_staleness_masks_too_stale_samples_out_of_the_loss(tmp_path):
-    """k = 2 queues batches 1..3 at step 1, all on version 0: batch 3 is 2 updates behind when step 3 takes it. With
-    --trainer.max-staleness 1 all its 32 samples are dropped: counted, and the loss has no token left (grad norm 0),
-    while steps 1 and 2 (0 and 1 behind) train as usual."""
+def test_sample_keep_masks_samples_out_of_the_loss():
+    """--trainer.max-staleness without the queue: staleness()'s keep mask reaches workers.update as sample_keep and
+    masks those rows' tokens out of the loss: all masked -> no token in the loss, gradient norm exactly 0; half -> > 0.
+    (k-step alone, s < k would mask every batch from step k+1 on: refused, see below and tests/test_stream_queue.py.)"""
     grpo = load_recipe("grpo")
-    grpo.main(quick_config(grpo, tmp_path, steps=3, async_steps=2, max_staleness=1))
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["async/staleness"] for r in rows] == [0, 1, 2]
-    assert [r["async/dropped_samples"] for r in rows] == [0, 0, 32]
-    assert rows[0]["actor/grad_norm"] > 0 and rows[1]["actor/grad_norm"] > 0 and rows[2]["actor/grad_norm"] == 0
-    assert [r["async/version_span"] for r in rows] == [0, 0, 0]  # k-step: one version per batch
+    trainer, *_, prompts = worker_setup(temperature=2.0)
+    batch = trainer.generate(prompts.repeat(2, interleave=True))  # (16, R)
+    batch = batch.union(trainer.compute_log_prob(batch))
+    batch["advantages"] = torch.randn(len(batch))[:, None] * batch["response_mask"]
+    cfg = grpo.Config()
+    cfg.actor.use_kl_loss = False  # (no reference pass here: the loss is the clipped surrogate alone)
+    loss = grpo.make_actor_loss(cfg)
+    batch["sample_keep"] = torch.zeros(len(batch), dtype=torch.bool)
+    assert trainer.update(batch, loss)["actor/grad_norm"] == 0
+    batch["sample_keep"] = torch.arange(len(batch)) % 2 == 0
+    assert trainer.update(batch, loss)["actor/grad_norm"] > 0
 
 
 @pytest.mark.parametrize(
@@ -77,6 +84,10 @@ def test_max_staleness_masks_too_stale_samples_out_of_the_loss(tmp_path):
         ({"trainer.max_staleness": 2}, "--trainer.max-staleness applies to the asynchronous"),
         ({"trainer.async_steps": 1, "trainer.swap_every": -1}, "--trainer.swap-every -1"),
         ({"trainer.async_steps": 1, "trainer.max_staleness": -2}, "--trainer.max-staleness -2"),
+        ({"trainer.async_steps": 2, "trainer.max_staleness": 1}, "--trainer.max-staleness 1 < --trainer.async-steps 2 masks every batch"),
+        ({"trainer.queue_groups": 2}, "--trainer.queue-groups applies to the asynchronous"),
+        ({"trainer.async_steps": 1, "trainer.queue_groups": -1}, "--trainer.queue-groups -1"),
+        ({"trainer.async_steps": 1, "trainer.queue_groups": 2, "trainer.backend": "ray"}, "--trainer.queue-groups 2 does not run with"),
         ({"trainer.async_steps": 1, "trainer.swap_mode": "reprefill"}, "--trainer.swap-mode reprefill applies"),
         ({"rollout.drop_finished": 1.5}, "--rollout.drop-finished 1.5"),
         ({"rollout.drop_finished": 0.5, "rollout.hf_impl": "generate"}, "--rollout.hf-impl generate keeps"),
