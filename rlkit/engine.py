@@ -458,7 +458,9 @@ class TorchEngine:
                 "passes use the padded layout",
                 stacklevel=2,
             )
-        self.sp_group = self.dp_group = None  # --trainer.sp-size > 1: set by the FSDP workers (forward_sp, global_counts)
+        # --trainer.sp-size > 1: set by the FSDP workers (forward_sp; global_counts over the replicas). Named apart from
+        # MegatronEngine.dp_group, set before this __init__ runs and read by its gradient averaging
+        self.sp_group = self.sp_replica_group = None
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
         self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
         # MoE router replay (docs/moe.md): a batch's routed_experts (B, L, layers, k) is forced in the policy's passes
@@ -824,7 +826,7 @@ class TorchEngine:
         """loss -> backward on each micro-batch of a mini-batch, the gradients accumulating. Returns the mini-batch's
         loss and loss parts (each summed over the micro-batches), or None after a non-finite loss (nan_policy skip)."""
         with_entropy = bool(getattr(loss_fn, "needs_entropy", False))  # (an attribute of the loss, not a config field)
-        norm = global_counts(int(mini["response_mask"].sum()), len(mini), self.dp_group)  # the mini-batch's, whatever the split
+        norm = global_counts(int(mini["response_mask"].sum()), len(mini), self.sp_replica_group)  # the mini-batch's, whatever the split
         total, part_sums = 0.0, {}
         for mb in self.micro_batches(mini, micro_batch_size):
             with self._routing(self.model, mb) as rep:  # router replay: forward and backward (checkpointing's recompute)

@@ -146,7 +146,7 @@ class FSDPMixin:
 
         c = text_config(e.model.config)
         kv_repeats(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, self.sp)
-        e.sp_group, e.dp_group = self.sp_group, self.dp_group
+        e.sp_group, e.sp_replica_group = self.sp_group, self.dp_group
 
     @dispatch("rank0")
     def sp_size(self) -> int:
