@@ -255,7 +255,8 @@ def _serve(args, jobs, results, updates=None, stop=None) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    w = args[-1]
+    w = args[-1] if args else None  # (a test may call this in-process, with no Generator arguments)
+    parent = mp.parent_process()  # None when called in-process
     try:
         gen = Generator(*args)
         gen.updates = updates
@@ -265,7 +266,7 @@ def _serve(args, jobs, results, updates=None, stop=None) -> None:
         return
     idle_from = time.monotonic()
     while True:
-        if not mp.parent_process().is_alive() or (stop is not None and stop.is_set()):  # the trainer died, or closes us
+        if (parent is not None and not parent.is_alive()) or (stop is not None and stop.is_set()):  # the trainer died, or closes us
             results.cancel_join_thread()  # (nobody reads what is still buffered: do not wait to flush it at exit)
             return
         try:
@@ -392,7 +393,8 @@ class Rollouts:
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         # --trainer.queue-groups G: a queue of groups in place of the fixed split (Rollouts._next_groups)
-        self.queue_groups, self.batch_groups = getattr(cfg.trainer, "queue_groups", 0), cfg.data.train_batch_size
+        self.queue_groups = getattr(cfg.trainer, "queue_groups", 0)
+        self.batch_groups = cfg.data.train_batch_size if self.queue_groups else None  # B: the groups a step takes
         self.shared = None  # (jobs, results, stop): the queues every worker pulls from and pushes to, the stop event
         self.ready = collections.deque()  # finished groups not yet taken, in arrival order: (group (n rows), worker, oldest version)
         self.outstanding = 0  # groups queued, generating or ready, not yet taken or dropped
