@@ -26,8 +26,9 @@ Run it:
 
     python recipes/grpo_tools.py           # embedded tool model + multiplication, CPU, ~7 min
     python recipes/grpo_tools.py --agent.env guess   # guess-the-number (docs/environments.md)
-    python recipes/grpo_tools.py --agent.env textarena:TicTacToe-v0-raw --agent.self-play \\
-        --agent.tools "" --rollout.n 4 --data.train-files train.parquet   # both seats (docs/environments.md)
+    python recipes/grpo_tools.py --agent.env textarena:TicTacToe-v0-raw \\
+        --agent.self-play --agent.tools "" --rollout.n 4 \\
+        --data.train-files train.parquet   # both seats (docs/environments.md)
     python recipes/grpo_tools.py --help    # every option, documented
     python recipes/grpo_tools.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
         --agent.tools calculator,python \\
