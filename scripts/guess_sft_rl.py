@@ -50,15 +50,10 @@ def row(lo: int, secret: int, split: str, index: int) -> dict:
 
 
 def play(lo: int, secret: int, midpoint_share: float, rng: random.Random) -> list[int]:
-    """The mixed strategy's guesses (tiny_guess.play on [lo, lo + 14])."""
-    a, b, guesses = lo, lo + WIDTH - 1, []
-    while len(guesses) < MAX_GUESSES:
-        g = (a + b) // 2 if rng.random() < midpoint_share else a
-        guesses.append(g)
-        if g == secret:
-            break
-        a, b = (g + 1, b) if g < secret else (a, g - 1)
-    return guesses
+    """The mixed strategy's guesses on [lo, lo + 14] (the demo's own, scripts/assets/tiny_guess.py)."""
+    from scripts.assets import tiny_guess
+
+    return tiny_guess.play(secret, midpoint_share, rng, lo, lo + WIDTH - 1)
 
 
 def trace(r: dict, guesses: list[int]) -> list[dict]:

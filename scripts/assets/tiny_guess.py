@@ -53,9 +53,9 @@ def secrets(seed: int = 0, n_val: int = 5) -> tuple[list[int], list[int]]:
     return sorted(s[n_val:]), sorted(s[:n_val])
 
 
-def play(secret: int, midpoint_share: float, rng: random.Random) -> list[int]:
-    """The guesses of one game of the mixed strategy (module docstring), at most MAX_GUESSES."""
-    lo, hi, guesses = LO, HI, []
+def play(secret: int, midpoint_share: float, rng: random.Random, lo: int = LO, hi: int = HI) -> list[int]:
+    """The guesses of one game of the mixed strategy (module docstring) on [lo, hi], at most MAX_GUESSES."""
+    guesses = []
     while len(guesses) < MAX_GUESSES:
         g = (lo + hi) // 2 if rng.random() < midpoint_share else lo
         guesses.append(g)
