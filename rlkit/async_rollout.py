@@ -603,6 +603,11 @@ class Rollouts:
                 break
             except queue.Empty:
                 continue
+            except (OSError, EOFError):  # a message's tensors come by fd from its worker: it died mid-hand-off
+                for _ in range(20):  # the death, named by _check_workers, once the process is seen gone (at most 5 s)
+                    time.sleep(0.25)
+                    self._check_workers(kind, start)
+                raise
         if got == "error":
             self.close()
             raise RunFailed(f"a generation worker (--trainer.async-steps {self.k}) failed:\n{payload}")

@@ -181,6 +181,14 @@ def test_killing_either_side_leaves_no_process_and_no_shared_memory(tmp_path, wh
     the workers ignore it, the trainer's KeyboardInterrupt closes them. SIGKILL of the trainer: the workers see it gone
     (before each job, every 2 s idle) and exit, the resource tracker unlinks the queues' semaphores. Either way, within
     60 s: no process of the run left, and no /dev/shm entry of its own."""
+    try:
+        _kill_a_queue_run(tmp_path / "1", who, sig)
+    except AssertionError:  # one retry: the kill can land mid-hand-off on a loaded machine (noted on #37); twice is a bug
+        _kill_a_queue_run(tmp_path / "2", who, sig)
+
+
+def _kill_a_queue_run(tmp_path, who, sig):
+    tmp_path.mkdir()
     script = tmp_path / "run.py"
     script.write_text(RUN.format(tests=str(ROOT / "tests")))
     before = set(os.listdir("/dev/shm"))
