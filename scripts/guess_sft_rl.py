@@ -39,14 +39,10 @@ WIDTH, MAX_GUESSES = 15, 4
 
 
 def row(lo: int, secret: int, split: str, index: int) -> dict:
-    hi = lo + WIDTH - 1
-    return {
-        "data_source": "rlkit/env",
-        "prompt": [{"role": "user", "content": f"Guess my number, {lo} to {hi}."}],
-        "ability": "game",
-        "reward_model": {"style": "env", "ground_truth": str(secret)},
-        "extra_info": {"split": split, "index": index, "lo": lo, "hi": hi},
-    }
+    """A guess row on [lo, lo + 14] (the demo's own, scripts/assets/tiny_guess.py)."""
+    from scripts.assets import tiny_guess
+
+    return tiny_guess.guess_row(secret, split, index, lo, lo + WIDTH - 1)
 
 
 def play(lo: int, secret: int, midpoint_share: float, rng: random.Random) -> list[int]:

@@ -36,13 +36,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def guess_row(secret: int, split: str, index: int) -> dict:
+def guess_row(secret: int, split: str, index: int, lo: int = LO, hi: int = HI) -> dict:
     return {
         "data_source": "rlkit/env",
-        "prompt": [{"role": "user", "content": f"Guess my number, {LO} to {HI}."}],
+        "prompt": [{"role": "user", "content": f"Guess my number, {lo} to {hi}."}],
         "ability": "game",
         "reward_model": {"style": "env", "ground_truth": str(secret)},
-        "extra_info": {"split": split, "index": index, "lo": LO, "hi": HI},
+        "extra_info": {"split": split, "index": index, "lo": lo, "hi": hi},
     }
 
 
