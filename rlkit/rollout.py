@@ -250,7 +250,8 @@ def free_device_memory(device: torch.device) -> int:
 
 
 # decode(drop_finished=...) keeps at least this many rows: a decoding step's matmuls on 1-3 rows (M < 4) round differently
-# from the same rows in a larger batch on this CPU (torch 2.13: logits off by ~2e-6; 4 rows and more, from any batch: equal).
+# from the same rows in a larger batch on an AVX2 CPU (torch 2.13: logits off by ~2e-6; 4 rows and more: equal; on an
+# AVX-512 CPU a log-prob in a few hundred still differs by ~5e-7, rounding only: tests/test_stream_decode.py).
 DROP_MIN_ROWS = 4
 
 
@@ -456,8 +457,8 @@ class HFRollout:
         q ~ Exp(1) drawn for the whole (rows, V) tensor, so with rows dropped the loop draws q for all B rows as before
         and takes the live rows' lines: every row gets the random numbers it got in the full batch, and the generator
         ends in the same state. Tokens and log-probs are then bit-identical wherever the forward computes a row the
-        same bits whatever the batch size (CPU: tests/test_fast_generation.py); a GPU GEMM may pick another kernel for
-        fewer rows and differ by rounding.
+        same bits whatever the batch size (an AVX2 CPU); where a kernel chosen by row count rounds otherwise (an
+        AVX-512 CPU: ~5e-7 on a log-prob; a GPU GEMM), log-probs differ by rounding and a token only at a near-tie.
 
         swap_every / on_new_weights / swap_mode (in-flight weight updates, issue #37): before sampling token t, for
         t = C, 2C, ... (C = swap_every), on_new_weights() returns None (keep going) or (version, weights): weights, a

@@ -1,8 +1,8 @@
 """The fast decoding loop's streaming foundations (issue #37; HFRollout.decode, rlkit/rollout.py):
 
-- drop_finished: finished rows leave the batch (KV cache rows, tokens, positions, mask); the tokens, log-probs and the
-  RNG state afterwards are those of the loop that keeps every row, bit for bit (multinomial's Exp(1) draw is taken for
-  all rows and indexed).
+- drop_finished: finished rows leave the batch (KV cache rows, tokens, positions, mask); the tokens and the RNG state
+  afterwards are those of the loop that keeps every row, exactly (multinomial's Exp(1) draw is taken for all rows and
+  indexed), the log-probs within rounding (same_rows).
 - in-flight weight updates: on_new_weights() polled every swap_every tokens; keep_kv continues on the cache, reprefill
   recomputes it; token_version stamps each token with the version of the weights that sampled it.
 
@@ -12,6 +12,7 @@ A few seconds on one CPU thread.
 import pytest
 import test_fast_generation as fast
 import torch
+from numerics import assert_within, log_prob_tol, max_abs_logit
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rlkit import demos
@@ -46,7 +47,17 @@ def run(model, tok, rows, seed, R, skew=0.12, **kw):
     return out, torch.rand(4)
 
 
-KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", "rollout_log_probs")
+KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids")
+
+
+def same_rows(model, a, b, temperature):
+    """Every token tensor equal, the log-probs within log_prob_tol: a forward over fewer rows may take another matmul
+    kernel (measured on an AVX-512 CPU: one log-prob of 384 off by 4.8e-7; bit-equal with AVX2), so only rounding may
+    differ. (A token could flip only if a sample fell within that rounding of a tie: none does on these seeds.)"""
+    for k in KEYS:
+        assert torch.equal(a[k], b[k]), k
+    bound = log_prob_tol(model.config, max_abs_logit(model, a, temperature or 1.0))  # (T = 0: the untempered log-probs)
+    assert_within(a["rollout_log_probs"], b["rollout_log_probs"], bound, "rollout log-probs, rows dropped vs kept")
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20), (0.0, 1.0, 0)])
@@ -63,8 +74,7 @@ def test_dropping_finished_rows_samples_the_same_tokens_and_log_probs(gqa, tok, 
         b, rb = run(gqa, tok, rows, 2, R, temperature=temperature, top_p=top_p, top_k=top_k, drop_finished=0.25)
     finally:
         handle.remove()
-    for k in KEYS:
-        assert torch.equal(a[k], b[k]), k
+    same_rows(gqa, a, b, temperature)
     assert torch.equal(ra, rb)  # the same random numbers were drawn
     lengths = a["response_mask"].sum(1)
     if temperature > 0:
@@ -77,8 +87,7 @@ def test_dropping_every_finished_row_at_once_on_the_embedded_model(tiny, tok, pr
     rows = prompt_set.batch(list(range(8)), tok.pad_token_id).repeat(4, interleave=True)
     a, ra = run(tiny, tok, rows, 3, 16, skew=False, temperature=2.0)
     b, rb = run(tiny, tok, rows, 3, 16, skew=False, temperature=2.0, drop_finished=1e-9)
-    for k in KEYS:
-        assert torch.equal(a[k], b[k]), k
+    same_rows(tiny, a, b, 2.0)
     assert torch.equal(ra, rb)
     lengths = a["response_mask"].sum(1)
     assert lengths.min() == 1 and lengths.max() >= 10

@@ -124,7 +124,7 @@ def test_a_worker_that_never_delivers_stops_the_run_in_one_line(tmp_path, monkey
     """Worker 1 takes a job and hangs: the fast worker cannot make up for a job that never comes back, so after
     --trainer.async-timeout-s the run stops naming the worker and the flag, and no process is left. (The limit is
     lowered to 4 s once the workers are up: starting them on a loaded machine can take longer than that; worker 0's
-    jobs of 4 groups take ~0.2 s, and the 20 steps far longer than 4 s.)"""
+    jobs of 4 groups take ~0.2 s; the 200 steps take 24 s on an idle fast CPU, far longer than 4 s: 20 once took less.)"""
     monkeypatch.setattr(Rollouts, "serve", staticmethod(functools.partial(slowed, workers=(1,), hang=True)))
     start = Rollouts._start_processes
 
@@ -134,7 +134,7 @@ def test_a_worker_that_never_delivers_stops_the_run_in_one_line(tmp_path, monkey
 
     monkeypatch.setattr(Rollouts, "_start_processes", started)
     grpo = load_recipe("grpo")
-    cfg = quick_config(grpo, tmp_path, steps=20, async_steps=1, async_workers=2, queue_groups=4, async_timeout_s=600)
+    cfg = quick_config(grpo, tmp_path, steps=200, async_steps=1, async_workers=2, queue_groups=4, async_timeout_s=600)
     with pytest.raises(RunFailed, match=r"generation worker 1 .* never delivered it \(--trainer.async-timeout-s 4\)") as e:
         grpo.main(cfg)
     assert "\n" not in str(e.value)
