@@ -11,7 +11,7 @@ loss sees only differences, so rewards drift; the squared sum keeps them centred
 
 Run it:
 
-    python recipes/rm.py                   # embedded model and pairs, 150 steps, ~1.5 min on 2 cores
+    python recipes/rm.py                   # embedded model and pairs, 150 steps: ~1.5 min, 2 cores
     python recipes/rm.py --help            # every option, documented
     python recipes/rm.py --model Qwen/Qwen2.5-0.5B-Instruct --model.lora-rank 16 \\
         --data.train-files prefs/train.parquet --data.val-files prefs/test.parquet \\
@@ -58,7 +58,7 @@ PAIRS = demos.PREFS_DATA  # the embedded pairs: correct vs the embedded model's 
 
 
 @dataclass
-class Config:  # the sections by use: what this recipe reads, nothing of the RL engine (rlkit/config.py)
+class Config:  # sections by use: what this recipe reads, none of the RL engine (rlkit/config.py)
     model: BaseModelConfig = field(default_factory=BaseModelConfig)
     data: BaseDataConfig = field(
         default_factory=lambda: BaseDataConfig(
@@ -249,7 +249,7 @@ class RewardTrainer(CheckpointFiles):
 
     @torch.no_grad()
     def score(self, batch: DataProto) -> torch.Tensor:
-        """r of every row, in forwards of 2 x micro-batch rows (validation: no 1,024-row forward)."""
+        """r of every row, in forwards of 2 x micro-batch rows (validation: no 1,024-row pass)."""
         n = 2 * self.micro_batch
         return torch.cat(
             [self.rewards(batch.index(slice(s, s + n))).cpu() for s in range(0, len(batch), n)]
@@ -314,7 +314,8 @@ def freeze_below(model, n: int, lora_rank: int) -> None:
     layers = getattr(model.base_model, "layers", None)
     if lora_rank > 0 or layers is None or not 0 < n <= len(layers):
         raise ConfigError(
-            f"--train-layers {n}: give 1..{len(layers or [])} decoder layers, without --model.lora-rank"
+            f"--train-layers {n}: give 1..{len(layers or [])} decoder layers, "
+            "without --model.lora-rank"
         )
     train = {id(p) for layer in layers[len(layers) - n :] for p in layer.parameters()}
     prefix = model.base_model_prefix + "."

@@ -77,7 +77,7 @@ class Config:
         False  # not a flag: recipe.setup skips the RL prompt-row checks (main checks its data)
     )
     tools: str = ""
-    """built-in tools offered to the chat template (as grpo_tools.py's --agent.tools), e.g. calculator"""
+    """built-in tools for the chat template (as grpo_tools.py's --agent.tools), e.g. calculator"""
 
 
 def column(table, key: str, flag: str, where: str) -> list:
@@ -121,7 +121,7 @@ def conversations(files: list[str], cfg: Config, flag: str) -> list[list[dict]]:
 
 
 def has_rl_rows(file: str, prompt_key: str) -> bool:
-    """Whether a file also holds RL rows (chat-message prompts + reward_model): held-out accuracy."""
+    """Whether a file also holds RL rows (chat prompts + reward_model): held-out accuracy."""
     schema = pq.read_schema(file)
     prompts = schema.field(prompt_key).type if prompt_key in schema.names else None
     return "reward_model" in schema.names and prompts is not None and pa.types.is_list(prompts)

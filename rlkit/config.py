@@ -251,7 +251,7 @@ class UpdateConfig(OptimConfig):
         if self.ppo_epochs <= 0:
             raise ConfigError(f"--actor.ppo-epochs {self.ppo_epochs}: must be at least 1")
         if self.max_skipped_steps < 0:
-            raise ConfigError(f"--actor.max-skipped-steps {self.max_skipped_steps}: must be 0 (auto) or a positive number")
+            raise ConfigError(f"--actor.max-skipped-steps {self.max_skipped_steps}: must be 0 (never stop) or a positive number")
         if self.nan_policy != "skip" and self.max_skipped_steps != 3:
             raise ConfigError("--actor.max-skipped-steps applies to --actor.nan-policy skip only: add it, or drop the limit")
 
