@@ -17,8 +17,8 @@ wins; a scan from the bottom wins only when the secret is among the range's firs
    turn_baseline, validating on val.parquet before the first step (the SFT model) and after the last (greedy).
 
 Each stage's command is printed, then run as a subprocess; its wall time and its children's user CPU time are
-printed and written to --out/timings.json. The held-out success before and after RL is the run's val/score at its
-first and last validation (--out/rl/metrics.jsonl).
+printed and written to --out/rl/timings.json (--rl-out names that folder). The held-out success before and after RL is
+the run's val/score at its first and last validation (--out/rl/metrics.jsonl); --val-every K validates every K steps.
 """
 
 from __future__ import annotations
@@ -108,16 +108,18 @@ def main() -> None:
     p.add_argument("--midpoint-share", type=float, default=0.3, help="the share of the traces' turns that bisect")
     p.add_argument("--sft-steps", type=int, default=16)
     p.add_argument("--sft-lr", type=float, default=1e-4)
-    p.add_argument("--rl-steps", type=int, default=10)
+    p.add_argument("--rl-steps", type=int, default=24)
     p.add_argument("--rl-lr", type=float, default=1e-5)
     p.add_argument("--rl-prompts", type=int, default=8, help="prompts per RL step (x --rollout-n games)")
     p.add_argument("--rollout-n", type=int, default=4)
     p.add_argument("--turn-credit", default="turn_baseline")
     p.add_argument("--rollout-name", default="hf", choices=["hf", "vllm"])
     p.add_argument("--val", type=int, default=48, help="held-out games (greedy)")
+    p.add_argument("--val-every", type=int, default=8, help="RL steps between validations (0: before the first and after the last)")
     p.add_argument("--max-prompt-length", type=int, default=96)
     p.add_argument("--max-response-length", type=int, default=128, help="sampled + reply tokens of a whole game")
     p.add_argument("--skip-sft", action="store_true", help="reuse --out/sft's checkpoint (a rerun of the RL stage)")
+    p.add_argument("--rl-out", default="rl", help="the RL run's folder under --out (a rerun of the RL stage needs a new one)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
@@ -149,20 +151,20 @@ def main() -> None:
          "--data.train-batch-size", str(a.rl_prompts), "--actor.ppo-mini-batch-size", str(a.rl_prompts),
          "--rollout.n", str(a.rollout_n), "--actor.lr", str(a.rl_lr), "--actor.no-use-kl-loss",
          "--turn-credit", a.turn_credit, "--trainer.total-training-steps", str(a.rl_steps),
-         "--trainer.test-freq", str(a.rl_steps), "--trainer.save-freq", "0",
+         "--trainer.test-freq", str(a.val_every or a.rl_steps), "--trainer.save-freq", "0",
          "--trainer.num-threads", str(a.threads), "--trainer.seed", str(a.seed),
-         "--trainer.default-local-dir", str(out / "rl")],
+         "--trainer.default-local-dir", str(out / a.rl_out)],
         timings,
     )  # fmt: skip
     timings["total"] = {
         "wall_s": round(time.monotonic() - start, 1),
         "user_cpu_s": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime, 1),
     }
-    rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / a.rl_out / "metrics.jsonl").read_text().splitlines()]
     val = [(r["step"], r["val/score"]) for r in rows if "val/score" in r]
     curve = [(r["step"], round(r.get("critic/score/mean", float("nan")), 3)) for r in rows if "critic/score/mean" in r]
     summary = {"timings": timings, "held_out": val, "train_score": curve, "args": {k: str(v) for k, v in vars(a).items()}}
-    (out / "timings.json").write_text(json.dumps(summary, indent=1))
+    (out / a.rl_out / "timings.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
 
 
