@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=0, help="response length (every response runs to it; 0: the workload's)")
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="--trainer.backend (ray: 1 FSDP worker, 1 CPU each)")
     args = p.parse_args()
+    workloads, arms = common.names(p, "--workloads", args.workloads, WORKLOADS), common.names(p, "--arms", args.arms, ARMS)
     if args.backend == "ray":
         from rlkit.ray_group import init_ray
 
@@ -94,9 +95,8 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for workload in args.workloads.split(","):
+        for workload in workloads:
             model = common.resolve_model("embedded" if workload == "embedded" else "random", tmp, 256, 4)
-            arms = args.arms.split(",")
             flags = {a: {k: (args.k if k == "async_steps" and v else v) for k, v in ARMS[a].items()} for a in arms}
             times, timed = {a: [] for a in arms}, {a: [] for a in arms}  # s/step per run; the timed steps' rows (roofline)
             w = WORKLOADS[workload]

@@ -610,6 +610,16 @@ def arms(variants: str | None) -> dict[str, dict]:
     return out
 
 
+def names(p, flag: str, value: str, valid) -> list[str]:
+    """The comma-separated names of `value`, or argparse's one-line error naming the unknown ones and the valid ones."""
+    out = [v for v in value.split(",") if v]
+    unknown = [v for v in out if v not in valid]
+    if unknown or not out:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no name given"
+        p.error(f"{flag}: {what}; choose from {', '.join(valid)}")
+    return out
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -70,9 +70,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--swap-every", type=int, default=1, help="--trainer.swap-every of the in-flight arms (embedded responses: <= 8 tokens)")
     args = p.parse_args()
+    arms = common.names(p, "--arms", args.arms, ARMS)
     common.set_threads(1)
     grpo = common.load_recipe("grpo")
-    arms = args.arms.split(",")
     print(f"load average before: {os.getloadavg()} on {os.cpu_count()} cores")
     curves = {a: [] for a in arms}
     with tempfile.TemporaryDirectory() as tmp:

@@ -124,6 +124,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     out = a.out.resolve()
+    sft_model = out / "sft" / "checkpoints" / f"global_step_{a.sft_steps}" / "hf"
+    if a.rl_out in ("", ".", "..", "sft") or Path(a.rl_out).name != a.rl_out:
+        p.error(f"--rl-out {a.rl_out!r}: give a plain folder name under --out other than 'sft' (e.g. --rl-out rl2)")
+    if a.skip_sft and not sft_model.is_dir():
+        p.error(f"--skip-sft: no SFT checkpoint at {sft_model}; run once without --skip-sft, or pass that run's --out and --sft-steps")
     timings: dict = {}
     start = time.monotonic()
     info = write_data(out, a.traces, 512, a.val, a.midpoint_share, a.seed)
@@ -142,7 +147,6 @@ def main() -> None:
          "--trainer.default-local-dir", str(out / "sft")],
         timings,
     ) if not a.skip_sft else None  # fmt: skip
-    sft_model = out / "sft" / "checkpoints" / f"global_step_{a.sft_steps}" / "hf"
     run(
         "rl",
         [py, "recipes/grpo_tools.py", "--agent.env", "guess", "--model", str(sft_model), "--rollout.name", a.rollout_name,

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "--model", "rlkit/assets/tiny-guess", "--traces", "16", "--sft-steps", "1", "--rl-prompts", "2", "--rollout-n", "2",
@@ -41,3 +43,19 @@ def test_pipeline_then_an_rl_rerun_from_the_same_sft_checkpoint(tmp_path):
     assert rerun["held_out"][0][1] == first["held_out"][0][1]  # the same SFT model on the same held-out games, greedy
     assert json.loads((tmp_path / "rerun" / "config.json").read_text())["model"]["path"] == str(sft_ckpt.resolve())
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "rl").rglob("*") if p.is_file()} == before  # untouched
+
+
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--rl-out", "../escaped"], "--rl-out '../escaped': give a plain folder name under --out"),
+        (["--rl-out", "sft"], "--rl-out 'sft': give a plain folder name under --out other than 'sft'"),
+        (["--skip-sft"], "--skip-sft: no SFT checkpoint at "),
+    ],
+)
+def test_bad_arguments_are_one_line_before_anything_is_written(tmp_path, args, phrase):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "scripts/guess_sft_rl.py", "--out", str(out), *SMALL, *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and phrase in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+    assert not out.exists() and not (tmp_path / "escaped").exists()  # no data written, no SFT started
