@@ -109,7 +109,7 @@ def main(cfg: Config) -> dict:
     if not cfg.teacher:
         raise ConfigError("recipes/opd.py needs --teacher PATH: the model whose tokens it distills")
     for flag, v, top in (("--kl-coef", cfg.kl_coef, 1e6), ("--discount", cfg.discount, 1.0)):
-        if not 0 <= v <= top:  # (NaN and inf: recipe.setup's config.check_finite, first)
+        if not 0 <= v <= top:  # (NaN and inf: recipe.setup's config.check_values, first)
             raise ConfigError(f"{flag} {v}: must be a number from 0 to {top:g}")
     if cfg.task_reward_coef and cfg.rollout.n < 2:
         raise ConfigError(

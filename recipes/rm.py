@@ -356,7 +356,7 @@ def evaluate(rm: RewardTrainer, pairs: Pairs, batch_size: int, center_coef: floa
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, model, data, logging, resume
     recipe.setup(cfg)  # threads, seed, batch-size and flag checks (the pairs: read_pairs below)
-    if cfg.center_coef < 0:  # (NaN and inf: recipe.setup's config.check_finite, first)
+    if cfg.center_coef < 0:  # (NaN and inf: recipe.setup's config.check_values, first)
         raise ConfigError(f"--center-coef {cfg.center_coef}: must be a number >= 0 (0 = off)")
     train_pairs, t = read_pairs(cfg.data.train_files, cfg), cfg.trainer  # file errors first
     val_pairs = read_pairs(cfg.data.val_files, cfg) if cfg.data.val_files else None

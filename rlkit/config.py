@@ -647,20 +647,26 @@ def cli_view(config_cls):
     return view_cls, to_config
 
 
-def check_finite(cfg, prefix: str = "--") -> None:
+def check_values(cfg, prefix: str = "--") -> None:
     """Every float flag of a recipe's Config (its sections' too, and floats in tuple flags) must be finite: a NaN or
-    inf (tyro reads "nan", "inf") would surface steps later as a non-finite loss ("lower --actor.lr")."""
+    inf (tyro reads "nan", "inf") would surface steps later as a non-finite loss ("lower --actor.lr"). And every
+    Literal flag holds one of its choices (a Config built in Python, e.g. `cfg.turn_credit = "nope"`, skips tyro's check)."""
     import dataclasses
     import math
+    import typing
 
     from rlkit.errors import ConfigError
 
+    hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, flag = getattr(cfg, f.name), prefix + f.name.replace("_", "-")
+        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else None
         if dataclasses.is_dataclass(value):
-            check_finite(value, flag + ".")
+            check_values(value, flag + ".")
         elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (tuple, list)) else [value])):
             raise ConfigError(f"{flag} {value}: must be a finite number")
+        elif choices and value not in choices:  # tyro refuses these on the command line; a Config built in Python is not parsed
+            raise ConfigError(f"{flag} {value!r}: choose one of {', '.join(map(str, choices))}")
 
 
 def check_flags(cfg) -> None:
@@ -668,7 +674,7 @@ def check_flags(cfg) -> None:
     every float finite, then each section's own `check`, then the checks that read two sections."""
     import dataclasses
 
-    check_finite(cfg)
+    check_values(cfg)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if dataclasses.is_dataclass(section) and hasattr(section, "check"):

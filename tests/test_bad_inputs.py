@@ -329,14 +329,45 @@ def test_bad_input_stops_with_one_line_naming_flag_or_file(tmp_path, case, monke
 def test_a_nan_or_inf_in_a_recipes_own_float_flag_is_refused_in_one_line(recipe, field):
     """Not only the shared sections: every float of a recipe's Config (issue 34: --kl-coef / --center-coef nan stopped
     later with "lower --actor.lr")."""
-    from rlkit.config import check_finite
+    from rlkit.config import check_values
 
     for bad in (math.nan, math.inf, -math.inf):
         cfg = load_recipe(recipe).Config()
         setattr(cfg, field, bad)
         with pytest.raises(ConfigError, match=f"^--{field.replace('_', '-')} {bad}: must be a finite number$"):
-            check_finite(cfg)
-    check_finite(load_recipe(recipe).Config())  # the defaults pass
+            check_values(cfg)
+    check_values(load_recipe(recipe).Config())  # the defaults pass
+
+
+def literal_fields(cfg, prefix="--"):
+    """(section, field name, flag, choices) of every Literal field of a Config and of its sections."""
+    import typing
+
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, flag = getattr(cfg, f.name), prefix + f.name.replace("_", "-")
+        if dataclasses.is_dataclass(value):
+            yield from literal_fields(value, flag + ".")
+        elif typing.get_origin(hints[f.name]) is typing.Literal:
+            yield cfg, f.name, flag, typing.get_args(hints[f.name])
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
+def test_a_literal_flag_set_in_python_outside_its_choices_is_refused_in_one_line(recipe):
+    """tyro refuses `--turn-credit nope` on the command line, but a Config built in Python (a notebook, bench/turn_credit.py)
+    is not parsed: grpo_tools.py ran `turn_credit = "nope"` as turn_baseline. check_flags refuses every such field."""
+    from rlkit.config import check_flags
+
+    flags = [flag for _, _, flag, _ in literal_fields(load_recipe(recipe).Config())]
+    assert "--model.dtype" in flags, flags  # the walk reaches the sections (every recipe has a model section)
+    n = len(flags)
+    for i in range(n):
+        cfg = load_recipe(recipe).Config()
+        section, name, flag, choices = list(literal_fields(cfg))[i]
+        setattr(section, name, "bogus")
+        with pytest.raises(ConfigError, match=f"^{flag} 'bogus': choose one of {', '.join(map(str, choices))}$"):
+            check_flags(cfg)
+    check_flags(load_recipe(recipe).Config())  # the defaults pass
 
 
 def test_the_critics_grad_clip_is_checked_too():

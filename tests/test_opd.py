@@ -84,7 +84,7 @@ def test_the_student_moves_toward_a_different_teacher(tmp_path):
         (lambda c: setattr(c.rollout, "temperature", 0.7), "--rollout.temperature 0.7"),
         (lambda c: (setattr(c, "task_reward_coef", 1.0), setattr(c.rollout, "n", 1)), "--task-reward-coef needs --rollout.n >= 2"),
         (lambda c: setattr(c, "teacher", str(ROOT / "rlkit" / "assets" / "tiny-calc")), "has another vocabulary"),
-        (lambda c: setattr(c, "kl_coef", float("nan")), "--kl-coef nan: must be a finite number"),  # config.check_finite, first
+        (lambda c: setattr(c, "kl_coef", float("nan")), "--kl-coef nan: must be a finite number"),  # config.check_values, first
         (lambda c: setattr(c, "kl_coef", -1.0), "--kl-coef -1.0: must be a number from 0"),
         (lambda c: setattr(c, "discount", 1.5), "--discount 1.5: must be a number from 0 to 1"),
         (lambda c: setattr(c, "task_reward_coef", float("inf")), "--task-reward-coef inf: must be a finite number"),

@@ -235,7 +235,7 @@ def test_flags_go_through_the_shared_setup_before_the_model_loads(tmp_path, monk
         ("actor", "ppo_micro_batch_size", -1, "--actor.ppo-micro-batch-size -1: must be 0"),
         ("actor", "lr", -1.0, "--actor.lr -1.0: a learning rate must be > 0"),
         ("data", "train_batch_size", 0, "--data.train-batch-size 0: must be at least 1"),
-        (None, "center_coef", float("nan"), "--center-coef nan: must be a finite number"),  # config.check_finite, first
+        (None, "center_coef", float("nan"), "--center-coef nan: must be a finite number"),  # config.check_values, first
         (None, "center_coef", -1.0, "--center-coef -1.0: must be a number >= 0"),
     ]:
         cfg = config(tmp_path, train, val, 1)
