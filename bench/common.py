@@ -4,6 +4,7 @@ thread and timing helpers. Not a public API; see bench/README.md.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import statistics
@@ -91,6 +92,8 @@ def resolve_model(name: str, work_dir: Path, hidden: int, layers: int) -> str:
         return str(demos.ARITH_MODEL)
     if name == "random":
         return make_random_model(work_dir / f"random-llama-h{hidden}-l{layers}", hidden, layers)  # fresh temp dir per run
+    if not Path(name, "config.json").is_file():  # else from_pretrained would try the (unreachable) Hub
+        raise SystemExit(f"model {name!r}: not 'embedded', 'random' or a model folder with a config.json")
     return name
 
 
@@ -617,6 +620,17 @@ def names(p, flag: str, value: str, valid) -> list[str]:
     if unknown or not out:
         what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no name given"
         p.error(f"{flag}: {what}; choose from {', '.join(valid)}")
+    return out
+
+
+def ints(value: str) -> list[int]:
+    """argparse type: comma-separated integers ('1,2'), each >= 0."""
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated whole numbers, e.g. 1,2") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated whole numbers >= 0, e.g. 1,2")
     return out
 
 

@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    arms = common.names(p, "--arms", args.arms, ("hf", "vllm", "hf-bf16", "hf-T1.1"))
     common.set_threads(args.threads)
     import torch
 
@@ -50,7 +51,7 @@ def main() -> None:
     model = str(demos.ARITH_MODEL) if args.model == "embedded" else args.model
     data = DataConfig(max_response_length=args.max_new_tokens)
     rows = {}
-    for arm in args.arms.split(","):
+    for arm in arms:
         torch.manual_seed(0)
         rollout_cfg = RolloutConfig(name="vllm" if arm == "vllm" else "hf", n=args.n, log_probs=True, kv_cache_gb=1)
         start = time.perf_counter()

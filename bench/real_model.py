@@ -19,6 +19,8 @@ process samples after every timed step).
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -51,7 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--side", choices=SIDES, help="internal: run one side in this process")
     p.add_argument("--work", help="internal: the folder holding the prompts")
     p.add_argument("--report-from", metavar="DIR", help="report the processes' results saved in DIR (a run's work folder)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.sides = common.names(p, "--sides", args.sides, SIDES)
+    runs = [args.side] if args.side else [] if args.report_from else args.sides  # the sides this process will start
+    if "trl" in runs and importlib.util.find_spec("trl") is None:
+        p.error("--sides trl: TRL is not installed; pip install -e '.[bench]' (trl==1.16.0), or --sides hf,vllm")
+    return args
 
 
 def run_side(args) -> dict:
@@ -136,21 +143,22 @@ def main(argv=None):
         for f in sorted(Path(args.report_from).glob("result-*.json"), key=os.path.getmtime):
             r = json.loads(f.read_text())
             res.setdefault(r["side"], []).append(r)
-        return report(args, resolve_model_path_lazy(args.model), res, [s for s in args.sides.split(",") if s in res])
+        return report(args, resolve_model_path_lazy(args.model), res, [s for s in args.sides if s in res])
+    sides = args.sides
     common.set_threads(args.threads)
     import torch
     import transformers
-    import trl
     import vs_trl
 
     from rlkit.models import resolve_model_path
 
+    against = f"TRL {importlib.import_module('trl').__version__}" if "trl" in sides else "no TRL side"
+
     path = resolve_model_path(args.model)
-    sides = args.sides.split(",")
     work = Path(tempfile.mkdtemp(prefix="rlkit-real-"))  # kept: its result-*.json serve --report-from
     vs_trl.long_prompts(work / "prompts.parquet", transformers.AutoTokenizer.from_pretrained(path), args.prompt_tokens)
     print(
-        f"{Path(path).name} vs TRL {trl.__version__}, torch {torch.__version__}, {args.threads} thread(s): {args.prompts} prompts x {args.n}, "
+        f"{Path(path).name} vs {against}, torch {torch.__version__}, {args.threads} thread(s): {args.prompts} prompts x {args.n}, "
         f"prompts of {args.prompt_tokens} tokens, answers <= {args.max_new_tokens}; {args.rounds} rounds of one process per side "
         f"({', '.join(sides)}), each {args.warmup} warm-up + {args.steps} timed steps; load average {os.getloadavg()}",
         flush=True,

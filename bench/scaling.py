@@ -62,7 +62,7 @@ def run_arm(workers: int, args, out: Path) -> list[dict]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", default="1,2", help="comma-separated Ray worker counts to time against the local backend")
+    p.add_argument("--workers", type=common.ints, default="1,2", help="comma-separated Ray worker counts to time against the local backend")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     p.add_argument("--rounds", type=int, default=2, help="runs per arm, round-robin")
@@ -70,7 +70,9 @@ def main(argv=None):
     p.add_argument("--cpus-per-worker", type=float, default=1)
     p.add_argument("--extra", default="", help='more recipe flags, e.g. "--model PATH --data.train-batch-size 64"')
     args = p.parse_args(argv)
-    arms = [0] + [int(w) for w in args.workers.split(",")]
+    if 0 in args.workers:
+        p.error("--workers: Ray worker counts are >= 1 (the local backend is always timed as the baseline)")
+    arms = [0, *args.workers]
     rows: dict[int, list[dict]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory(prefix="rlkit-scaling-") as tmp:
         for r in range(args.rounds):

@@ -21,6 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 from rlkit import agent, envs  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402
+
+CREDITS = ("outcome", "return_to_go", "step_group", "turn_baseline")  # recipes/grpo_tools.py's --turn-credit choices
+
 MAX_GUESSES = 4  # --agent.max-turns of --agent.env guess
 
 FOUND: list[float] = []  # 1/0 per finished training game since the last step's metrics
@@ -93,15 +98,16 @@ def first_at(curve: list[float], target: float, window: int = 3) -> int | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--credits", default="outcome,return_to_go,step_group,turn_baseline", help="comma-separated --turn-credit values")
-    p.add_argument("--seeds", default="0,1", help="comma-separated seeds")
+    p.add_argument("--seeds", type=common.ints, default="0,1", help="comma-separated seeds")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--batch", type=int, default=16, help="prompts per step (x 8 games each)")
     p.add_argument("--target", type=float, default=0.55, help="the training find rate (3-step moving average) to reach")
     p.add_argument("--out", default="outputs/bench_turn_credit", help="where the runs write")
     a = p.parse_args(argv)
+    credits = common.names(p, "--credits", a.credits, CREDITS)
     rows = []
-    for credit in a.credits.split(","):
-        for seed in map(int, a.seeds.split(",")):
+    for credit in credits:
+        for seed in a.seeds:
             start = time.monotonic()
             curve = run(credit, seed, a.steps, Path(a.out) / f"{credit}-{seed}", a.batch)
             rows.append({"credit": credit, "seed": seed, "curve": curve, "steps_to_target": first_at(curve, a.target)})
