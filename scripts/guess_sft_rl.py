@@ -127,6 +127,11 @@ def main() -> None:
     sft_model = out / "sft" / "checkpoints" / f"global_step_{a.sft_steps}" / "hf"
     if a.rl_out in ("", ".", "..", "sft") or Path(a.rl_out).name != a.rl_out:
         p.error(f"--rl-out {a.rl_out!r}: give a plain folder name under --out other than 'sft' (e.g. --rl-out rl2)")
+    for flag, value in (("--traces", a.traces), ("--sft-steps", a.sft_steps), ("--rl-steps", a.rl_steps), ("--val", a.val)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be at least 1")
+    if not 0 <= a.midpoint_share <= 1:
+        p.error(f"--midpoint-share {a.midpoint_share}: a share of turns, in [0, 1]")
     if a.skip_sft and not sft_model.is_dir():
         p.error(f"--skip-sft: no SFT checkpoint at {sft_model}; run once without --skip-sft, or pass that run's --out and --sft-steps")
     timings: dict = {}

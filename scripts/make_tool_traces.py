@@ -77,6 +77,9 @@ def main(argv=None) -> dict[str, Path]:
     p.add_argument("--val-size", type=int, default=64, help="held-out prompts")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    for flag, value in (("--traces", a.traces), ("--train-size", a.train_size), ("--val-size", a.val_size)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be at least 1")
     from rlkit.engine import load_tokenizer
     from rlkit.models import resolve_model_path
 

@@ -51,6 +51,8 @@ def test_pipeline_then_an_rl_rerun_from_the_same_sft_checkpoint(tmp_path):
         (["--rl-out", "../escaped"], "--rl-out '../escaped': give a plain folder name under --out"),
         (["--rl-out", "sft"], "--rl-out 'sft': give a plain folder name under --out other than 'sft'"),
         (["--skip-sft"], "--skip-sft: no SFT checkpoint at "),
+        (["--traces", "0"], "--traces 0: must be at least 1"),  # was a ZeroDivisionError after the data was written
+        (["--midpoint-share", "nan"], "--midpoint-share nan: a share of turns, in [0, 1]"),
     ],
 )
 def test_bad_arguments_are_one_line_before_anything_is_written(tmp_path, args, phrase):

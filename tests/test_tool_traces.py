@@ -5,6 +5,7 @@ import importlib.util
 import json
 
 import pyarrow.parquet as pq
+import pytest
 from test_grpo_recipe import ROOT
 from test_sft import sft
 
@@ -55,3 +56,11 @@ def test_sft_trains_on_a_messages_only_parquet(tmp_path):
     sft.main(cfg)
     row = [r for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) if "actor/nll" in r][-1]
     assert row["step"] == 1 and row["actor/nll"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--traces", "--train-size", "--val-size"])
+def test_an_empty_split_is_one_line_before_anything_is_written(tmp_path, flag, capsys):
+    """--traces 0 wrote an empty sft.parquet that recipes/sft.py refused later; now the script refuses it first."""
+    with pytest.raises(SystemExit):
+        make_tool_traces.main(["--model", str(MODEL), "--out", str(tmp_path / "out"), flag, "0"])
+    assert f"{flag} 0: must be at least 1" in capsys.readouterr().err and not (tmp_path / "out").exists()
