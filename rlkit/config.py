@@ -23,6 +23,7 @@ read two sections, before any model loads.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -32,16 +33,22 @@ from rlkit import demos
 from rlkit.errors import ConfigError
 
 
-def shown_default(text: str):
-    """Show `text` as the default in --help instead of the value (an absolute path inside the install)."""
-    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+def shown_default(value) -> str | None:
+    """How --help shows a default that lies inside the install (an absolute path, or a list of them): relative to it,
+    e.g. rlkit/assets/tiny-calc. None for any other value (tyro shows it as it is). cli_view applies it to each recipe's
+    own defaults, so grpo_tools.py shows tiny-calc and rm.py its pairs, not the shared sections' tiny-arith."""
+    root = str(demos.ASSETS.parents[1]) + os.sep
+    values = value if isinstance(value, list) else [value]
+    if values and all(isinstance(v, str) and v.startswith(root) for v in values):
+        return " ".join(v[len(root) :] for v in values)
+    return None
 
 
 @dataclass
 class BaseModelConfig:
     """The model every recipe loads: where, its dtype, LoRA, activation checkpointing (recipes/rm.py: only this)."""
 
-    path: Annotated[str, shown_default("the embedded tiny model, rlkit/assets/tiny-arith")] = str(demos.ARITH_MODEL)
+    path: str = str(demos.ARITH_MODEL)
     """model to train: a local Hugging Face folder or a hub id"""
     trust_remote_code: bool = False
     """allow code shipped with the model to run (needed by some hub models; off unless asked)"""
@@ -79,13 +86,9 @@ class ModelConfig(BaseModelConfig):
 class BaseDataConfig:
     """Files, lengths and batch sizes every recipe reads (recipes/rm.py: only this)."""
 
-    train_files: Annotated[list[str], shown_default("rlkit/assets/arith/train.parquet")] = field(
-        default_factory=lambda: [str(demos.ARITH_DATA / "train.parquet")]
-    )
+    train_files: list[str] = field(default_factory=lambda: [str(demos.ARITH_DATA / "train.parquet")])
     """verl-format parquet file(s) for training (columns data_source, prompt, ability, reward_model, extra_info)"""
-    val_files: Annotated[list[str], shown_default("rlkit/assets/arith/val.parquet")] = field(
-        default_factory=lambda: [str(demos.ARITH_DATA / "val.parquet")]
-    )
+    val_files: list[str] = field(default_factory=lambda: [str(demos.ARITH_DATA / "val.parquet")])
     """verl-format parquet file(s) for validation; empty to skip validation"""
     prompt_key: str = "prompt"
     """column that holds the chat messages"""
@@ -221,7 +224,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     """clip the global gradient norm to this value"""
     ppo_micro_batch_size: int = 0
-    """trajectories per forward/backward pass, memory only (0 = auto: 256 under 10M parameters, else 8)"""
+    """trajectories per forward/backward pass, memory only (0 = auto: 256 under 10M parameters, else 8; recipes/rm.py
+    counts pairs, auto 64 on CPU and 4 on a GPU)"""
 
     def check(self) -> None:
         check_lr("--actor.lr", self.lr)
@@ -610,6 +614,14 @@ def cli_view(config_cls):
             if dataclasses.is_dataclass(value):  # only the fields this recipe's section has (rm.py's RunConfig: no backend)
                 have = {f.name for f in dataclasses.fields(value)}
                 moved.setdefault(section, {}).update(dict.fromkeys([n for n in names if n in have], group))
+    shown: dict[str, dict[str, str]] = {}  # section -> {field: its default as --help shows it} (shown_default)
+    for f in dataclasses.fields(default):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            texts = {g.name: shown_default(getattr(value, g.name)) for g in dataclasses.fields(value)}
+            if any(texts.values()):
+                shown[f.name] = {n: t for n, t in texts.items() if t}
+                moved.setdefault(f.name, {})
 
     if not moved:  # a config without the shared sections: as it is
         return config_cls, lambda cfg: cfg
@@ -622,11 +634,16 @@ def cli_view(config_cls):
         value = getattr(default, section)
         hints, docs = typing.get_type_hints(type(value), include_extras=True), field_docs(type(value))
         hidden = [(n, Annotated[hints[n], tyro.conf.Suppress], keep(getattr(value, n))) for n in names]
+        hint = {n: tyro.conf.arg(help_behavior_hint=f"(default: {t})") for n, t in shown.get(section, {}).items()}
+        hidden += [(n, Annotated[hints[n], h], keep(getattr(value, n))) for n, h in hint.items() if n not in names]
         view = dataclasses.make_dataclass(type(value).__name__, hidden, bases=(type(value),))
         state = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         sections.append((section, view, dataclasses.field(default_factory=lambda v=view, s=state: v(**copy.deepcopy(s)))))
         for n, group in names.items():
-            flag = tyro.conf.arg(name=f"{section}.{n}", prefix_name=False, help=docs.get(n))
+            text = shown.get(section, {}).get(n)
+            flag = tyro.conf.arg(
+                name=f"{section}.{n}", prefix_name=False, help=docs.get(n), help_behavior_hint=text and f"(default: {text})"
+            )
             groups[group].append((f"{section}__{n}", Annotated[hints[n], flag], keep(getattr(value, n))))
     boxes = [(g, dataclasses.make_dataclass(f"System_{g}", f)) for g, f in groups.items() if f]
     system = dataclasses.make_dataclass("System", [(g, cls, dataclasses.field(default_factory=cls)) for g, cls in boxes])

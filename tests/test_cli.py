@@ -155,3 +155,37 @@ def test_grpo_help_shows_at_most_40_learning_options_before_the_system_boxes():
     flags = re.findall(r"^--[a-z][\w.-]*", "".join(learning), re.M)
     assert 30 <= len(flags) <= 40, flags
     assert "--actor.lr" in flags and "--trainer.experiment-name" not in flags and "--data.task" not in flags
+
+
+@pytest.mark.parametrize(
+    "name, args, shown",
+    [
+        ("grpo", [], ["rlkit/assets/tiny-arith", "rlkit/assets/arith/train.parquet", "rlkit/assets/arith/val.parquet"]),
+        ("grpo_tools", [], ["rlkit/assets/tiny-calc", "rlkit/assets/mult/train.parquet", "rlkit/assets/mult/val.parquet"]),
+        ("grpo_tools", ["--agent.env", "guess"], ["rlkit/assets/tiny-guess", "rlkit/assets/guess/train.parquet"]),
+        ("rm", [], ["rlkit/assets/tiny-arith", "rlkit/assets/arith-prefs/train.parquet", "rlkit/assets/arith-prefs/val.parquet"]),
+    ],
+)
+def test_help_shows_each_recipes_own_default_paths_relative_to_the_install(name, args, shown):
+    """--help used to show the shared sections' fixed text (tiny-arith, arith/*.parquet) for every recipe, so rm.py and
+    grpo_tools.py showed files they never read; now the hint is each recipe's own default (config.shown_default)."""
+    from test_grpo_recipe import ROOT, run_cli
+
+    out = run_cli(*args, "--help", recipe=name)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.replace("│", " ").split())
+    flags = ["--model.path", "--data.train-files", "--data.val-files"]
+    for flag, path in zip(flags, shown):
+        assert re.search(rf"{re.escape(flag)} \S+ .*?\(default: {re.escape(path)}\)", text), (flag, path)
+    assert f"default: {ROOT}" not in text  # no default shown as an absolute path of this install
+
+
+def test_shown_default_is_relative_inside_the_install_only():
+    from rlkit import demos
+
+    assert config.shown_default(str(demos.ARITH_MODEL)) == "rlkit/assets/tiny-arith"
+    assert config.shown_default([str(demos.ARITH_DATA / "a.parquet"), str(demos.ARITH_DATA / "b.parquet")]) == (
+        "rlkit/assets/arith/a.parquet rlkit/assets/arith/b.parquet"
+    )
+    assert config.shown_default("Qwen/Qwen2.5-0.5B-Instruct") is None and config.shown_default([]) is None
+    assert config.shown_default(512) is None and config.shown_default(["/elsewhere/x.parquet"]) is None
