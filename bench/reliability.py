@@ -609,7 +609,9 @@ def async_worker(fault: int, phrase: str, forbidden: str | None = None):
     def case(tmp: Path):
         args = [PY, str(ROOT / "recipes" / "grpo.py"), "--data.train-files", write_data(tmp, n=16), "--data.val-files"]
         args += ["--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4", "--rollout.n", "2"]
-        args += ["--trainer.total-training-steps", "4", "--trainer.default-local-dir", str(tmp / "out")]
+        # 12 steps: the fault lands while the worker still has batches to make (with 4, a loaded machine's trainer
+        # could reach its last step after the worker had made its last batch: a kill then loses nothing, rc 0)
+        args += ["--trainer.total-training-steps", "12", "--trainer.default-local-dir", str(tmp / "out")]
         args += ["--trainer.async-steps", "1", "--trainer.async-timeout-s", "30"]
         run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         worker = None
@@ -669,7 +671,7 @@ def script(tmp: Path, name: str, *args: str, timeout: float = 240) -> subprocess
     cmd = [str(ROOT / name)] if name.endswith(".py") else [str(ROOT / "recipes" / f"{name}.py")]
     if not name.endswith(".py"):
         cmd += ["--trainer.total-training-steps", "1", "--trainer.default-local-dir", str(tmp / "out")]
-        cmd += ["--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4"]
+        cmd += ["--data.train-batch-size", "4"] + ([] if name == "rm" else ["--actor.ppo-mini-batch-size", "4"])  # rm: a step per batch
     return subprocess.run([PY, *cmd, *args], capture_output=True, text=True, timeout=timeout)
 
 

@@ -686,6 +686,9 @@ def test_reliability_driver_lists_its_cases_and_runs_one():
     assert listed.returncode == 0, listed.stderr[-1000:]
     names = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
     assert {"parse_nested", "parse_fuzz", "checkpoint_pickle", "sandbox_environ", "owner_sigkill", "async_worker_stopped"} <= names
-    out = subprocess.run([*bench, "--only", "parse_nested"], capture_output=True, text=True, timeout=300)
+    # rm_lr_negative: the driver's recipe command line fits rm.py too (it passed --actor.ppo-mini-batch-size, a flag rm.py
+    # does not take since issue #35, and its 3 rm cases failed on tyro's usage error: the driver is not run in CI)
+    cases = ["--only", "parse_nested", "--only", "rm_lr_negative"]
+    out = subprocess.run([*bench, *cases], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-1000:] + out.stderr[-1000:]
-    assert "| parse_nested | PASS |" in out.stdout and "1/1 pass" in out.stdout
+    assert "| parse_nested | PASS |" in out.stdout and "| rm_lr_negative | PASS |" in out.stdout and "2/2 pass" in out.stdout
