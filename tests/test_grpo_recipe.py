@@ -154,7 +154,7 @@ def test_help_documents_every_field():
     # --model.path's default is shown once, not as a path inside this install
     plain = " ".join(out.stdout.replace("│", " ").split())  # without the boxes' borders
     entry = plain[plain.index("--model.path STR") : plain.index("--model.trust-remote-code")]
-    assert entry.count("(default:") == 1 and "the embedded tiny model" in entry
+    assert entry.count("(default:") == 1 and "(default: rlkit/assets/tiny-arith)" in entry  # config.shown_default
     assert str(ROOT / "rlkit") not in plain  # nor any data default
     # the docstring's multi-line example keeps its line breaks (a backslash ends each continued line)
     example = [line.strip() for line in out.stdout.splitlines() if "--data.train-files gsm8k" in line]
