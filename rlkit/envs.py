@@ -124,8 +124,9 @@ _INT = re.compile(r"-?\d{1,30}")  # a longer number is no guess (int() of 4,301+
 class GuessEnv:
     """Guess a secret integer in [lo, hi] (row: ground_truth = the secret; extra_info lo, hi). Each guess is answered
     "higher: a to b" or "lower: a to b" (a..b: where the secret can still be, from all the replies so far); a reply
-    that holds no number gets "a number please: a to b". Reward 1 for the right guess (done), else 0; the turn loop's
-    --agent.max-turns bounds the guesses. Binary search finds any secret of 1..15 in 4 guesses."""
+    that is not one bare integer ("I guess 7", "7." too) gets "a number please: a to b". Reward 1 for the right guess
+    (done), else 0; the turn loop's --agent.max-turns bounds the guesses. Binary search finds any secret of 1..15 in 4
+    guesses."""
 
     gives_reward = True
 
