@@ -53,17 +53,18 @@ def one_run(grpo, workload: str, flags: dict, steps: int, out: Path, model: str,
     """One run of the recipe with these --trainer flags; the timing/ and async/ metrics of each step."""
     import json
 
+    from rlkit.config import set_flags
+
     w = WORKLOADS[workload]
     cfg = grpo.Config()
     cfg.model.path, cfg.model.lora_rank = model, lora
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = w["prompts"]
     cfg.rollout.n, cfg.data.max_response_length = w["n"], max_new_tokens or w["max_new_tokens"]
-    cfg.data.val_files = []  # no validation: only the steps are timed
+    cfg.system.data.val_files = []  # no validation: only the steps are timed
     cfg.trainer.total_training_steps = steps
-    for k, v in flags.items():
-        setattr(cfg.trainer, k, v)
-    cfg.trainer.backend, cfg.trainer.n_workers = backend, 1  # ray: one FSDP worker (+ the generation actor with k >= 1)
-    cfg.trainer.default_local_dir, cfg.trainer.val_before_train, cfg.trainer.save_freq = str(out), False, 10**9
+    set_flags(cfg, {f"trainer.{k}": v for k, v in flags.items()})  # --trainer.async-steps ... (cfg.system.async_rollout)
+    cfg.system.scale_out.backend, cfg.system.scale_out.n_workers = backend, 1  # ray: one FSDP worker (+ the generation actor with k >= 1)
+    cfg.system.trainer.default_local_dir, cfg.system.trainer.val_before_train, cfg.system.trainer.save_freq = str(out), False, 10**9
     with common.quiet():
         grpo.main(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -68,13 +68,13 @@ def main(argv=None):
     import torch
 
     from rlkit import packing
-    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.config import ActorConfig, ModelConfig, ModelSystem
     from rlkit.engine import TorchEngine
 
     work = Path(tempfile.mkdtemp(prefix="rlkit-attn-"))
     path = common.make_random_model(work / "m", args.hidden, args.layers, sampled_eos=True)
     with common.quiet():
-        eng = TorchEngine(ModelConfig(path=path, attn_implementation="sdpa"), ActorConfig(lr=1e-4), device="cpu")
+        eng = TorchEngine(ModelConfig(path=path), ActorConfig(lr=1e-4), device="cpu", model_sys=ModelSystem(attn_implementation="sdpa"))
     b = gsm8k_batch(args.prompts, args.n, args.prompt_tokens, args.min_new_tokens, args.max_new_tokens, eng.model.config.vocab_size, 0)
     pk = packing.pack(b["input_ids"], b["attention_mask"], b["position_ids"], args.prompt_tokens, share=True)
     dense_pairs = pk.input_ids.shape[0] * pk.input_ids.shape[1] ** 2

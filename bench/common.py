@@ -150,31 +150,31 @@ class RlkitGRPO:
         cfg.model.path = model_path
         cfg.data.train_batch_size = prompts
         cfg.data.max_response_length = max_new_tokens
-        cfg.data.val_files = []
+        cfg.system.data.val_files = []
         if train_files:
             cfg.data.train_files = train_files
         cfg.rollout.n = n
-        cfg.rollout.name = rollout  # hf or vllm (--rollout.name)
-        cfg.rollout.log_prob_micro_batch_size = micro_batch or prompts * n
+        cfg.system.rollout.name = rollout  # hf or vllm (--rollout.name)
+        cfg.system.rollout.log_prob_micro_batch_size = micro_batch or prompts * n
         cfg.actor.lr = lr
         cfg.actor.ppo_mini_batch_size = prompts  # one optimizer step per training step (exactly on-policy)
-        cfg.actor.ppo_micro_batch_size = micro_batch or prompts * n
+        cfg.system.actor.ppo_micro_batch_size = micro_batch or prompts * n
         cfg.actor.use_kl_loss = beta > 0
         cfg.actor.kl_loss_coef = beta
         if shared_prompt_attention:
-            cfg.model.shared_prompt_attention = shared_prompt_attention
-        cfg.model.remove_padding = not padded  # padded: rlkit before issue #15 (padded rows, every prompt n times)
-        cfg.trainer.num_threads = threads
+            cfg.system.model.shared_prompt_attention = shared_prompt_attention
+        cfg.system.model.remove_padding = not padded  # padded: rlkit before issue #15 (padded rows, every prompt n times)
+        cfg.system.trainer.num_threads = threads
         cfg.trainer.seed = seed
-        cfg.trainer.default_local_dir = str(out_dir)
-        cfg.trainer.logger = []
+        cfg.system.trainer.default_local_dir = str(out_dir)
+        cfg.system.trainer.logger = []
         self.cfg = cfg
         recipe.setup(cfg)
         with quiet():
             self.policy = build_policy(cfg)
         self.tok = self.policy.tokenizer
         self.train = PromptLoader(
-            build_prompts(cfg.data.train_files, self.tok, cfg.data), prompts, self.tok.pad_token_id, cfg.data.shuffle, seed
+            build_prompts(cfg.data.train_files, self.tok, cfg.data, cfg.system.data), prompts, self.tok.pad_token_id, cfg.data.shuffle, seed
         )
         self.reward_fn = build_reward(cfg, self.policy)
         self.actor_loss = grpo.make_actor_loss(cfg)
@@ -190,7 +190,7 @@ class RlkitGRPO:
         if logits_to_keep:
             patch_logits_to_keep(self.policy.worker.engine)
         if padded:
-            self.policy.worker.rollout.shared_prefill = lambda ids, mask: None
+            self.policy.worker.rollout.shared_prefill = lambda ids, mask, *_: None
         if prefix_sharing:
             patch_prefix_sharing(self.policy.worker.engine, self.policy.worker.rollout, n)
         self.steps = 0

@@ -71,7 +71,7 @@ def run_model(name: str, args, work: Path) -> dict | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlkit.config import DataConfig, RolloutConfig
+    from rlkit.config import DataConfig, DataSystem, RolloutSystem
     from rlkit.data import build_prompts
     from rlkit.engine import load_tokenizer
     from rlkit.rollout import HFRollout
@@ -85,7 +85,8 @@ def run_model(name: str, args, work: Path) -> dict | None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tok = load_tokenizer(path)
     data = DataConfig()
-    rows = build_prompts(data.train_files, tok, data, max_samples=P).batch(list(range(P)), tok.pad_token_id).repeat(n, interleave=True)
+    prompts = build_prompts(data.train_files, tok, data, DataSystem(), max_samples=P)
+    rows = prompts.batch(list(range(P)), tok.pad_token_id).repeat(n, interleave=True)
     arms, extra = {}, {}
     for arm in args.arms.split(","):
         if arm in ("generate", "fast", "drop"):
@@ -105,7 +106,7 @@ def run_model(name: str, args, work: Path) -> dict | None:
                     path,
                     torch.float32,
                     torch.device("cpu"),
-                    RolloutConfig(name="vllm"),
+                    RolloutSystem(name="vllm"),
                     rows["input_ids"].shape[1] + R,
                     seed=args.seed,
                 )

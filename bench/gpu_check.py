@@ -358,7 +358,10 @@ def check_env(ctx: dict) -> str:
 
 
 def grpo_cfg(ctx: dict, name: str, recipe: str = "grpo", **over):
-    """recipes/grpo.py's (or another recipe's) Config for a short run of the check's model, bf16 compute."""
+    """recipes/grpo.py's (or another recipe's) Config for a short run of the check's model, bf16 compute. over: options by
+    flag name, section__field (trainer__backend="ray": --trainer.backend, wherever the Config keeps it)."""
+    from rlkit.config import set_flags
+
     grpo = load_recipe(recipe)
     s = ctx["sizes"]
     if not over.get("trainer__resume"):  # a fresh run each time the row runs (--rows reruns in the same --out)
@@ -366,24 +369,22 @@ def grpo_cfg(ctx: dict, name: str, recipe: str = "grpo", **over):
     cfg = grpo.Config()
     cfg.model.path = ctx["model"]
     cfg.data.train_files = [ctx["data"]]
-    cfg.data.val_files = []
+    cfg.system.data.val_files = []
     cfg.data.max_prompt_length = s["prompt"]
     cfg.data.max_response_length = s["response"]
     cfg.data.train_batch_size = s["prompts"]
     cfg.rollout.n = s["n"]
     cfg.actor.ppo_mini_batch_size = s["mini"]  # below the batch: old log-probs + two optimizer steps
-    cfg.actor.ppo_micro_batch_size = s["micro"]
-    cfg.model.dtype = "bfloat16"  # float32 masters under autocast, on CPU too (--dry): the GPU's precision path
+    cfg.system.actor.ppo_micro_batch_size = s["micro"]
+    cfg.system.model.dtype = "bfloat16"  # float32 masters under autocast, on CPU too (--dry): the GPU's precision path
     cfg.actor.lr = 1e-5
     cfg.actor.entropy_coeff = 0.001  # the entropy enters the loss: its gradient path runs too
     cfg.reward.custom_fn = f"{ctx['reward']}:compute_score"
     cfg.trainer.total_training_steps = 2
-    cfg.trainer.logger = []
-    cfg.trainer.default_local_dir = str(ctx["out"] / name)
-    cfg.trainer.experiment_name = name
-    for key, value in over.items():
-        section, field = key.split("__")
-        setattr(getattr(cfg, section), field, value)
+    cfg.system.trainer.logger = []
+    cfg.system.trainer.default_local_dir = str(ctx["out"] / name)
+    cfg.system.trainer.experiment_name = name
+    set_flags(cfg, {key.replace("__", "."): value for key, value in over.items()})  # by flag name: --trainer.backend ...
     return grpo, cfg
 
 
@@ -407,7 +408,7 @@ def run_recipe(grpo, cfg) -> tuple[str, list[dict]]:
     text = Tee(sys.stdout)
     with contextlib.redirect_stdout(text), quiet():
         grpo.main(cfg)
-    out = Path(cfg.trainer.default_local_dir)
+    out = Path(cfg.system.trainer.default_local_dir)
     return text.getvalue(), read_metrics(out / "metrics.jsonl")
 
 
@@ -485,7 +486,7 @@ def check_checkpointing(ctx: dict) -> str:
     """Loss and gradients of one forward/backward equal with gradient checkpointing on and off; less memory with it."""
     import torch
 
-    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.config import ActorConfig, ModelConfig, ModelSystem
     from rlkit.engine import TorchEngine
     from rlkit.protocol import DataProto
     from rlkit.rollout import assemble
@@ -506,7 +507,10 @@ def check_checkpointing(ctx: dict) -> str:
     for gc in ("off", "on"):
         with quiet():
             eng = TorchEngine(
-                ModelConfig(path=ctx["model"], gradient_checkpointing=gc), ActorConfig(use_kl_loss=False), device=ctx["device"]
+                ModelConfig(path=ctx["model"]),
+                ActorConfig(use_kl_loss=False),
+                device=ctx["device"],
+                model_sys=ModelSystem(gradient_checkpointing=gc),
             )
         expect(eng.gradient_checkpointing == (gc == "on"), f"gradient checkpointing {gc} was not applied")
         cuda = eng.device.type == "cuda"
@@ -590,7 +594,7 @@ def check_async(ctx: dict) -> str:
 def check_vllm(ctx: dict) -> str:
     import torch
 
-    from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+    from rlkit.config import ActorConfig, DataConfig, DataSystem, ModelConfig, RolloutConfig, RolloutSystem, System
     from rlkit.data import build_prompts
     from rlkit.vllm_rollout import vllm_available
     from rlkit.workers import ActorRolloutRefWorker
@@ -599,13 +603,14 @@ def check_vllm(ctx: dict) -> str:
         raise SkipCheck("vLLM is not installed (bash scripts/install.sh vllm)")
     s = ctx["sizes"]
     data = DataConfig(train_files=[ctx["data"]], max_prompt_length=s["prompt"], max_response_length=s["response"])
-    rollout = RolloutConfig(name="vllm", n=1, gpu_memory_utilization=0.3, kv_cache_gb=1)
+    rollout = RolloutConfig(n=1)
+    system = System(rollout=RolloutSystem(name="vllm", gpu_memory_utilization=0.3, kv_cache_gb=1))
     with quiet():
         worker = ActorRolloutRefWorker(
-            ModelConfig(path=ctx["model"]), ActorConfig(lr=1e-3, use_kl_loss=False), rollout, data, device=ctx["device"]
+            ModelConfig(path=ctx["model"]), ActorConfig(lr=1e-3, use_kl_loss=False), rollout, data, device=ctx["device"], system=system
         )
     tok = worker.tokenizer
-    prompts = build_prompts(data.train_files, tok, data, max_samples=16).batch(list(range(16)), tok.pad_token_id)
+    prompts = build_prompts(data.train_files, tok, data, DataSystem(), max_samples=16).batch(list(range(16)), tok.pad_token_id)
 
     def gap() -> float:
         out = worker.generate(prompts)
@@ -689,7 +694,7 @@ def bf16_moves_as_fp32(model: str, device: str) -> tuple[dict, float]:
     that moved in each, and the cosine of the two updates."""
     import torch
 
-    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.config import ActorConfig, ModelConfig, ModelSystem
     from rlkit.engine import TorchEngine
 
     moved = {}
@@ -697,7 +702,9 @@ def bf16_moves_as_fp32(model: str, device: str) -> tuple[dict, float]:
     for dtype in ("float32", "bfloat16"):
         torch.manual_seed(0)
         with quiet():
-            eng = TorchEngine(ModelConfig(path=model, dtype=dtype), ActorConfig(lr=1e-5, use_kl_loss=False), device=device)
+            eng = TorchEngine(
+                ModelConfig(path=model), ActorConfig(lr=1e-5, use_kl_loss=False), device=device, model_sys=ModelSystem(dtype=dtype)
+            )
         before = [p.detach().float().clone() for p in eng.model.parameters()]
         for _ in range(5):
             eng.optimizer.zero_grad()
@@ -717,7 +724,7 @@ def learn_toy_reward(ctx: dict, model: str, device: str, steps: int = 50) -> lis
     cfg.model.path, cfg.actor.lr, cfg.reward.custom_fn = model, 3e-4, f"{ctx['reward']}:learnable"
     cfg.data.train_files = [make_data(ctx["out"] / "short", s["prompt"])]
     cfg.data.max_prompt_length, cfg.data.max_response_length = s["prompt"], s["response"]
-    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 8, 8, 8, 64
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.system.actor.ppo_micro_batch_size = 8, 8, 8, 64
     return run_recipe(grpo, cfg)[1]
 
 
@@ -746,8 +753,8 @@ def check_moe_replay(ctx: dict) -> str:
     cfg.model.path = str(demos.MOE_MODEL)
     cfg.data.train_files, cfg.reward.custom_fn = defaults.data.train_files, defaults.reward.custom_fn  # its task and scorer
     cfg.data.max_prompt_length, cfg.data.max_response_length = defaults.data.max_prompt_length, defaults.data.max_response_length
-    cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size, cfg.rollout.n = 8, 4, 8, 4
-    cfg.rollout.log_probs = True
+    cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.system.actor.ppo_micro_batch_size, cfg.rollout.n = 8, 4, 8, 4
+    cfg.system.rollout.log_probs = True
     _, rows = run_recipe(grpo, cfg)
     layers = sorted(k for k in rows[-1] if k.startswith("moe/disagreement/layer_"))
     expect(len(layers) == 2, f"moe/ metrics {sorted(k for k in rows[-1] if k.startswith('moe/'))}: the update replayed nothing")
@@ -775,7 +782,7 @@ def check_token_budget(ctx: dict) -> str:
     over = dict(trainer__backend="ray", trainer__n_workers=ranks) if ranks > 1 else {}
     grpo, cfg = grpo_cfg(ctx, "token-budget", actor__max_token_len_per_micro_batch=budget, **over)
     cfg.model.path = make_model(ctx["out"] / "model-eos", sizes(True)["model"], eos=True)
-    cfg.data.max_response_length, cfg.actor.ppo_micro_batch_size = response, 2 * s["n"]  # by rows: two groups, over budget
+    cfg.data.max_response_length, cfg.system.actor.ppo_micro_batch_size = response, 2 * s["n"]  # by rows: two groups, over budget
     with update_micro_batches() as costs:
         _, rows = run_recipe(grpo, cfg)
     expect(len(rows) == 2 and all(math.isfinite(r["actor/loss"]) for r in rows), "losses missing or not finite")
@@ -794,7 +801,7 @@ def check_flash_attn(ctx: dict) -> str:
 
     import torch
 
-    from rlkit.config import ModelConfig
+    from rlkit.config import ModelConfig, ModelSystem
     from rlkit.engine import TorchEngine
 
     gpu_only(ctx)
@@ -813,7 +820,7 @@ def check_flash_attn(ctx: dict) -> str:
     lp = {}
     for attn in ("sdpa", "flash_attention_2"):
         with quiet():
-            eng = TorchEngine(ModelConfig(path=ctx["model"], attn_implementation=attn), None, device="cuda")
+            eng = TorchEngine(ModelConfig(path=ctx["model"]), None, device="cuda", model_sys=ModelSystem(attn_implementation=attn))
         start = time.perf_counter()
         lp[attn] = eng.compute_log_prob(batch, 1.0, rows)[0]
         torch.cuda.synchronize()
@@ -862,7 +869,7 @@ def check_ray_vllm(ctx: dict) -> str:
     for adapter in (True, False):
         over = dict(trainer__backend="ray", rollout__name="vllm", model__lora_rank=16, trainer__total_training_steps=3)
         grpo, cfg = grpo_cfg(ctx, f"ray-vllm-{'adapter' if adapter else 'merged'}", actor__lr=1e-3, actor__use_kl_loss=True, **over)
-        cfg.rollout.lora_adapter_sync, cfg.rollout.gpu_memory_utilization = adapter, 0.3
+        cfg.system.rollout.lora_adapter_sync, cfg.system.rollout.gpu_memory_utilization = adapter, 0.3
         _, sync, base = run_with_gaps(grpo, cfg)
         out.append(expect_synced("adapter" if adapter else "merged", sync, base))
     return ", ".join(out)
@@ -876,9 +883,9 @@ def check_tools(ctx: dict) -> str:
     tools, cfg = grpo_cfg(ctx, "tools", recipe="grpo_tools", rollout__name="vllm", model__lora_rank=16, trainer__total_training_steps=3)
     default = tools.Config()
     cfg.model.path, cfg.data, cfg.reward.custom_fn = default.model.path, default.data, None  # its own model, data, reward
-    cfg.data.val_files, cfg.data.train_batch_size, cfg.rollout.n = [], 8, 4
+    cfg.system.data.val_files, cfg.data.train_batch_size, cfg.rollout.n = [], 8, 4
     cfg.actor.lr, cfg.actor.use_kl_loss = 1e-3, True  # mini-batches below the batch (grpo_cfg): an old log-prob pass
-    cfg.rollout.gpu_memory_utilization = 0.3
+    cfg.system.rollout.gpu_memory_utilization = 0.3
     _, sync, base = run_with_gaps(tools, cfg)
     return expect_synced("multi-turn vLLM + LoRA", sync, base)
 
@@ -950,12 +957,13 @@ def check_vlm(ctx: dict) -> str:
     config = AutoConfig.from_pretrained(demos.VLM_MODEL)
     rows = generation_rows(config, 64, 8, torch.bfloat16, 2**30)  # what the CUDA path calls at every generate
     grpo, cfg = grpo_cfg(ctx, "vlm")
-    cfg.model.path, cfg.data.task = "embedded-vlm", "colour_codeword"
-    cfg.data.train_files, cfg.data.val_files = type(cfg.data)().train_files, type(cfg.data)().val_files  # any: the task makes the rows
-    cfg.data.task_train_size, cfg.data.task_val_size = 16, 8
+    cfg.model.path, cfg.system.data.task = "embedded-vlm", "colour_codeword"
+    cfg.data.train_files = type(cfg.data)().train_files  # any: the task makes the rows
+    cfg.system.data.val_files = type(cfg.system.data)().val_files
+    cfg.system.data.task_train_size, cfg.system.data.task_val_size = 16, 8
     cfg.data.max_prompt_length, cfg.data.max_response_length = 512, 5
-    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 8, 4, 8, 12
-    cfg.trainer.test_freq, cfg.actor.lr, cfg.reward.custom_fn = 2, 1e-3, None  # the task's own reward; validation at 0 and 2
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.system.actor.ppo_micro_batch_size = 8, 4, 8, 12
+    cfg.system.trainer.test_freq, cfg.actor.lr, cfg.reward.custom_fn = 2, 1e-3, None  # the task's own reward; validation at 0 and 2
     text, metrics = run_recipe(grpo, cfg)
     train = [r for r in metrics if "actor/loss" in r]
     expect(len(train) == 2 and all(math.isfinite(r["actor/loss"]) for r in train), "losses missing or not finite")
@@ -976,13 +984,13 @@ def check_sft(ctx: dict) -> str:
     s = ctx["sizes"]
     sft = load_recipe("sft")
     cfg = sft.Config()
-    cfg.model.path, cfg.model.dtype, cfg.data.train_files, cfg.data.val_files = ctx["model"], "bfloat16", [ctx["data"]], []
+    cfg.model.path, cfg.system.model.dtype, cfg.data.train_files, cfg.system.data.val_files = ctx["model"], "bfloat16", [ctx["data"]], []
     cfg.data.max_prompt_length, cfg.data.max_response_length = s["prompt"], 16
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 2 * s["micro"]
-    cfg.actor.ppo_micro_batch_size, cfg.actor.lr = s["micro"], 1e-5
-    cfg.trainer.total_training_steps, cfg.trainer.logger, cfg.trainer.test_freq = 2, [], 0
-    cfg.trainer.default_local_dir, cfg.trainer.experiment_name = str(ctx["out"] / "sft-run"), "sft"
-    shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
+    cfg.system.actor.ppo_micro_batch_size, cfg.actor.lr = s["micro"], 1e-5
+    cfg.trainer.total_training_steps, cfg.system.trainer.logger, cfg.system.trainer.test_freq = 2, [], 0
+    cfg.system.trainer.default_local_dir, cfg.system.trainer.experiment_name = str(ctx["out"] / "sft-run"), "sft"
+    shutil.rmtree(cfg.system.trainer.default_local_dir, ignore_errors=True)
     with module_calls("Linear", "ForCausalLM") as calls:
         _, rows = run_recipe(sft, cfg)
     expect(len(rows) >= 2 and all(math.isfinite(r["actor/nll"]) for r in rows if "actor/nll" in r), "NLL missing or not finite")
@@ -1033,15 +1041,15 @@ def check_rm(ctx: dict) -> str:
     cap = "" if ctx["dry"] else emulate_24gb()
     cfg = rm.Config()
     pairs = make_pairs(ctx["out"] / "rm", s["prompt"])
-    cfg.model.path, cfg.data.train_files, cfg.data.val_files = ctx["model"], [pairs], []
+    cfg.model.path, cfg.data.train_files, cfg.system.data.val_files = ctx["model"], [pairs], []
     cfg.data.max_prompt_length, cfg.data.max_response_length = s["prompt"], 16
     cfg.actor.lr, cfg.actor.warmup_steps = 1e-5, 0
-    cfg.trainer.total_training_steps, cfg.trainer.logger, cfg.trainer.test_freq = 2, [], 0
-    cfg.trainer.default_local_dir, cfg.trainer.experiment_name = str(ctx["out"] / "rm-run"), "rm"
+    cfg.trainer.total_training_steps, cfg.system.trainer.logger, cfg.system.trainer.test_freq = 2, [], 0
+    cfg.system.trainer.default_local_dir, cfg.system.trainer.experiment_name = str(ctx["out"] / "rm-run"), "rm"
     if ctx["dry"]:  # the GPU's defaults: bf16 compute, a few pairs a pass (rm.py: 4 on CUDA, all 64 on CPU)
-        cfg.model.dtype, cfg.actor.ppo_micro_batch_size = "bfloat16", s["micro"]
-    micro = cfg.actor.ppo_micro_batch_size or 4
-    shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
+        cfg.system.model.dtype, cfg.system.actor.ppo_micro_batch_size = "bfloat16", s["micro"]
+    micro = cfg.system.actor.ppo_micro_batch_size or 4
+    shutil.rmtree(cfg.system.trainer.default_local_dir, ignore_errors=True)
     if not ctx["dry"]:
         torch.cuda.reset_peak_memory_stats()
     with module_calls("Linear", "ForSequenceClassification") as calls:
@@ -1072,13 +1080,13 @@ def _ulysses_rank(rank: int, port: int, path: str, out) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=2)
-        from rlkit.config import ModelConfig
+        from rlkit.config import ModelConfig, ModelSystem
         from rlkit.engine import TorchEngine
         from rlkit.protocol import DataProto
         from rlkit.rollout import assemble
 
-        cfg = ModelConfig(path=path, dtype="float32", remove_padding=False, attn_implementation="sdpa", gradient_checkpointing="off")
-        engine = TorchEngine(cfg, None, device="cpu")
+        model_sys = ModelSystem(dtype="float32", remove_padding=False, attn_implementation="sdpa", gradient_checkpointing="off")
+        engine = TorchEngine(ModelConfig(path=path), None, device="cpu", model_sys=model_sys)
         g = torch.Generator().manual_seed(0)
         rows, prompt, response = 4, 24, 16
         ids = torch.randint(3, 250, (rows, prompt), generator=g)

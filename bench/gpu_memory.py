@@ -306,7 +306,7 @@ def measure_pass(
     with `entropy`). One group of `rows` full-length responses to one prompt. dtype "bfloat16": the engine's float32
     masters under CPU autocast. megatron: the Megatron engine at T = 1 (the caller has initialised torch.distributed
     and Megatron's parallel state), against LOGITS["megatron"]."""
-    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.config import ActorConfig, ModelConfig, ModelSystem
     from rlkit.engine import TorchEngine
     from rlkit.protocol import DataProto
     from rlkit.rollout import assemble
@@ -314,7 +314,7 @@ def measure_pass(
     engine_class = TorchEngine
     if megatron:
         from rlkit.megatron_workers import MegatronEngine as engine_class
-    engine = engine_class(ModelConfig(path=path, dtype=dtype), ActorConfig(use_kl_loss=False), device=device)
+    engine = engine_class(ModelConfig(path=path), ActorConfig(use_kl_loss=False), device=device, model_sys=ModelSystem(dtype=dtype))
     vocab = engine.hf_config.vocab_size if megatron else engine.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (1, prompt), generator=g).expand(rows, prompt)  # one prompt shared by the group

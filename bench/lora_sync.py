@@ -27,16 +27,18 @@ import common  # noqa: E402
 def arm(model_path: str, adapter: bool, rank: int, rounds: int) -> dict:
     import torch
 
-    from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+    from rlkit.config import ActorConfig, DataConfig, DataSystem, ModelConfig, RolloutConfig, RolloutSystem, System
     from rlkit.data import build_prompts
     from rlkit.workers import ActorRolloutRefWorker
 
-    data_cfg = DataConfig(max_prompt_length=64, max_response_length=8)
-    rollout = RolloutConfig(name="vllm", n=1, lora_adapter_sync=adapter)
+    data_cfg, data_sys = DataConfig(max_prompt_length=64, max_response_length=8), DataSystem()
+    rollout, system = RolloutConfig(n=1), System(rollout=RolloutSystem(name="vllm", lora_adapter_sync=adapter))
     with common.quiet():
-        w = ActorRolloutRefWorker(ModelConfig(path=model_path, lora_rank=rank), ActorConfig(), rollout, data_cfg, device="cpu", seed=1)
+        w = ActorRolloutRefWorker(
+            ModelConfig(path=model_path, lora_rank=rank), ActorConfig(), rollout, data_cfg, device="cpu", seed=1, system=system
+        )
     tok = w.tokenizer
-    prompts = build_prompts(data_cfg.val_files, tok, data_cfg, 4).batch(list(range(4)), tok.pad_token_id)
+    prompts = build_prompts(data_sys.val_files, tok, data_cfg, data_sys, 4).batch(list(range(4)), tok.pad_token_id)
     sync, first, again = [], [], []
     # roofline of the plain generate ("after"): 4 prompts x 1 token is the prompts' forward (each its own group)
     groups = [(p, [1]) for p in prompts["attention_mask"].sum(-1).tolist()]

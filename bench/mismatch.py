@@ -43,7 +43,7 @@ def main() -> None:
     import torch
 
     from rlkit import algos, demos
-    from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+    from rlkit.config import ActorConfig, DataConfig, DataSystem, ModelConfig, ModelSystem, RolloutConfig, RolloutSystem, System
     from rlkit.data import build_prompts
     from rlkit.rollout import HFRollout
     from rlkit.workers import ActorRolloutRefWorker
@@ -53,12 +53,17 @@ def main() -> None:
     rows = {}
     for arm in arms:
         torch.manual_seed(0)
-        rollout_cfg = RolloutConfig(name="vllm" if arm == "vllm" else "hf", n=args.n, log_probs=True, kv_cache_gb=1)
+        rollout_cfg = RolloutConfig(n=args.n)
+        system = System(
+            model=ModelSystem(dtype="float32"),
+            rollout=RolloutSystem(name="vllm" if arm == "vllm" else "hf", log_probs=True, kv_cache_gb=1),
+        )
         start = time.perf_counter()
         with common.quiet():
-            w = ActorRolloutRefWorker(ModelConfig(path=model, dtype="float32"), ActorConfig(), rollout_cfg, data, device="cpu")
+            w = ActorRolloutRefWorker(ModelConfig(path=model), ActorConfig(), rollout_cfg, data, device="cpu", system=system)
         tok = w.tokenizer
-        prompts = build_prompts(data.train_files, tok, data).batch(list(range(args.prompts)), tok.pad_token_id).repeat(args.n, True)
+        prompts = build_prompts(data.train_files, tok, data, DataSystem())
+        prompts = prompts.batch(list(range(args.prompts)), tok.pad_token_id).repeat(args.n, True)
         if arm == "hf-bf16":
             lowp = copy.deepcopy(w.engine.model).to(torch.bfloat16)
             batch = HFRollout(lowp, tok, w.engine.device).generate(prompts, args.max_new_tokens, return_log_probs=True)

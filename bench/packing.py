@@ -114,12 +114,13 @@ def run_arm(args) -> dict:
     import torch
 
     from rlkit import algos
-    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.config import ActorConfig, ActorSystem, ModelConfig, ModelSystem
     from rlkit.engine import TorchEngine
 
     torch.set_num_threads(1)
-    cfg = ModelConfig(path=args.model_dir, remove_padding=args.arm != "padded", share_prompt=args.arm != "unshared")
-    eng = TorchEngine(cfg, ActorConfig(lr=1e-5, max_token_len_per_micro_batch=args.budget if args.arm == "budget" else 0), device="cpu")
+    model_sys = ModelSystem(remove_padding=args.arm != "padded", share_prompt=args.arm != "unshared")
+    update_sys = ActorSystem(max_token_len_per_micro_batch=args.budget if args.arm == "budget" else 0)
+    eng = TorchEngine(ModelConfig(path=args.model_dir), ActorConfig(lr=1e-5), device="cpu", model_sys=model_sys, update_sys=update_sys)
     batch = make_batch(args)
     rows = len(batch)
 

@@ -51,16 +51,16 @@ def main(argv=None):
     grpo = common.load_recipe("grpo")
     cfg = grpo.Config()
     cfg.trainer.total_training_steps = args.steps
-    cfg.trainer.test_freq = 0
-    cfg.trainer.val_before_train = False
-    cfg.trainer.save_freq = args.save_freq
-    cfg.trainer.num_threads = args.threads
-    cfg.trainer.logger = []
-    cfg.trainer.default_local_dir = args.out or tempfile.mkdtemp(prefix="rlkit-soak-")
+    cfg.system.trainer.test_freq = 0
+    cfg.system.trainer.val_before_train = False
+    cfg.system.trainer.save_freq = args.save_freq
+    cfg.system.trainer.num_threads = args.threads
+    cfg.system.trainer.logger = []
+    cfg.system.trainer.default_local_dir = args.out or tempfile.mkdtemp(prefix="rlkit-soak-")
     if args.val_samples > 0:
-        cfg.data.val_max_samples = args.val_samples
+        cfg.system.data.val_max_samples = args.val_samples
     else:
-        cfg.data.val_files = []
+        cfg.system.data.val_files = []
 
     readings: list[tuple[str, float]] = []
     original_init, original_end = recipe.Run.__init__, recipe.Run.end_of_step
@@ -102,7 +102,7 @@ def main(argv=None):
         f"{'BOUNDED' if bounded else 'GROWING'} (tolerance {args.tolerance_mib:.0f} MiB)"
     )
     if not args.out:
-        shutil.rmtree(cfg.trainer.default_local_dir, ignore_errors=True)
+        shutil.rmtree(cfg.system.trainer.default_local_dir, ignore_errors=True)
     return {"readings": readings, "growth_second_half_mib": growth, "bounded": bounded}
 
 

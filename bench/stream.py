@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-ARMS = {  # name: --trainer flags
+ARMS = {  # name: --trainer flags (set by flag name: config.set_flags)
     "sync": dict(async_steps=0),
     "k1": dict(async_steps=1),
     "keep_kv": dict(async_steps=1, swap_every=1, swap_mode="keep_kv"),
@@ -36,14 +36,15 @@ ARMS = {  # name: --trainer flags
 
 
 def one_run(grpo, arm: str, steps: int, test_freq: int, val_prompts: int, seed: int, out: Path, swap_every: int, max_len=0) -> list[dict]:
+    from rlkit.config import set_flags
+
     cfg = grpo.Config()
-    cfg.data.val_max_samples = val_prompts
+    cfg.system.data.val_max_samples = val_prompts
     if max_len:
         cfg.data.max_response_length = max_len
-    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.seed = steps, test_freq, seed
-    cfg.trainer.default_local_dir, cfg.trainer.save_freq = str(out), 10**9
-    for k, v in ARMS[arm].items():
-        setattr(cfg.trainer, k, swap_every if k == "swap_every" else v)
+    cfg.trainer.total_training_steps, cfg.system.trainer.test_freq, cfg.trainer.seed = steps, test_freq, seed
+    cfg.system.trainer.default_local_dir, cfg.system.trainer.save_freq = str(out), 10**9
+    set_flags(cfg, {f"trainer.{k}": swap_every if k == "swap_every" else v for k, v in ARMS[arm].items()})  # cfg.system.async_rollout
     with common.quiet():
         grpo.main(cfg)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

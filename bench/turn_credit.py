@@ -66,11 +66,11 @@ def run(credit: str, seed: int, steps: int, out: Path, batch: int = 16) -> list[
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = batch
     cfg.rollout.n = 8
     cfg.trainer.total_training_steps = steps
-    cfg.trainer.test_freq = 0
-    cfg.trainer.save_freq = 0
+    cfg.system.trainer.test_freq = 0
+    cfg.system.trainer.save_freq = 0
     cfg.trainer.seed = seed
-    cfg.trainer.default_local_dir = str(out)
-    cfg.data.val_files = []
+    cfg.system.trainer.default_local_dir = str(out)
+    cfg.system.data.val_files = []
     success = []
     original = agent.agent_metrics
 

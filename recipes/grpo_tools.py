@@ -55,15 +55,23 @@ from rlkit.agent import AgentConfig
 from rlkit.config import (
     ActorConfig,
     DataConfig,
+    DataSystem,
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    ToolsSystem,
     TrainerConfig,
+    TrainerSystem,
 )
 from rlkit.data import PromptLoader, build_prompts
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
 from rlkit.tools import tools_from_names
+
+
+def demo_system(demo) -> ToolsSystem:  # the demo's validation prompts (256 of them), every 10 steps
+    data = DataSystem(val_files=[str(demo / "val.parquet")], val_max_samples=256)
+    return ToolsSystem(data=data, trainer=TrainerSystem(test_freq=10))
 
 
 @dataclass
@@ -72,17 +80,13 @@ class Config:
     data: DataConfig = field(
         default_factory=lambda: DataConfig(
             train_files=[str(demos.MULT_DATA / "train.parquet")],
-            val_files=[str(demos.MULT_DATA / "val.parquet")],
             max_response_length=64,  # sampled + tool tokens, all turns
-            val_max_samples=256,
         )
     )
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-4, ppo_mini_batch_size=32))
     reward: RewardConfig = field(default_factory=RewardConfig)
-    trainer: TrainerConfig = field(
-        default_factory=lambda: TrainerConfig(total_training_steps=40, test_freq=10)
-    )
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(total_training_steps=40))
     agent: AgentConfig = field(default_factory=AgentConfig)
     norm_adv_by_std_in_grpo: bool = True
     """divide the group-centred reward by the group's std (False = Dr.GRPO)"""
@@ -93,6 +97,8 @@ class Config:
     turn_baseline (a leave-one-out baseline per turn index)"""
     turn_gamma: float = 1.0
     """the discount over turns of --turn-credit return_to_go, step_group and turn_baseline"""
+    system: ToolsSystem = field(default_factory=lambda: demo_system(demos.MULT_DATA))
+    """how and where the run executes (dtypes, batching, validation, output, vLLM, Ray, async)"""
 
 
 @dataclass
@@ -103,14 +109,13 @@ class GuessConfig(Config):
     data: DataConfig = field(
         default_factory=lambda: DataConfig(
             train_files=[str(demos.GUESS_DATA / "train.parquet")],
-            val_files=[str(demos.GUESS_DATA / "val.parquet")],
             max_response_length=96,  # 4 guesses and 3 replies of ~20 tokens
-            val_max_samples=256,
         )
     )
     agent: AgentConfig = field(
         default_factory=lambda: AgentConfig(tools="", env="guess", max_turns=4)
     )
+    system: ToolsSystem = field(default_factory=lambda: demo_system(demos.GUESS_DATA))
 
 
 PRESETS = {
@@ -120,10 +125,10 @@ PRESETS = {
 
 # ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
 def make_actor_loss(cfg: Config):
-    a = cfg.actor
+    a, off = cfg.actor, cfg.system.actor  # the loss; the off-policy correction's settings
 
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
-        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        weights, mask, corr = algos.rollout_weights(mb, off)  # on-policy: None, response_mask, {}
         mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
         pg_loss, metrics = algos.ppo_clip_loss(
             log_prob,
@@ -174,25 +179,24 @@ def main(cfg: Config) -> dict:
         raise ConfigError(f"--turn-gamma {cfg.turn_gamma}: must be in [0, 1] (1 = no discount)")
     # rlkit/tools.py: calculator, python
     tools = tools_from_names(
-        cfg.agent.tools, cfg.agent.max_tool_response_chars, cfg.agent.sandbox_level
+        cfg.agent.tools, cfg.agent.max_tool_response_chars, cfg.system.agent.sandbox_level
     )
     # actor + rollout + reference; generate() runs the turn loop (agent.run_turns) with the tools
     policy = agent.AgentPolicy(
         build_policy(cfg), tools, cfg.agent, cfg.rollout, cfg.data.max_response_length
     )
     tok = policy.tokenizer
+    v = cfg.system.data  # the validation files and how many of their prompts
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data, tools=tools.schemas),  # offer the tools
+        build_prompts(cfg.data.train_files, tok, cfg.data, v, tools=tools.schemas),  # offer tools
         cfg.data.train_batch_size,
         tok.pad_token_id,
         cfg.data.shuffle,
         cfg.trainer.seed,
     )
     val = (
-        build_prompts(
-            cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples, tools=tools.schemas
-        )
-        if cfg.data.val_files
+        build_prompts(v.val_files, tok, cfg.data, v, v.val_max_samples, tools=tools.schemas)
+        if v.val_files
         else None
     )
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)

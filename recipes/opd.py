@@ -40,6 +40,7 @@ from rlkit.config import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    System,
     TrainerConfig,
 )
 from rlkit.data import PromptLoader, build_prompts
@@ -67,14 +68,16 @@ class Config:
     """> 0 adds this times the GRPO advantage of the task reward (needs --rollout.n >= 2)"""
     norm_adv_by_std_in_grpo: bool = True
     """with --task-reward-coef: divide the group-centred reward by the group's std"""
+    system: System = field(default_factory=System)
+    """how and where the run executes (dtypes, batching, validation, output, vLLM, Ray, async)"""
 
 
 # ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
 def make_actor_loss(cfg: Config):
-    a = cfg.actor
+    a, off = cfg.actor, cfg.system.actor  # the loss; the off-policy correction's settings
 
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
-        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        weights, mask, corr = algos.rollout_weights(mb, off)  # on-policy: None, response_mask, {}
         mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
         pg_loss, metrics = algos.ppo_clip_loss(
             log_prob,
@@ -126,17 +129,14 @@ def main(cfg: Config) -> dict:
     teacher = build_teacher(cfg, policy)  # ALGO LOGIC: frozen, scores the student's tokens
     tok = policy.tokenizer
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data),
+        build_prompts(cfg.data.train_files, tok, cfg.data, cfg.system.data),
         cfg.data.train_batch_size,
         tok.pad_token_id,
         cfg.data.shuffle,
         cfg.trainer.seed,
     )
-    val = (
-        build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
-        if cfg.data.val_files
-        else None
-    )
+    v = cfg.system.data  # the validation files and how many of their prompts
+    val = build_prompts(v.val_files, tok, cfg.data, v, v.val_max_samples) if v.val_files else None
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = recipe.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)

@@ -31,6 +31,7 @@ from rlkit.config import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    System,
     TrainerConfig,
 )
 from rlkit.data import PromptLoader, build_prompts
@@ -59,14 +60,16 @@ class Config:
     """weight beta of the KL in the reward"""
     kl_penalty: str = "kl"
     """KL estimator in the reward: kl (k1), abs, mse (k2), low_var_kl (k3)"""
+    system: System = field(default_factory=System)
+    """how and where the run executes (dtypes, batching, validation, output, vLLM, Ray, async)"""
 
 
 # ALGO LOGIC: the actor's loss on a micro-batch: clipped surrogate - entropy bonus + KL to pi_ref
 def make_actor_loss(cfg: Config):
-    a = cfg.actor
+    a, off = cfg.actor, cfg.system.actor  # the loss; the off-policy correction's settings
 
     def actor_loss(mb, log_prob, entropy, norm):  # log_prob, entropy: (b, R); norm: algos.Norm
-        weights, mask, corr = algos.rollout_weights(mb, a)  # on-policy: None, response_mask, {}
+        weights, mask, corr = algos.rollout_weights(mb, off)  # on-policy: None, response_mask, {}
         mode = a.loss_agg_mode  # how token losses become one number (algos.agg_loss)
         pg_loss, metrics = algos.ppo_clip_loss(
             log_prob,
@@ -108,17 +111,14 @@ def main(cfg: Config) -> dict:
     policy = build_policy(cfg, need_ref=need_ref)  # actor + rollout + reference
     tok = policy.tokenizer
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data),
+        build_prompts(cfg.data.train_files, tok, cfg.data, cfg.system.data),
         cfg.data.train_batch_size,
         tok.pad_token_id,
         cfg.data.shuffle,
         cfg.trainer.seed,
     )
-    val = (
-        build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
-        if cfg.data.val_files
-        else None
-    )
+    v = cfg.system.data  # the validation files and how many of their prompts
+    val = build_prompts(v.val_files, tok, cfg.data, v, v.val_max_samples) if v.val_files else None
     reward_fn = build_reward(cfg, policy)  # the scoring function (+ a reward model, if any)
     run = recipe.Run(cfg, policy, train, val, reward_fn)
     actor_loss = make_actor_loss(cfg)

@@ -47,7 +47,15 @@ import torch
 import torch.nn.functional as F
 
 from rlkit import demos, recipe
-from rlkit.config import BaseDataConfig, BaseModelConfig, OptimConfig, RunConfig
+from rlkit.config import (
+    BaseDataConfig,
+    BaseDataSystem,
+    ModelConfig,
+    OptimConfig,
+    RMSystem,
+    RunSystem,
+    TrainerConfig,
+)
 from rlkit.data import PromptLoader, read_table
 from rlkit.errors import ConfigError, NonFinite
 from rlkit.protocol import DataProto
@@ -58,21 +66,18 @@ PAIRS = demos.PREFS_DATA  # the embedded pairs: correct vs the embedded model's 
 
 
 @dataclass
-class Config:  # sections by use: what this recipe reads, none of the RL engine (rlkit/config.py)
-    model: BaseModelConfig = field(default_factory=BaseModelConfig)
+class Config:  # sections by use: what this recipe reads (rlkit/config.py)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: BaseDataConfig = field(
         default_factory=lambda: BaseDataConfig(
             train_files=[str(PAIRS / "train.parquet")],
-            val_files=[str(PAIRS / "val.parquet")],
             train_batch_size=64,
             max_prompt_length=64,
             max_response_length=16,
         )
     )
     actor: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=10))
-    trainer: RunConfig = field(
-        default_factory=lambda: RunConfig(total_training_steps=150, test_freq=50)
-    )
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(total_training_steps=150))
     chosen_key: str = "chosen"
     """the column of preferred responses (a string, or chat messages ending with the answer)"""
     rejected_key: str = "rejected"
@@ -85,12 +90,19 @@ class Config:  # sections by use: what this recipe reads, none of the RL engine 
     train_layers: int = 0
     """train only the top N decoder layers and the head, the rest frozen (0 = all; not with LoRA):
     an RM grown from a policy by fresh layers on top keeps what the policy knows"""
+    system: RMSystem = field(
+        default_factory=lambda: RMSystem(
+            data=BaseDataSystem(val_files=[str(PAIRS / "val.parquet")]),
+            trainer=RunSystem(test_freq=50),
+        )
+    )
+    """how and where the run executes (dtype, micro-batches, validation, output)"""
 
 
 # -- the data: preference parquet -> rendered texts -> token ids ----------------------------------
 def read_pairs(files: list[str], cfg: Config) -> list[tuple]:
     """Each row as (prompt messages or text, chosen text, rejected text, margin)."""
-    files_flag = "--data.val-files" if files is cfg.data.val_files else "--data.train-files"
+    files_flag = "--data.val-files" if files is cfg.system.data.val_files else "--data.train-files"
     table = read_table(files, files_flag)
     cols = table.column_names
     for flag, key in (("--chosen-key", cfg.chosen_key), ("--rejected-key", cfg.rejected_key)):
@@ -101,7 +113,7 @@ def read_pairs(files: list[str], cfg: Config) -> list[tuple]:
             f"{files}: no column {cfg.margin_key!r} (columns: {cols}); set --margin-key"
         )
     n = table.num_rows
-    key = cfg.data.prompt_key
+    key = cfg.system.data.prompt_key
     prompts = table.column(key).to_pylist() if key in cols else [None] * n
     margins = table.column(cfg.margin_key).to_pylist() if cfg.margin_key else [0.0] * n
     out = []
@@ -195,9 +207,9 @@ class RewardTrainer(CheckpointFiles):
         from rlkit import engine
         from rlkit.workers import resolved
 
-        m, a = resolved(cfg.model), cfg.actor
-        self.device, self.actor_cfg = engine.resolve_device(cfg.trainer.device), a
-        self.dtype = engine.resolve_dtype(m.dtype, self.device)  # compute: bf16 on GPU, fp32 on CPU
+        m, a, s = resolved(cfg.model), cfg.actor, cfg.system
+        self.device, self.actor_cfg = engine.resolve_device(s.trainer.device), a
+        self.dtype = engine.resolve_dtype(s.model.dtype, self.device)  # bf16 on GPU, fp32 on CPU
         self.tokenizer = engine.load_tokenizer(m.path, m.trust_remote_code)
         self.tokenizer.padding_side = "right"  # as rlkit.reward_model.RewardModel reads
         torch.manual_seed(cfg.trainer.seed)  # the fresh head (and LoRA) start the same every run
@@ -207,7 +219,7 @@ class RewardTrainer(CheckpointFiles):
         model.config.pad_token_id = self.tokenizer.pad_token_id  # the last real token is read
         n = engine.num_params(model)[1]
         self.checkpointing = engine.resolve_gradient_checkpointing(
-            m.gradient_checkpointing, self.device, n
+            s.model.gradient_checkpointing, self.device, n
         )
         if self.checkpointing:  # non-reentrant: gradients reach LoRA adapters behind frozen layers
             model.gradient_checkpointing_enable(
@@ -235,7 +247,7 @@ class RewardTrainer(CheckpointFiles):
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
         )
         auto = 4 if self.device.type == "cuda" else 64  # pairs per forward/backward
-        self.micro_batch = a.ppo_micro_batch_size or auto
+        self.micro_batch = s.actor.ppo_micro_batch_size or auto
 
     def rewards(self, mb: DataProto) -> torch.Tensor:
         """r(x, y) of every row, (2b,): the head's output at the last non-pad token. The rows are
@@ -358,18 +370,19 @@ def main(cfg: Config) -> dict:
     recipe.setup(cfg)  # threads, seed, batch-size and flag checks (the pairs: read_pairs below)
     if cfg.center_coef < 0:  # (NaN and inf: recipe.setup's config.check_values, first)
         raise ConfigError(f"--center-coef {cfg.center_coef}: must be a number >= 0 (0 = off)")
-    train_pairs, t = read_pairs(cfg.data.train_files, cfg), cfg.trainer  # file errors first
-    val_pairs = read_pairs(cfg.data.val_files, cfg) if cfg.data.val_files else None
+    v = cfg.system.data  # the validation pairs, how many, in batches of
+    train_pairs = read_pairs(cfg.data.train_files, cfg)  # file errors first
+    val_pairs = read_pairs(v.val_files, cfg) if v.val_files else None
     rm = RewardTrainer(cfg)
     tok = rm.tokenizer
     train_set = Pairs(train_pairs, tok, cfg.data)
     train = PromptLoader(
-        train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, t.seed
+        train_set, cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
     )
-    val_set = Pairs(val_pairs, tok, cfg.data, cfg.data.val_max_samples) if val_pairs else None
+    val_set = Pairs(val_pairs, tok, cfg.data, v.val_max_samples) if val_pairs else None
 
     def validate() -> dict:  # held-out pairs: logged, and remembered for the summary (Run)
-        return evaluate(rm, val_set, cfg.data.val_batch_size, cfg.center_coef)
+        return evaluate(rm, val_set, v.val_batch_size, cfg.center_coef)
 
     run = recipe.Run(cfg, rm, train, val_set, None, validate=validate, val_metric="val/pair_acc")
     for step in run.steps():

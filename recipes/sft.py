@@ -43,7 +43,9 @@ from rlkit.config import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    SFTSystem,
     TrainerConfig,
+    TrainerSystem,
     UpdateConfig,
 )
 from rlkit.data import PromptLoader, build_prompts, read_table
@@ -64,9 +66,7 @@ class Config:
         default_factory=lambda: UpdateConfig(lr=1e-3, warmup_steps=100, ppo_mini_batch_size=64)
     )
     reward: RewardConfig = field(default_factory=RewardConfig)
-    trainer: TrainerConfig = field(
-        default_factory=lambda: TrainerConfig(total_training_steps=300, test_freq=100)
-    )
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(total_training_steps=300))
     response_key: str = "reward_model.ground_truth"
     """the response column (verl data.response_key); a dotted key reads a field of a dict column"""
     messages_key: str = ""
@@ -78,6 +78,10 @@ class Config:
     )
     tools: str = ""
     """built-in tools for the chat template (as grpo_tools.py's --agent.tools), e.g. calculator"""
+    system: SFTSystem = field(
+        default_factory=lambda: SFTSystem(trainer=TrainerSystem(test_freq=100))
+    )
+    """how and where the run executes (dtypes, batching, validation, output, Ray)"""
 
 
 def column(table, key: str, flag: str, where: str) -> list:
@@ -106,7 +110,7 @@ def conversations(files: list[str], cfg: Config, flag: str) -> list[list[dict]]:
         convs = column(table, cfg.messages_key, "--messages-key", where)
     else:
         convs = []
-        prompts = column(table, cfg.data.prompt_key, "--data.prompt-key", where)
+        prompts = column(table, cfg.system.data.prompt_key, "--data.prompt-key", where)
         for p, r in zip(prompts, column(table, cfg.response_key, "--response-key", where)):
             p = [{"role": "user", "content": p}] if isinstance(p, str) else p
             r = str(r) if isinstance(r, (int, float)) else r  # a number column: its text
@@ -252,10 +256,9 @@ def fresh_weights(policy, cfg: Config) -> None:
 def main(cfg: Config) -> dict:
     # TRY NOT TO MODIFY: setup -- threads, seed, data, model, validation, logging, resume
     recipe.setup(cfg)  # threads, seed, batch-size and flag checks (SFT's data: checked below)
-    if cfg.data.task:  # (its generated rows are prompts to sample, not conversations to imitate)
-        raise ConfigError(
-            f"--data.task {cfg.data.task}: SFT trains on --data.train-files conversations"
-        )
+    v = cfg.system.data  # the validation files, the prompt column
+    if v.task:  # (its generated rows are prompts to sample, not conversations to imitate)
+        raise ConfigError(f"--data.task {v.task}: SFT trains on --data.train-files conversations")
     if cfg.rollout.temperature != 1.0:  # the engine divides the logits by it
         raise ConfigError("SFT trains log pi at temperature 1: use --rollout.temperature 1")
     if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
@@ -269,13 +272,13 @@ def main(cfg: Config) -> dict:
     )  # rendered by the template
     convs = conversations(cfg.data.train_files, cfg, "--data.train-files")
     train_set = Examples(convs, tok, cfg.data, schemas)
-    val_files = cfg.data.val_files
+    val_files = v.val_files
     val_set = None
     if val_files:
         convs = conversations(val_files, cfg, "--data.val-files")
         val_set = Examples(convs, tok, cfg.data, schemas)
-    graded = val_files and has_rl_rows(val_files[0], cfg.data.prompt_key)
-    val = build_prompts(val_files, tok, cfg.data, cfg.data.val_max_samples) if graded else None
+    graded = val_files and has_rl_rows(val_files[0], v.prompt_key)
+    val = build_prompts(val_files, tok, cfg.data, v, v.val_max_samples) if graded else None
 
     policy = build_policy(cfg, need_ref=False)
     if cfg.init_from_scratch:  # a fresh model: the embedded warm start reproduced from nothing
@@ -285,7 +288,7 @@ def main(cfg: Config) -> dict:
     )
     reward_fn = build_reward(cfg, policy) if graded else None
     run = recipe.Run(cfg, policy, train, val, reward_fn)
-    t = cfg.trainer
+    t = cfg.system.trainer
 
     for step in run.steps():
         timings = {}
@@ -296,7 +299,7 @@ def main(cfg: Config) -> dict:
         if val_set is not None and (
             t.test_freq > 0 and step % t.test_freq == 0 or step == run.total_steps
         ):
-            metrics["val/loss"] = val_loss(policy, val_set, cfg.data.val_batch_size)
+            metrics["val/loss"] = val_loss(policy, val_set, v.val_batch_size)
 
         # TRY NOT TO MODIFY: metrics, validation, checkpoints
         run.end_of_step(step, metrics, timings, batch)

@@ -35,11 +35,11 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 
+from rlkit.config import learning_section
 from rlkit.envs import EnvFactory, StepTimeout
 from rlkit.errors import ConfigError
 from rlkit.protocol import DataProto
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 _warned: list[str] = []  # the first environment error, logged once per process
 
 
-@dataclass
+@learning_section("agent")
 class AgentConfig:
     tools: str = "calculator"
     """comma-separated tools from rlkit.tools offered to the model (calculator, python)"""
@@ -71,8 +71,6 @@ class AgentConfig:
     self_play: bool = False
     """a two-player textarena game (--agent.env textarena:GAME-ID): the policy plays both seats, rows 2k and 2k+1 being
     seats 0 and 1 of one game, each credited with its own outcome; GRPO groups a prompt's rows by seat (docs/environments.md)"""
-    sandbox_level: Literal["process", "network", "strict"] = "process"
-    """the least isolation the python tool may run under, else stop before the model loads (see docs/sandbox.md)"""
 
 
 @dataclass
@@ -597,15 +595,15 @@ class TurnLoop:
 
     tools: Tools
     agent_cfg: AgentConfig
-    rollout_cfg: object  # RolloutConfig: temperatures, top_p, top_k
+    rollout_cfg: object  # RolloutConfig: temperature, top_p, top_k (validation's temperature: the worker's rollout_sys)
     max_response_length: int
     parse: Callable = parse_hermes
     make_env: Callable | None = None  # an EnvFactory (--agent.env); None: the tools
 
     def __call__(self, worker, prompts: DataProto, validate: bool = False) -> DataProto:
-        r, rollout = self.rollout_cfg, worker.rollout
+        r, s, rollout = self.rollout_cfg, worker.rollout_sys, worker.rollout
         rows = getattr(worker, "generation_rows", None)  # what fits in memory, as single-turn generation
-        sample = sampler_for(rollout, r.val_temperature if validate else r.temperature, r.top_p, r.top_k, rows, r.drop_finished)
+        sample = sampler_for(rollout, s.val_temperature if validate else r.temperature, r.top_p, r.top_k, rows, s.drop_finished)
         return generate_multi_turn(
             sample, prompts, worker.tokenizer, self.tools, self.agent_cfg, self.max_response_length, rollout.eos, self.parse, self.make_env
         )

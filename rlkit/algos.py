@@ -1294,18 +1294,18 @@ def rollout_correction(
     return weights, mask, metrics
 
 
-def rollout_weights(mb, actor_cfg):
+def rollout_weights(mb, actor_sys):
     """A recipe's rollout correction for one micro-batch: (weights, mask, metrics); a no-op on-policy.
 
     Without rollout log-probs in mb (HF generation, the default): (None, mb["response_mask"], {}), so the
     loss is exactly the uncorrected one. With them (mb["rollout_log_probs"] = log mu: --rollout.name vllm,
     --rollout.log-probs, --trainer.async-steps k >= 1): rollout_correction(mb["old_log_probs"], log mu,
-    mask, --actor.rollout-correction, its cap/bounds). actor_cfg: an ActorConfig. docs/off-policy.md.
+    mask, --actor.rollout-correction, its cap/bounds). actor_sys: an ActorSystem (cfg.system.actor). docs/off-policy.md.
     """
     mask = mb["response_mask"]
     if "rollout_log_probs" not in mb:
         return None, mask, {}
-    mode, threshold = actor_cfg.rollout_correction, actor_cfg.rollout_is_threshold
+    mode, threshold = actor_sys.rollout_correction, actor_sys.rollout_is_threshold
     return rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, mode, threshold)
 
 

@@ -74,15 +74,19 @@ class Generator:
     """The generation worker: the trainer's rollout worker (ActorRolloutRefWorker: the same rollout, turn loop,
     micro-batches and reference pass) as a generation-only copy, loaded with the trainer's weights job by job."""
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, trainer_cfg, need_ref: bool, agent=None, rank: int = 0):
+    def __init__(self, model_cfg, actor_cfg, rollout_cfg, data_cfg, system, seed: int, need_ref: bool, agent=None, rank: int = 0):
+        """system: the recipe's cfg.system (its trainer's device and threads, async_rollout's in-flight updates, the rest as
+        the trainer's worker reads them); seed: --trainer.seed."""
         from rlkit.engine import set_threads
         from rlkit.workers import ActorRolloutRefWorker
 
-        set_threads(trainer_cfg.num_threads)
-        seed = trainer_cfg.seed + 1 + 1000 * rank  # the sampling stream of worker `rank` (its fresh LoRA: overwritten by job 1)
-        rollout_cfg = dataclasses.replace(rollout_cfg, log_probs=True)  # every batch carries mu, rollout_log_probs
-        device = trainer_cfg.device
-        self.worker = ActorRolloutRefWorker(model_cfg, actor_cfg, rollout_cfg, data_cfg, device, seed, need_ref, trains=False)
+        set_threads(system.trainer.num_threads)
+        seed = seed + 1 + 1000 * rank  # the sampling stream of worker `rank` (its fresh LoRA: overwritten by job 1)
+        system = dataclasses.replace(system, rollout=dataclasses.replace(system.rollout, log_probs=True))  # every batch carries mu
+        device = system.trainer.device
+        self.worker = ActorRolloutRefWorker(
+            model_cfg, actor_cfg, rollout_cfg, data_cfg, device, seed, need_ref, trains=False, system=system
+        )
         # Beside the trainer on one GPU, HF generation sizes its calls from a quarter of the free memory, not half: it
         # measures "free" while the trainer may be between passes, and the trainer's next update needs its peak back.
         self.worker.kv_budget_fraction = ASYNC_KV_BUDGET_FRACTION
@@ -90,7 +94,8 @@ class Generator:
             self.worker.set_agent(agent)
         torch.manual_seed(seed)
         self.need_ref, self.version = need_ref, 0
-        self.swap_every, self.swap_mode = trainer_cfg.swap_every, trainer_cfg.swap_mode  # in-flight weight updates (0: off)
+        a = system.async_rollout
+        self.swap_every, self.swap_mode = a.swap_every, a.swap_mode  # in-flight weight updates (0: off)
         self.updates = None  # --trainer.swap-every: the queue the trainer pushes each new version on (_serve sets it)
 
     def generate(self, i: int, prompts: DataProto, weights=None) -> tuple[int, DataProto]:
@@ -176,7 +181,7 @@ class Generator:
 SHM = "/dev/shm"  # where torch.multiprocessing puts the storage of a tensor sent through a queue (Linux)
 
 
-def handoff_dtype(model_cfg, device: str) -> torch.dtype:
+def handoff_dtype(model_cfg, model_sys, device: str) -> torch.dtype:
     """The dtype the generation worker stores its trainable weights in, hence the one to hand them off in: exact.
 
     The worker's engine does not train (no float32 masters): a full model is held in the compute dtype (bf16 on a GPU),
@@ -187,7 +192,7 @@ def handoff_dtype(model_cfg, device: str) -> torch.dtype:
     """
     from rlkit.engine import resolve_device, resolve_dtype
 
-    return torch.float32 if model_cfg.lora_rank > 0 else resolve_dtype(model_cfg.dtype, resolve_device(device))
+    return torch.float32 if model_cfg.lora_rank > 0 else resolve_dtype(model_sys.dtype, resolve_device(device))
 
 
 def shm_free_bytes() -> int | None:
@@ -376,11 +381,12 @@ class Rollouts:
         the workers add ref_log_prob (default: --actor.use-kl-loss).
         prepare: prepare(prompts) -> prompts with more columns, on the B prompts (uid set) before they are repeated,
         here, when the batch is queued (remax.py: its greedy baseline b(x))."""
-        self.k, self.policy, self.loader, self.prepare = cfg.trainer.async_steps, policy, train, prepare
-        self.timeout_s = cfg.trainer.async_timeout_s  # seconds without a message from a worker (0 = no limit)
-        self.n_workers, self.group_size = cfg.trainer.async_workers, cfg.rollout.n
-        self.worker_vllm = cfg.rollout.name == "vllm"
-        self.swap_every, self.max_staleness = cfg.trainer.swap_every, cfg.trainer.max_staleness  # (swap_mode: the workers')
+        a = cfg.system.async_rollout
+        self.k, self.policy, self.loader, self.prepare = a.async_steps, policy, train, prepare
+        self.timeout_s = a.async_timeout_s  # seconds without a message from a worker (0 = no limit)
+        self.n_workers, self.group_size = a.async_workers, cfg.rollout.n
+        self.worker_vllm = cfg.system.rollout.name == "vllm"
+        self.swap_every, self.max_staleness = a.swap_every, a.max_staleness  # (swap_mode: the workers')
         self.token_stats: list[dict] = []  # staleness() sums per batch since the last metrics() (swap-every / max-staleness)
         self.update_queues = []  # per worker process: the pushed weights (--trainer.swap-every)
         self.i = 0  # generation batches asked for so far
@@ -389,11 +395,11 @@ class Rollouts:
         self.stats: list[tuple[int, float]] = []  # (staleness, seconds waited) per batch since the last metrics()
         self.procs, self.actors = [], []
         self.weights_dir = None  # the weight hand-off's file folder, when /dev/shm lacks room (send_weights)
-        self.handoff_dtype = handoff_dtype(cfg.model, cfg.trainer.device)
+        self.handoff_dtype = handoff_dtype(cfg.model, cfg.system.model, cfg.system.trainer.device)
         self.pending = collections.deque()  # per queued batch: the workers that got a share of it, in row order
         self.drawn_from: dict[int, dict] = {}  # batch i -> the loader's state before prompts(i) drew it (i not yet taken)
         # --trainer.queue-groups G: a queue of groups in place of the fixed split (Rollouts._next_groups)
-        self.queue_groups = getattr(cfg.trainer, "queue_groups", 0)
+        self.queue_groups = a.queue_groups
         self.batch_groups = cfg.data.train_batch_size if self.queue_groups else None  # B: the groups a step takes
         self.shared = None  # (jobs, results, stop): the queues every worker pulls from and pushes to, the stop event
         self.ready = collections.deque()  # finished groups not yet taken, in arrival order: (group (n rows), worker, oldest version)
@@ -403,14 +409,13 @@ class Rollouts:
         self.draws: dict[int, tuple] = {}  # draw d -> (the loader's state before prompts(d), its uids not yet taken or dropped)
         self.pushed = None  # the version last pushed to every worker's updates queue
         self.qstats = collections.Counter()  # since the last metrics(): dropped_groups, gen_idle_s, stale_<s>, from_<w>
-        if self.k == 0:  # (the flags' ranges and what cannot run beside them: config.TrainerConfig.check, preflight.check_async)
+        if self.k == 0:  # (the flags' ranges and what cannot run beside them: config.AsyncConfig.check, preflight.check_async)
             return
-        t = cfg.trainer
         need_ref = cfg.actor.use_kl_loss if need_ref is None else need_ref
-        args = (cfg.model, cfg.actor, cfg.rollout, cfg.data, t, need_ref, getattr(policy, "turn_loop", None))
+        args = (cfg.model, cfg.actor, cfg.rollout, cfg.data, cfg.system, cfg.trainer.seed, need_ref, getattr(policy, "turn_loop", None))
         atexit.register(self.close)  # a script that never reaches recipe.Run's close still stops the workers
-        if t.backend == "ray":
-            self._start_ray(args, t)
+        if cfg.system.scale_out.backend == "ray":
+            self._start_ray(args, cfg.system.scale_out, cfg.system.trainer.device)
         else:
             self._start_processes(args)
 
@@ -446,13 +451,14 @@ class Rollouts:
         for w in range(self.n_workers):
             self._receive(w, "ready")
 
-    def _start_ray(self, args, t) -> None:
+    def _start_ray(self, args, t, device: str) -> None:
+        """The generation workers as Ray actors (t: cfg.system.scale_out), on a pool beside the trainer's."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlkit.ray_group import ResourcePool, cluster_gpus, gpus_per_worker
 
-        gpus = gpus_per_worker(t.device, cluster_gpus())
+        gpus = gpus_per_worker(device, cluster_gpus())
         self.pool = ResourcePool(self.n_workers, t.cpus_per_worker, gpus, name="async_rollout")  # beside the trainer's
         remote = ray.remote(Generator)
         for w in range(self.n_workers):

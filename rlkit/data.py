@@ -88,14 +88,15 @@ def check_rows(cols: dict, files, prompt_key: str = "prompt") -> None:
         )
 
 
-def check_files(cfg) -> None:
-    """Read the train and val files (cfg: DataConfig) and check their rows, before any model loads."""
-    if cfg.task:
+def check_files(cfg, system) -> None:
+    """Read the train and val files (cfg: a DataConfig, system: its DataSystem) and check their rows, before any model loads."""
+    if system.task:
         return
-    for files, flag in ((cfg.train_files, "--data.train-files"), (cfg.val_files, "--data.val-files")):
+    key = system.prompt_key
+    for files, flag in ((cfg.train_files, "--data.train-files"), (system.val_files, "--data.val-files")):
         if files:
-            ds = load_parquet(files, cfg.prompt_key, flag)
-            check_rows(ds.select_columns([cfg.prompt_key, "reward_model"]).to_dict(), files, cfg.prompt_key)
+            ds = load_parquet(files, key, flag)
+            check_rows(ds.select_columns([key, "reward_model"]).to_dict(), files, key)
 
 
 def model_context(path: str) -> int | None:
@@ -194,7 +195,7 @@ def _objects(values) -> np.ndarray:
 
 
 def task_columns(cfg, split: str) -> dict[str, list]:
-    """The columns of a generated task (cfg.task, e.g. reasoning_gym:chain_sum) for split 'train' or 'val'."""
+    """The columns of a generated task (cfg: a DataSystem; cfg.task, e.g. reasoning_gym:chain_sum) for split 'train' or 'val'."""
     from rlkit import tasks
     from rlkit.demos import TASKS  # the generated tasks of the shipped demos
 
@@ -212,22 +213,27 @@ def task_columns(cfg, split: str) -> dict[str, list]:
 
 
 def build_prompts(
-    files: list[str], tokenizer, cfg, max_samples: int = -1, split: str | None = None, tools: list | None = None
+    files: list[str], tokenizer, cfg, system=None, max_samples: int = -1, split: str | None = None, tools: list | None = None
 ) -> PromptSet:
-    """Load parquet (or generate cfg.task), render + tokenize prompts, apply truncation / overlong filtering (cfg: DataConfig).
+    """Load parquet (or generate system.task), render + tokenize prompts, apply truncation / overlong filtering.
 
-    With cfg.task set the files are ignored; the split is `split`, or 'val' when `files` is cfg.val_files itself
+    cfg: a DataConfig (the lengths); system: its DataSystem (the prompt column, truncation, a generated task; default
+    DataSystem()). With
+    system.task set the files are ignored; the split is `split`, or 'val' when `files` is system.val_files itself
     (what recipes pass), else 'train'. tools: JSON schemas of tools the prompts offer (see render_prompts).
     """
-    if cfg.task:
-        cols = task_columns(cfg, split or ("val" if files is cfg.val_files else "train"))
+    from rlkit.config import DataSystem
+
+    s = system or DataSystem()
+    if s.task:
+        cols = task_columns(s, split or ("val" if files is s.val_files else "train"))
         if max_samples > 0:
             cols = {k: v[:max_samples] for k, v in cols.items()}
-        if cfg.prompt_key != "prompt":
-            cols[cfg.prompt_key] = cols["prompt"]
+        if s.prompt_key != "prompt":
+            cols[s.prompt_key] = cols["prompt"]
     else:
-        val = split == "val" or (split is None and files is cfg.val_files)
-        ds = load_parquet(files, cfg.prompt_key, "--data.val-files" if val else "--data.train-files")
+        val = split == "val" or (split is None and files is s.val_files)
+        ds = load_parquet(files, s.prompt_key, "--data.val-files" if val else "--data.train-files")
         if max_samples > 0:
             ds = ds.select(range(min(max_samples, len(ds))))
         cols = ds.to_dict()  # plain lists, read once (indexing a `datasets` column row by row is very slow)
@@ -236,12 +242,12 @@ def build_prompts(
             from rlkit import tasks
 
             tasks.register(str(source)[len("reasoning_gym/") :])
-    where = cfg.task or ", ".join(map(str, files))
-    check_rows(cols, [where], cfg.prompt_key)
-    prompts = cols[cfg.prompt_key]
+    where = s.task or ", ".join(map(str, files))
+    check_rows(cols, [where], s.prompt_key)
+    prompts = cols[s.prompt_key]
     if isinstance(prompts[0], str) and getattr(tokenizer, "chat_template", None):
         raise ConfigError(
-            f"{where}: column {cfg.prompt_key!r} holds strings ({prompts[0][:40]!r}), but the model is a chat model: store each prompt as "
+            f"{where}: column {s.prompt_key!r} holds strings ({prompts[0][:40]!r}), but the model is a chat model: store each prompt as "
             '[{"role": "user", "content": "..."}] so that its chat template applies (strings are only for models without one)'
         )
     mm = None
@@ -251,21 +257,21 @@ def build_prompts(
         from rlkit import vlm
 
         ids, mm = vlm.render(vlm.load_processor(tokenizer.name_or_path), prompts, cols["images"])
-        if not cfg.filter_overlong_prompts and cfg.truncation != "error":
+        if not s.filter_overlong_prompts and s.truncation != "error":
             raise ConfigError(
-                f"{where}: --data.truncation {cfg.truncation} would cut image tokens out of prompts with images; "
+                f"{where}: --data.truncation {s.truncation} would cut image tokens out of prompts with images; "
                 "use --data.filter-overlong-prompts or raise --data.max-prompt-length"
             )
     else:
         texts = render_prompts(tokenizer, prompts, tools)
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     keep = list(range(len(ids)))
-    if cfg.filter_overlong_prompts:
+    if s.filter_overlong_prompts:
         keep = [i for i in keep if len(ids[i]) <= cfg.max_prompt_length]
         if not keep:
             raise ConfigError(f"{files}: every prompt is over --data.max-prompt-length {cfg.max_prompt_length}; raise it")
     else:
-        ids = [truncate(x, cfg.max_prompt_length, cfg.truncation, i, where) for i, x in enumerate(ids)]
+        ids = [truncate(x, cfg.max_prompt_length, s.truncation, i, where) for i, x in enumerate(ids)]
     context = model_context(tokenizer.name_or_path)
     longest = max(len(ids[i]) for i in keep)
     if context is not None and longest + cfg.max_response_length > context:

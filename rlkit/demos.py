@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import random
 import re
-from pathlib import Path
 
+from rlkit.config import ASSETS
 from rlkit.judge import Judge, question_of
 from rlkit.rewards import batched, register_scorer
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 ARITH_MODEL, ARITH_DATA, ARITH_SOURCE = ASSETS / "tiny-arith", ASSETS / "arith", "rlkit/arith"
 CALC_MODEL, MULT_DATA, MULT_SOURCE = ASSETS / "tiny-calc", ASSETS / "mult", "rlkit/mult"
 GUESS_MODEL, GUESS_DATA = ASSETS / "tiny-guess", ASSETS / "guess"

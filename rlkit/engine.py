@@ -224,8 +224,9 @@ def is_vlm_folder(path: str, trust_remote_code: bool = False) -> bool:
 VISION_MODULES = r"(.*\.)?visual(\..*)?"  # Qwen2-VL-style vision towers (model.visual.*)
 
 
-def add_lora(model, model_cfg, value_head: bool = False):
-    """peft's LoRA adapter on `model` (rank, alpha and target modules from model_cfg); a value model's head trains in full."""
+def add_lora(model, model_cfg, value_head: bool = False, frozen_vision: bool = False):
+    """peft's LoRA adapter on `model` (rank, alpha and target modules from model_cfg); a value model's head trains in full;
+    frozen_vision: no adapters on a VLM's vision tower (freeze_vision)."""
     from peft import LoraConfig, get_peft_model
 
     targets = model_cfg.target_modules
@@ -238,16 +239,17 @@ def add_lora(model, model_cfg, value_head: bool = False):
             task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",  # TOKEN_CLS trains the value head in full
             target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
             # the head gets no adapter; a VLM's vision tower none with --model.freeze-vision-tower
-            exclude_modules=["score", "classifier"] if value_head else (VISION_MODULES if freeze_vision(model, model_cfg) else None),
+            exclude_modules=["score", "classifier"] if value_head else (VISION_MODULES if frozen_vision else None),
         ),
     )
 
 
-def freeze_vision(model, model_cfg) -> bool:
-    """Whether `model` is a vision-language model whose vision tower stays frozen (--model.freeze-vision-tower)."""
+def freeze_vision(model, model_sys) -> bool:
+    """Whether `model` is a vision-language model whose vision tower stays frozen (--model.freeze-vision-tower;
+    model_sys: a ModelSystem, or recipes/rm.py's BaseModelSystem, which always freezes it)."""
     from rlkit.vlm import is_vlm
 
-    return is_vlm(model.config) and getattr(model_cfg, "freeze_vision_tower", True)
+    return is_vlm(model.config) and getattr(model_sys, "freeze_vision_tower", True)
 
 
 def trim_padding(tensors: dict[str, torch.Tensor], prompt_len: int) -> tuple[dict[str, torch.Tensor], int, int]:
@@ -386,18 +388,28 @@ class TorchEngine:
         need_ref: bool | None = None,
         value_head: bool = False,
         wrap: Callable | None = None,
+        model_sys=None,
+        update_sys=None,
     ):
         """need_ref: keep a reference policy (default: when actor_cfg.use_kl_loss); free with LoRA.
 
-        actor_cfg: the optimizer settings (lr, weight_decay, warmup_steps, grad_clip, nan_policy); None = no training.
+        model_cfg: what to load (path, LoRA); model_sys: how it runs (a config.ModelSystem: dtype, attention, packing,
+        checkpointing; default ModelSystem()).
+        actor_cfg: the optimizer settings (lr, weight_decay, warmup_steps, grad_clip); None = no training.
+        update_sys: the update's system options (a config.UpdateSystem or ActorSystem: the token budget per pass,
+        nan_policy, router_replay; a critic's CriticSystem; default UpdateSystem()).
         value_head: a critic, see the module docstring (actor_cfg is then a CriticConfig; no reference).
         wrap: applied to the model (then to the reference copy) before the optimizer is built, e.g. FSDP2
         sharding (rlkit/fsdp_workers.py): how a distributed engine plugs in.
         """
+        from rlkit.config import ModelSystem, UpdateSystem
+
+        model_sys = model_sys or ModelSystem()
+        update_sys = update_sys or UpdateSystem()
         if actor_cfg is not None:  # before the model loads, as the recipes' preflight does (an engine built directly)
             check_grad_clip_value("critic" if value_head else "actor", actor_cfg.grad_clip)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(model_cfg.dtype, self.device)  # the compute dtype
+        self.dtype = resolve_dtype(model_sys.dtype, self.device)  # the compute dtype
         self.value_head = value_head
         self.role = "critic" if value_head else "actor"  # metric prefix and flag names in messages
         self.lora = model_cfg.lora_rank > 0
@@ -410,49 +422,49 @@ class TorchEngine:
             and self.dtype in (torch.bfloat16, torch.float16)
         )
         self.param_dtype = torch.float32 if self.master_fp32 else self.dtype
-        self.attn_implementation = resolve_attn_implementation(model_cfg.attn_implementation, self.device, self.dtype)
+        self.attn_implementation = resolve_attn_implementation(model_sys.attn_implementation, self.device, self.dtype)
         # FSDP: load in CPU memory; sharding moves each process's 1/N to its GPU (no full copy, no reference copy on the GPU)
         load_on = torch.device("cpu") if wrap is not None else self.device
         model = load_model(
             model_cfg.path, self.param_dtype, load_on, model_cfg.trust_remote_code, value_head, self.attn_implementation
         )  # first: its errors say what to do
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-        self.gradient_checkpointing = resolve_gradient_checkpointing(model_cfg.gradient_checkpointing, self.device, num_params(model)[1])
+        self.gradient_checkpointing = resolve_gradient_checkpointing(model_sys.gradient_checkpointing, self.device, num_params(model)[1])
         if self.gradient_checkpointing:  # non-reentrant: gradients reach LoRA adapters behind frozen embeddings
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model_cfg = model_cfg
+        self.model_cfg, self.model_sys, self.update_sys = model_cfg, model_sys, update_sys
         self.ref_model = None
         from rlkit.vlm import is_vlm
 
         self.vlm = is_vlm(model.config)  # images: padded layout, M-RoPE positions from the model (rlkit/vlm.py)
         if value_head and self.vlm:
             raise ConfigError("a value model on a vision-language model is not supported yet: use a critic-free recipe (grpo, rloo, dapo)")
-        if freeze_vision(model, model_cfg) and not self.lora:
+        if freeze_vision(model, model_sys) and not self.lora:
             for name, param in model.named_parameters():
                 if ".visual." in f".{name}":
                     param.requires_grad_(False)
         if self.lora:
-            model = add_lora(model, model_cfg, value_head)
+            model = add_lora(model, model_cfg, value_head, freeze_vision(model, model_sys))
         elif not value_head and (need_ref if need_ref is not None else (actor_cfg is not None and actor_cfg.use_kl_loss)):
             self.ref_model = copy.deepcopy(model).requires_grad_(False).to(self.dtype)  # frozen: the compute dtype is enough
         self.keep_logits = accepts_logits_to_keep(model)
         # padding-free passes (rlkit/packing.py): sdpa/eager take the 4D block mask (a shared prompt computed once);
         # flash_attention_2 takes packed sequences without a mask (varlen: each response with its own copy of its prompt)
         self.varlen = self.attn_implementation == "flash_attention_2"
-        self.remove_padding = model_cfg.remove_padding and self.attn_implementation in ("sdpa", "eager", "flash_attention_2")
+        self.remove_padding = model_sys.remove_padding and self.attn_implementation in ("sdpa", "eager", "flash_attention_2")
         self.remove_padding = self.remove_padding and not self.vlm  # packing lays out 1-D positions; M-RoPE needs 3 rows
-        self.share_prompt = self.remove_padding and model_cfg.share_prompt and not self.varlen
+        self.share_prompt = self.remove_padding and model_sys.share_prompt and not self.varlen
         # the shared prompt's attention per sequence instead of a dense (row length)^2 mask (packing.split_attention); not
         # with gradient checkpointing: its backward recomputes the layers after the pass has put sdpa back (engine.attention)
         self.split_attention = (
             self.share_prompt
             and self.attn_implementation == "sdpa"
-            and model_cfg.shared_prompt_attention != "mask"
+            and model_sys.shared_prompt_attention != "mask"
             and not self.gradient_checkpointing
         )
         if self.split_attention:
             packing.register_split_attention()
-        if model_cfg.remove_padding and not self.remove_padding and not self.vlm:  # a VLM's layout: describe() says it
+        if model_sys.remove_padding and not self.remove_padding and not self.vlm:  # a VLM's layout: describe() says it
             warnings.warn(
                 f"--model.remove-padding: attention {self.attn_implementation} takes neither a 4D mask nor packed sequences; "
                 "passes use the padded layout",
@@ -462,9 +474,9 @@ class TorchEngine:
         # MegatronEngine.dp_group, set before this __init__ runs and read by its gradient averaging
         self.sp_group = self.sp_replica_group = None
         self.union_logits_bytes = 2**28  # forward_packed: past this, rows whose read positions differ run one by one
-        self.max_tokens = actor_cfg.max_token_len_per_micro_batch if actor_cfg is not None else 0
+        self.max_tokens = update_sys.max_token_len_per_micro_batch if actor_cfg is not None else 0
         # MoE router replay (docs/moe.md): a batch's routed_experts (B, L, layers, k) is forced in the policy's passes
-        self.router_replay = getattr(actor_cfg, "router_replay", "none") if actor_cfg is not None else "none"
+        self.router_replay = getattr(update_sys, "router_replay", "none") if actor_cfg is not None else "none"
         self.compare_routing = False  # with router_replay none: measure a batch's routing without forcing it (tests)
         self._route = None  # the RouterReplay of the pass now running (_routing), or None
         if wrap is not None:
@@ -586,7 +598,7 @@ class TorchEngine:
         mask, runs = None, None
         if self.split_attention:  # no mask: the layout goes to packing.split_attention (auto: where it pays)
             runs = packing.spans(p.segment_ids, p.sub_ids, dev)
-            if self.model_cfg.shared_prompt_attention == "auto" and not packing.split_pays(
+            if self.model_sys.shared_prompt_attention == "auto" and not packing.split_pays(
                 runs, p.input_ids.shape[1], attention_width(model)
             ):
                 runs = None
@@ -871,7 +883,7 @@ class TorchEngine:
         if all_finite(x):
             return True
         role = self.role
-        if self.actor_cfg.nan_policy != "skip":
+        if self.update_sys.nan_policy != "skip":
             value, rewards = (f" ({x.item()})", ", check rewards for NaN/inf,") if what == "loss" else ("", "")
             raise NonFinite(
                 f"non-finite {what}{value} in the {role} update; no step was taken and no checkpoint written. "
@@ -879,7 +891,7 @@ class TorchEngine:
             )
         log.add("skipped_steps", 1)
         self.skips_in_a_row = getattr(self, "skips_in_a_row", 0) + 1
-        limit = self.actor_cfg.max_skipped_steps
+        limit = self.update_sys.max_skipped_steps
         if limit and self.skips_in_a_row >= limit:
             raise NonFinite(
                 f"{self.skips_in_a_row} optimizer steps in a row skipped for a non-finite {what} in the {role} update "

@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlkit.config import rows_per_mini_batch
+from rlkit.config import System, rows_per_mini_batch
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.protocol import DataProto
 from rlkit.ray_group import dispatch
-from rlkit.workers import ActorRolloutRefWorker, CriticWorker
+from rlkit.workers import ActorRolloutRefWorker, CriticWorker, resolved
 
 
 def process_group_backend(device: torch.device) -> str:
@@ -90,8 +90,9 @@ class FSDPMixin:
     """What both FSDP workers add to their single-process class: joining the process group, sharding,
     each process's share of a mini-batch, and sharded checkpoints."""
 
-    def _join(self, model_cfg, device: str, rank: int, world_size: int, master_addr: str, master_port: int, fsdp: dict | None):
-        """Join the process group; returns (device, model_cfg) with the master-weight dtype resolved."""
+    def _join(self, system, device: str, rank: int, world_size: int, master_addr: str, master_port: int, fsdp: dict | None):
+        """Join the process group; returns (device, system) with system.model's master-weight dtype resolved (and, with
+        sequence parallelism, its attention and checkpointing)."""
         from rlkit.engine import resolve_device, resolve_dtype, set_threads
 
         set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -102,16 +103,17 @@ class FSDPMixin:
         init_process_group(rank, world_size, master_addr, master_port, dev)
         self.rank, self.world_size = rank, world_size
         fsdp = fsdp or {}
-        model_cfg = self._sequence_parallel(int(fsdp.get("sp_size", 1)), dev, model_cfg)
+        system = system or System()
+        model_sys = self._sequence_parallel(int(fsdp.get("sp_size", 1)), dev, system.model)
         compute = resolve_dtype(fsdp.get("param_dtype", "auto"), dev)
-        if model_cfg.dtype == "auto":  # FSDP keeps float32 master weights; compute runs in `compute`
-            model_cfg = dataclasses.replace(model_cfg, dtype="float32")
+        if model_sys.dtype == "auto":  # FSDP keeps float32 master weights; compute runs in `compute`
+            model_sys = dataclasses.replace(model_sys, dtype="float32")
         self.compute_dtype = compute
-        stored = getattr(torch, model_cfg.dtype)
+        stored = getattr(torch, model_sys.dtype)
         self._shard_kw = {"param_dtype": compute if compute != stored else None, "offload": fsdp.get("offload", False)}
-        return dev, model_cfg
+        return dev, dataclasses.replace(system, model=model_sys)
 
-    def _sequence_parallel(self, sp: int, dev: torch.device, model_cfg):
+    def _sequence_parallel(self, sp: int, dev: torch.device, model_sys):
         """--trainer.sp-size S: a (dp, sp) mesh of D = N / S replicas of S ranks (ranks d S .. d S + S - 1 share rows,
         ray_group's split_dp); FSDP still shards over all N ranks, rlkit/ulysses.py gets the sp group and
         engine.global_counts the dp group (_wire_sp). sdpa, and no gradient checkpointing (its recompute would run
@@ -119,17 +121,17 @@ class FSDPMixin:
         self.sp, self.dp_rank, self.dp_world = sp, self.rank // sp, self.world_size // sp
         self.sp_group = self.dp_group = None
         if sp == 1:
-            return model_cfg
+            return model_sys
         if self.world_size % sp:
             raise ConfigError(f"--trainer.sp-size {sp} must divide --trainer.n-workers {self.world_size}")
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(dev.type, (self.dp_world, sp), mesh_dim_names=("dp", "sp"))
         self.sp_group, self.dp_group = mesh["sp"].get_group(), mesh["dp"].get_group()
-        changes = {"attn_implementation": "sdpa"} if model_cfg.attn_implementation == "auto" else {}
-        if model_cfg.gradient_checkpointing == "auto":
+        changes = {"attn_implementation": "sdpa"} if model_sys.attn_implementation == "auto" else {}
+        if model_sys.gradient_checkpointing == "auto":
             changes["gradient_checkpointing"] = "off"
-        return dataclasses.replace(model_cfg, **changes)
+        return dataclasses.replace(model_sys, **changes)
 
     def _wire_sp(self) -> None:
         """Hand the groups to the engine (after it is built) and check what preflight checks, for a group built directly."""
@@ -259,20 +261,24 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
         seed: int = 0,
         need_ref: bool | None = None,
         fsdp: dict | None = None,
+        system=None,
         *,
         rank: int,
         world_size: int,
         master_addr: str,
         master_port: int,
     ):
-        dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
-        hf = dataclasses.replace(rollout_cfg, name="hf")  # a vLLM engine is made below, once the model is sharded
-        super().__init__(model_cfg, actor_cfg, hf, data_cfg, device=str(dev), seed=seed, need_ref=need_ref, wrap=self._shard)
-        self.rollout_cfg = rollout_cfg
+        dev, system = self._join(system, device, rank, world_size, master_addr, master_port, fsdp)
+        rollout_sys = system.rollout
+        hf = dataclasses.replace(system, rollout=dataclasses.replace(rollout_sys, name="hf"))  # vLLM: made below, once sharded
+        super().__init__(
+            model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref, wrap=self._shard, system=hf
+        )
+        self.rollout_sys = rollout_sys
         self._wire_sp()
         self.dp_size = self.dp_world  # each replica (S processes with --trainer.sp-size) updates on its 1/D of every mini-batch
-        if rollout_cfg.name == "vllm":
-            self._start_vllm(model_cfg.path, seed)
+        if rollout_sys.name == "vllm":
+            self._start_vllm(resolved(model_cfg).path, seed)
 
     def _start_vllm(self, model_path: str, seed: int) -> None:
         """One vLLM engine per process, in a child process of its own (vLLM sets up its own one-process
@@ -288,7 +294,7 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
             model_path,
             self.compute_dtype,
             self.engine.device,
-            self.rollout_cfg,
+            self.rollout_sys,
             max_model_len=max_len,
             seed=seed + self.rank,
         )
@@ -315,7 +321,7 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
 
     @dispatch("split")
     def generate(self, prompts: DataProto, validate: bool = False) -> DataProto:
-        if self.rollout_cfg.name == "vllm":  # its own engine holds full weights (synced after each update)
+        if self.rollout_sys.name == "vllm":  # its own engine holds full weights (synced after each update)
             return super().generate(prompts, validate)
         torch.manual_seed(self.seed * 7919 + self.rank * 104729 + self.updates)  # different samples per process
         with self._full_weights():
@@ -396,14 +402,14 @@ class FSDPActorRolloutRefWorker(FSDPMixin, ActorRolloutRefWorker):
         of --model.path (LoRA merged) and saved in the compute dtype."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from rlkit.engine import add_lora, load_model
+        from rlkit.engine import add_lora, freeze_vision, load_model
 
         full = get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             cfg = self.engine.model_cfg
             model = load_model(cfg.path, self.compute_dtype, torch.device("cpu"), cfg.trust_remote_code)
             if self.engine.lora:
-                model = add_lora(model, cfg)
+                model = add_lora(model, cfg, frozen_vision=freeze_vision(model, self.engine.model_sys))
             model.load_state_dict(full)
             (model.merge_and_unload() if self.engine.lora else model).save_pretrained(path)
             self.tokenizer.save_pretrained(path)
@@ -426,14 +432,17 @@ class FSDPCriticWorker(FSDPMixin, CriticWorker):
         device: str = "auto",
         seed: int = 0,
         fsdp: dict | None = None,
+        system=None,
         *,
         rank: int,
         world_size: int,
         master_addr: str,
         master_port: int,
     ):
-        dev, model_cfg = self._join(model_cfg, device, rank, world_size, master_addr, master_port, fsdp)
-        super().__init__(model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size, device=str(dev), seed=seed, wrap=self._shard)
+        dev, system = self._join(system, device, rank, world_size, master_addr, master_port, fsdp)
+        super().__init__(
+            model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size, device=str(dev), seed=seed, wrap=self._shard, system=system
+        )
         self._wire_sp()  # (refuses S > 1: the value head has no sequence-parallel pass yet)
         self.dp_size = world_size
 

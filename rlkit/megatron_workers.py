@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlkit.config import rows_per_mini_batch
+from rlkit.config import System, rows_per_mini_batch
 from rlkit.engine import TorchEngine, trim_padding
 from rlkit.errors import ConfigError, MissingFile, MissingPackage
 from rlkit.protocol import DataProto
@@ -313,7 +313,17 @@ class MegatronEngine(TorchEngine):
 
     masters_under_wrap = True  # its wrap only converts the model: float32 masters + autocast in bf16, as without a wrap
 
-    def __init__(self, model_cfg, actor_cfg=None, device: str = "auto", need_ref: bool | None = None, value_head: bool = False, wrap=None):
+    def __init__(
+        self,
+        model_cfg,
+        actor_cfg=None,
+        device: str = "auto",
+        need_ref: bool | None = None,
+        value_head: bool = False,
+        wrap=None,
+        model_sys=None,
+        update_sys=None,
+    ):
         from megatron.core import parallel_state as ps
 
         if value_head or model_cfg.lora_rank > 0:
@@ -321,7 +331,9 @@ class MegatronEngine(TorchEngine):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         self.hf_model = None
-        super().__init__(model_cfg, actor_cfg, device, need_ref=need_ref, wrap=self._to_megatron)
+        super().__init__(
+            model_cfg, actor_cfg, device, need_ref=need_ref, wrap=self._to_megatron, model_sys=model_sys, update_sys=update_sys
+        )
 
     def _to_megatron(self, hf):
         """wrap: the HF model's weights cut into this rank's Megatron shards. The first HF model is kept (rollout, export)."""
@@ -425,6 +437,7 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         seed: int = 0,
         need_ref: bool | None = None,
         tp_size: int = 1,
+        system=None,
         *,
         rank: int,
         world_size: int,
@@ -438,7 +451,7 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         from rlkit.engine import resolve_device, set_threads
         from rlkit.fsdp_workers import init_process_group
 
-        if rollout_cfg.name != "hf":
+        if (system or System()).rollout.name != "hf":
             raise ConfigError("--trainer.engine megatron generates with --rollout.name hf only (vLLM weight sync is not wired yet)")
         if world_size % tp_size:
             raise ConfigError(f"--trainer.tp-size {tp_size} must divide --trainer.n-workers {world_size}")
@@ -451,7 +464,7 @@ class MegatronActorRolloutRefWorker(ActorRolloutRefWorker):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
         seed_model_parallel_rng(seed)
         self.rank, self.world_size = rank, world_size
-        super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref)
+        super().__init__(model_cfg, actor_cfg, rollout_cfg, data_cfg, device=str(dev), seed=seed, need_ref=need_ref, system=system)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self._synced = 0  # the update count the HF rollout copy holds
 

@@ -21,8 +21,9 @@ from rlkit.errors import ConfigError, MissingFile
 from rlkit.workers import ActorRolloutRefWorker, CriticWorker, LocalWorkerGroup, resolved
 
 
-def resource_pools(t, critic: bool = False, reward_model: bool = False, teacher: bool = False) -> dict:
-    """Roles -> Ray resource pools, for the trainer section `t` and the roles the recipe has besides the policy.
+def resource_pools(t, device: str, critic: bool = False, reward_model: bool = False, teacher: bool = False) -> dict:
+    """Roles -> Ray resource pools, for the scale-out section `t` (cfg.system.scale_out), --trainer.device and the roles
+    the recipe has besides the policy.
 
     actor/rollout/reference always share the "global" pool (--trainer.n-workers bundles). PPO's critic
     is colocated on it (--trainer.critic-workers 0: each bundle holds an actor and a critic process,
@@ -33,7 +34,7 @@ def resource_pools(t, critic: bool = False, reward_model: bool = False, teacher:
     from rlkit.ray_group import ResourcePool, cluster_gpus, gpus_per_worker, init_ray
 
     init_ray(t.ray_address)
-    gpus = gpus_per_worker(t.device, cluster_gpus())  # from the cluster's resources, not the driver's CUDA
+    gpus = gpus_per_worker(device, cluster_gpus())  # from the cluster's resources, not the driver's CUDA
     pools = {"global": ResourcePool(t.n_workers, t.cpus_per_worker, gpus, name="global")}
     roles = {"actor_rollout_ref": "global"}
     for role, wanted, n in (("critic", critic, t.critic_workers), ("reward_model", reward_model, t.reward_workers)):
@@ -68,17 +69,18 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     its pool is planned beside the policy's. With ray the group gets every role's resource pool as
     `.pools`, so that build_critic and build_reward can place their workers beside it.
     """
-    t = cfg.trainer
-    rollout = cfg.rollout
-    if t.async_steps and rollout.name != "hf":  # the async generation worker owns the vLLM engine; HF here validates
-        rollout = dataclasses.replace(rollout, name="hf")
-    if t.async_steps:  # the generation workers compute ref_log_prob (rlkit/async_rollout.py): a frozen copy here would go unused
+    s, t = cfg.system, cfg.system.scale_out
+    device, seed = s.trainer.device, cfg.trainer.seed
+    async_steps = s.async_rollout.async_steps
+    if async_steps and s.rollout.name != "hf":  # the async generation worker owns the vLLM engine; HF here validates
+        s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, name="hf"))
+    if async_steps:  # the generation workers compute ref_log_prob (rlkit/async_rollout.py): a frozen copy here would go unused
         need_ref = False
-    args = (cfg.model, cfg.actor, rollout, cfg.data)
+    args = (cfg.model, cfg.actor, cfg.rollout, cfg.data)
     if t.backend == "local" and t.engine != "fsdp":
         raise ConfigError(f"--trainer.engine {t.engine} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N")
     if t.backend == "local":
-        return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=t.device, seed=t.seed, need_ref=need_ref))
+        return LocalWorkerGroup(ActorRolloutRefWorker(*args, device=device, seed=seed, need_ref=need_ref, system=s))
     if t.backend != "ray":
         raise ConfigError(f"unknown --trainer.backend {t.backend!r}: use local or ray")
     from rlkit.engine import load_tokenizer
@@ -94,7 +96,7 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
             "--trainer.critic-workers" if t.critic_workers else "--trainer.n-workers",
         )
     teacher = bool(getattr(cfg, "teacher", ""))  # recipes/opd.py: its teacher's replicas share the bundles
-    pools = resource_pools(t, critic=critic is not None, reward_model=bool(cfg.reward.model_path), teacher=teacher)
+    pools = resource_pools(t, device, critic=critic is not None, reward_model=bool(cfg.reward.model_path), teacher=teacher)
     if t.engine == "megatron":  # Megatron-core tensor parallelism (rlkit/megatron_workers.py)
         from rlkit.megatron_workers import MegatronActorRolloutRefWorker, require_megatron
 
@@ -111,9 +113,10 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
         pools["actor_rollout_ref"],
         *args,
         share=_share(pools, "actor_rollout_ref"),
-        device=t.device,
-        seed=t.seed,
+        device=device,
+        seed=seed,
         need_ref=need_ref,
+        system=s,
         **options,
     )
     group.tokenizer = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)
@@ -121,14 +124,14 @@ def build_policy(cfg, need_ref: bool | None = None, critic=None):
     return _owning(group, pools, True)
 
 
-def _pools_of(policy, role: str, t) -> tuple[dict, bool]:
+def _pools_of(policy, role: str, t, device: str) -> tuple[dict, bool]:
     """The roles' pools: the policy group's (False), or new ones made for `role`'s group built on its own (True)."""
     pools = getattr(policy, "pools", None)
     if pools and role in pools:
         return pools, False
     if pools:
         raise ConfigError(f"the policy group was built without a {role} pool: pass the recipe's config section to build_policy")
-    return resource_pools(t, critic=role == "critic", reward_model=role == "reward_model", teacher=role == "teacher"), True
+    return resource_pools(t, device, critic=role == "critic", reward_model=role == "reward_model", teacher=role == "teacher"), True
 
 
 def _owning(group, pools: dict, made: bool):
@@ -149,16 +152,17 @@ def build_critic(cfg, policy=None):
     With --trainer.backend ray, pass the policy group (built with critic=cfg.critic): the critic goes on
     its pool (colocated) or on its own.
     """
-    t = cfg.trainer
+    s, t = cfg.system, cfg.system.scale_out
+    device, seed = s.trainer.device, cfg.trainer.seed
     args = (cfg.model, cfg.critic, cfg.rollout, cfg.actor.ppo_mini_batch_size)
     if t.backend == "local":
-        return LocalWorkerGroup(CriticWorker(*args, device=t.device, seed=t.seed))
+        return LocalWorkerGroup(CriticWorker(*args, device=device, seed=seed, system=s))
     from rlkit.fsdp_workers import FSDPCriticWorker
     from rlkit.ray_group import RayWorkerGroup
 
-    pools, made = _pools_of(policy, "critic", t)
+    pools, made = _pools_of(policy, "critic", t, device)
     group = RayWorkerGroup(
-        FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=t.device, seed=t.seed, fsdp=fsdp_options(t)
+        FSDPCriticWorker, pools["critic"], *args, share=_share(pools, "critic"), device=device, seed=seed, fsdp=fsdp_options(t), system=s
     )
     return _owning(group, pools, made)
 
@@ -169,25 +173,25 @@ def build_reward(cfg, policy=None):
     group: they go on its pool, or on their own with --trainer.reward-workers N)."""
     from rlkit.rewards import RewardFn
 
-    t, r = cfg.trainer, cfg.reward
+    t, r, rs, device = cfg.system.scale_out, cfg.reward, cfg.system.reward, cfg.system.trainer.device
     length = cfg.data.max_prompt_length + cfg.data.max_response_length  # what the reward model reads (recipes/rm.py's limit)
     if t.backend == "local" or not r.model_path:
-        return RewardFn.from_config(r, t.device, max_length=length)
+        return RewardFn.from_config(r, device, max_length=length, system=rs)
     from rlkit.ray_group import RayWorkerGroup
     from rlkit.reward_model import RayRewardModel, RewardModelWorker
 
-    pools, made = _pools_of(policy, "reward_model", t)
+    pools, made = _pools_of(policy, "reward_model", t, device)
     group = RayWorkerGroup(
         RewardModelWorker,
         pools["reward_model"],
         r.model_path,
-        t.device,
-        r.model_micro_batch_size,
+        device,
+        rs.model_micro_batch_size,
         cfg.model.trust_remote_code,
         length,
         share=_share(pools, "reward_model"),
     )
-    return RewardFn.from_config(r, t.device, model=RayRewardModel(_owning(group, pools, made)))
+    return RewardFn.from_config(r, device, model=RayRewardModel(_owning(group, pools, made)), system=rs)
 
 
 def check_teacher(cfg) -> None:
@@ -234,13 +238,13 @@ def build_teacher(cfg, policy=None):
     the policy group). Call check_teacher(cfg) first, before the student loads."""
     from rlkit.workers import TeacherWorker
 
-    t = cfg.trainer
+    t, device = cfg.system.scale_out, cfg.system.trainer.device
     teacher_cfg = dataclasses.replace(cfg.model, path=cfg.teacher, lora_rank=0)
-    args = (teacher_cfg, cfg.actor, cfg.rollout)
+    args = (teacher_cfg, cfg.rollout)
     if t.backend == "local":
-        return LocalWorkerGroup(TeacherWorker(*args, device=t.device))
+        return LocalWorkerGroup(TeacherWorker(*args, device=device, system=cfg.system))
     from rlkit.ray_group import RayWorkerGroup
 
-    pools, made = _pools_of(policy, "teacher", t)
-    group = RayWorkerGroup(TeacherWorker, pools["teacher"], *args, share=_share(pools, "teacher"), device=t.device)
+    pools, made = _pools_of(policy, "teacher", t, device)
+    group = RayWorkerGroup(TeacherWorker, pools["teacher"], *args, share=_share(pools, "teacher"), device=device, system=cfg.system)
     return _owning(group, pools, made)

@@ -62,11 +62,11 @@ def check_agent(cfg) -> None:
 
 def check_async(cfg) -> None:
     """--trainer.async-steps k >= 1 with what cannot run beside it (the difficulty sampler, the Megatron engine); the
-    flag's own ranges: config.TrainerConfig.check."""
-    t = cfg.trainer
-    k = getattr(t, "async_steps", 0)  # (recipes/rm.py's RunConfig has none)
-    if k <= 0:
+    flag's own ranges: config.AsyncConfig.check."""
+    a, t = getattr(cfg.system, "async_rollout", None), getattr(cfg.system, "scale_out", None)
+    if a is None or a.async_steps <= 0:  # (recipes/rm.py: no asynchronous rollout)
         return
+    k = a.async_steps
     if getattr(cfg.data, "sampler", "uniform") == "difficulty":  # its weights need each batch's scores before the next draw
         raise ConfigError(
             f"--data.sampler difficulty does not run with --trainer.async-steps {k} (batches are drawn before the last ones "
@@ -74,16 +74,16 @@ def check_async(cfg) -> None:
         )
     if t.backend == "ray" and t.engine == "megatron":
         raise ConfigError(f"--trainer.async-steps {k} does not run with --trainer.engine megatron yet; use --trainer.engine fsdp")
-    if getattr(t, "queue_groups", 0) and t.backend == "ray":
+    if a.queue_groups and t.backend == "ray":
         raise ConfigError(
-            f"--trainer.queue-groups {t.queue_groups} does not run with --trainer.backend ray (the queue is the local backend's "
+            f"--trainer.queue-groups {a.queue_groups} does not run with --trainer.backend ray (the queue is the local backend's "
             "worker processes); use --trainer.backend local or --trainer.queue-groups 0"
         )
-    c = getattr(t, "swap_every", 0)
+    c = a.swap_every
     if c:  # in-flight weight updates: rlkit's fast loop in a worker process that can read a second queue mid-generation
         why = (
-            "--rollout.name vllm (its engine decodes on its own; the fast HF loop polls)" if cfg.rollout.name != "hf"
-            else "--rollout.hf-impl generate (only the fast loop polls)" if cfg.rollout.hf_impl != "fast"
+            "--rollout.name vllm (its engine decodes on its own; the fast HF loop polls)" if cfg.system.rollout.name != "hf"
+            else "--rollout.hf-impl generate (only the fast loop polls)" if cfg.system.rollout.hf_impl != "fast"
             else "--trainer.backend ray (an actor runs one call at a time: use the local backend)" if t.backend == "ray"
             else "the multi-turn turn loop (grpo_tools.py generates turn by turn)" if getattr(cfg, "agent", None) is not None
             else None
@@ -95,8 +95,8 @@ def check_async(cfg) -> None:
 def check_megatron(cfg) -> None:
     """--trainer.engine megatron: on Ray, megatron-core installed, T = --trainer.tp-size dividing --trainer.n-workers and the
     model's attention and key/value heads, a Llama/Qwen2-shaped model, full fine-tuning, hf rollout: all before Ray starts."""
-    t = cfg.trainer
-    if getattr(t, "engine", "fsdp") != "megatron":
+    t = getattr(cfg.system, "scale_out", None)
+    if t is None or t.engine != "megatron":  # (recipes/rm.py: no scale-out)
         return
     if t.backend != "ray":
         raise ConfigError(f"--trainer.engine {t.engine} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N")
@@ -107,7 +107,7 @@ def check_megatron(cfg) -> None:
         raise ConfigError(
             f"--trainer.tp-size {t.tp_size} must divide --trainer.n-workers {t.n_workers} (n-workers = tp-size x data-parallel size)"
         )
-    if cfg.rollout.name != "hf":
+    if cfg.system.rollout.name != "hf":
         raise ConfigError("--trainer.engine megatron generates with --rollout.name hf only (vLLM weight sync is not wired yet)")
     if cfg.model.lora_rank > 0:
         raise ConfigError("--trainer.engine megatron trains the full policy only (no LoRA, no critic yet): use the fsdp engine")
@@ -129,8 +129,8 @@ def check_megatron(cfg) -> None:
 def check_sequence_parallel(cfg) -> None:
     """--trainer.sp-size S > 1 (Ulysses, rlkit/ulysses.py): the FSDP engine on Ray, S dividing --trainer.n-workers and the
     model's attention heads, the padded layout, sdpa, no gradient checkpointing, no critic, no VLM: all before Ray starts."""
-    t = cfg.trainer
-    s = getattr(t, "sp_size", 1)  # (recipes/rm.py's RunConfig has none)
+    t = getattr(cfg.system, "scale_out", None)
+    s = t.sp_size if t is not None else 1  # (recipes/rm.py: no scale-out)
     if s == 1:
         return
     flag = f"--trainer.sp-size {s}"
@@ -138,11 +138,11 @@ def check_sequence_parallel(cfg) -> None:
         raise ConfigError(f"{flag}: must be at least 1 (1 = no sequence parallelism)")
     if t.backend != "ray":
         raise ConfigError(f"{flag} runs on Ray workers: add --trainer.backend ray --trainer.n-workers N (a multiple of {s})")
-    if getattr(t, "engine", "fsdp") != "fsdp":
+    if t.engine != "fsdp":
         raise ConfigError(f"{flag} runs with the FSDP engine only (Megatron has its own tensor parallelism): use --trainer.engine fsdp")
     if t.n_workers % s:
         raise ConfigError(f"{flag} must divide --trainer.n-workers {t.n_workers} (n-workers = sp-size x data-parallel size)")
-    m = cfg.model
+    m = cfg.system.model
     if m.remove_padding:
         raise ConfigError(f"{flag} does not take packed rows yet (a block mask over the gathered sequence): add --model.no-remove-padding")
     if m.attn_implementation not in ("auto", "sdpa"):
@@ -153,9 +153,9 @@ def check_sequence_parallel(cfg) -> None:
         raise ConfigError(
             f"{flag}: the critic's value head has no sequence-parallel pass yet; use --trainer.sp-size 1 or a critic-free recipe"
         )
-    if getattr(cfg.actor, "router_replay", "none") != "none":  # forward_sp lays out no routing over the shards
+    if getattr(cfg.system.actor, "router_replay", "none") != "none":  # forward_sp lays out no routing over the shards
         raise ConfigError(
-            f"{flag} does not carry --actor.router-replay {cfg.actor.router_replay} yet (the routing is not split over the shards): "
+            f"{flag} does not carry --actor.router-replay {cfg.system.actor.router_replay} yet (the routing is not split over the shards): "
             "use --trainer.sp-size 1 or --actor.router-replay none"
         )
     c = _model_config(cfg)
@@ -182,11 +182,12 @@ def has_experts(config) -> bool:
 def check_moe(cfg) -> None:
     """A mixture-of-experts model (config.json's expert count) with what cannot serve it, and --actor.router-replay on a
     model without experts. The flag-only r3 refusals are config.check_router_replay's."""
-    replay = getattr(getattr(cfg, "actor", None), "router_replay", "none")
-    t = cfg.trainer
-    megatron = getattr(t, "backend", "local") == "ray" and getattr(t, "engine", "fsdp") == "megatron"
-    on_cpu = t.device == "cpu" or (t.device == "auto" and not getattr(t, "ray_address", None) and not _cuda())
-    vllm_cpu = getattr(getattr(cfg, "rollout", None), "name", "hf") == "vllm" and on_cpu
+    s = cfg.system
+    replay = getattr(s.actor, "router_replay", "none")  # (recipes/rm.py, sft.py: no replay)
+    t, device = getattr(s, "scale_out", None), s.trainer.device
+    megatron = t is not None and t.backend == "ray" and t.engine == "megatron"
+    on_cpu = device == "cpu" or (device == "auto" and not (t is not None and t.ray_address) and not _cuda())
+    vllm_cpu = getattr(getattr(s, "rollout", None), "name", "hf") == "vllm" and on_cpu
     if replay == "none" and not megatron and not vllm_cpu:
         return
     c = _model_config(cfg)
@@ -260,11 +261,11 @@ def check_prompts(cfg) -> None:
         from rlkit.workers import resolved
 
         check_tool_template(tok, resolved(cfg.model).path)  # the local folder: a built-in name is not a hub id
-    d = cfg.data
-    if d.train_files or d.task:
-        build_prompts(d.train_files, tok, d, tools=schemas, split="train")
-    if d.val_files:
-        build_prompts(d.val_files, tok, d, d.val_max_samples, tools=schemas, split="val")
+    d, v = cfg.data, cfg.system.data
+    if d.train_files or v.task:
+        build_prompts(d.train_files, tok, d, v, tools=schemas, split="train")
+    if v.val_files:
+        build_prompts(v.val_files, tok, d, v, v.val_max_samples, tools=schemas, split="val")
 
 
 def check_tool_template(tok, model_path: str) -> None:

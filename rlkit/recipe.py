@@ -7,7 +7,6 @@ of the algorithm.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 import time
@@ -18,6 +17,7 @@ import torch
 
 from rlkit import checkpoint, evaluation, sandbox
 from rlkit.async_rollout import Rollouts  # noqa: F401  (recipes call recipe.Rollouts)
+from rlkit.config import flag_values, nested
 from rlkit.errors import ConfigError, RunExists, UserError
 from rlkit.protocol import DataProto
 from rlkit.tracking import Tracker
@@ -168,6 +168,12 @@ def load_state_into(obj, state: dict) -> None:
         vars(obj).update(state)
 
 
+def async_steps_of(cfg) -> int:
+    """--trainer.async-steps of a recipe's Config; 0 for one without an asynchronous rollout (recipes/rm.py)."""
+    a = getattr(cfg.system, "async_rollout", None)
+    return a.async_steps if a is not None else 0
+
+
 def run_name(cfg) -> str:
     """The default --trainer.experiment-name: the recipe's file name (the module of its Config), then the model and
     the data when they are not the recipe's defaults. grpo.py on the defaults -> "grpo"; with --model
@@ -180,8 +186,9 @@ def run_name(cfg) -> str:
     if cfg.model.path != defaults.model.path:
         parts.append(Path(cfg.model.path.rstrip("/")).name)
     d = cfg.data
-    if getattr(d, "task", None):  # (recipes/rm.py, its BaseDataConfig: no generated tasks)
-        parts.append(d.task.split(":")[-1])
+    task = getattr(cfg.system.data, "task", None)  # (recipes/rm.py, its BaseDataSystem: no generated tasks)
+    if task:
+        parts.append(task.split(":")[-1])
     elif d.train_files != defaults.data.train_files and d.train_files:
         f = Path(d.train_files[0])
         parts.append(f.parent.name if f.stem in ("train", "training") and f.parent.name else f.stem)
@@ -200,7 +207,7 @@ class Run:
     def __init__(
         self, cfg, policy, train_loader, val_prompts, reward_fn, stateful: dict | None = None, validate=None, val_metric="val/acc"
     ):
-        t = cfg.trainer
+        t = cfg.system.trainer  # output, logging, checkpoints, the validation schedule
         self.cfg, self.policy, self.loader, self.val_prompts, self.reward_fn = cfg, policy, train_loader, val_prompts, reward_fn
         self.validate_fn, self.val_metric = validate, val_metric
         self.stateful = dict(stateful or {})
@@ -209,10 +216,10 @@ class Run:
             raise ValueError(f"Run(stateful=...): names {sorted(self.stateful)} clash with the checkpoint's own entries")
         if not t.experiment_name:  # resolved once, before the config is saved: a resumed run finds the same folder
             t.experiment_name = run_name(cfg)
-        self.config = dataclasses.asdict(cfg)
+        self.config = nested(flag_values(cfg))  # by flag name: --trainer.seed is config["trainer"]["seed"]
         self.out_dir = Path(t.default_local_dir.format(experiment_name=t.experiment_name, project_name=t.project_name))
         self.ckpt_dir = self.out_dir / "checkpoints"
-        self.total_steps = t.total_training_steps or t.total_epochs * len(train_loader)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(train_loader)
         self.start_step = 0
         self.val_history: list[tuple[int, float]] = []
         if getattr(cfg.data, "sampler", "uniform") == "difficulty":  # before resuming: its pass rates are in the checkpoint
@@ -249,9 +256,9 @@ class Run:
         except AttributeError:
             describe = ""
         describe += sandbox.start_clause(cfg) + " | "  # where model-written text runs, and how contained (docs/sandbox.md)
-        async_steps = getattr(t, "async_steps", 0)  # (recipes/rm.py's RunConfig: no asynchronous rollout)
+        async_steps = async_steps_of(cfg)
         if async_steps:  # the trainer's own rollout (above) only validates
-            describe += f"async: a generation worker samples {async_steps} batch(es) ahead with {cfg.rollout.name} | "
+            describe += f"async: a generation worker samples {async_steps} batch(es) ahead with {cfg.system.rollout.name} | "
         per_step = f"prompts x {cfg.rollout.n} samples" if hasattr(cfg, "rollout") else "rows"  # recipes/rm.py: pairs, no rollout
         self.tracker.message(
             f"model {cfg.model.path}: {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable | {describe}"
@@ -268,11 +275,11 @@ class Run:
         """Step numbers still to run (1-based); validates before the first when asked. `rollouts`: the recipe's
         Rollouts, whose async/ metrics each step logs and whose loader position a checkpoint saves; when the loop
         ends, or stops on an error, they are closed (no generation process outlives the loop)."""
-        t = self.cfg.trainer
+        t = self.cfg.system.trainer
         self.rollouts = rollouts
-        if getattr(t, "async_steps", 0) and self.rollouts is None:
+        if async_steps_of(self.cfg) and self.rollouts is None:
             raise ConfigError(
-                f"--trainer.async-steps {t.async_steps}: this recipe has no asynchronous loop (it makes no recipe.Rollouts); use 0"
+                f"--trainer.async-steps {async_steps_of(self.cfg)}: this recipe has no asynchronous loop (it makes no recipe.Rollouts); use 0"
             )
         if self.start_step == 0 and t.val_before_train and self.val_prompts is not None:
             self.validate(0)
@@ -284,11 +291,11 @@ class Run:
 
     def validate(self, step: int) -> dict:
         """Run validation, print it, remember it for the final summary."""
-        args = (self.policy, self.val_prompts, self.reward_fn, self.cfg.data.val_batch_size)
+        args = (self.policy, self.val_prompts, self.reward_fn, self.cfg.system.data.val_batch_size)
         if self.validate_fn is not None:  # the recipe's own
             metrics = self.validate_fn()
-        elif (n := self.cfg.trainer.val_n) > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
-            metrics = evaluation.validate_n(*args, n, self.cfg.rollout.val_temperature)
+        elif (n := self.cfg.system.trainer.val_n) > 1:  # n samples per prompt: + val/mean@n, val/pass@k, val/maj@k
+            metrics = evaluation.validate_n(*args, n, self.cfg.system.rollout.val_temperature)
         else:
             metrics = validate(*args)
         self.val_history.append((step, metrics[self.val_metric]))
@@ -299,7 +306,7 @@ class Run:
 
     def end_of_step(self, step: int, metrics: dict, timings: dict, batch: DataProto) -> None:
         """Validate / log / checkpoint on their schedules."""
-        t = self.cfg.trainer
+        t = self.cfg.system.trainer
         last = step == self.total_steps
         if self.val_prompts is not None and ((t.test_freq > 0 and step % t.test_freq == 0) or last):
             metrics.update(self.validate(step))
@@ -326,7 +333,7 @@ class Run:
             state,
             self.config,
             save_hf=self.policy.save_pretrained,
-            keep=self.cfg.trainer.max_ckpt_to_keep,
+            keep=self.cfg.system.trainer.max_ckpt_to_keep,
             parts={name: g.save_checkpoint for name, g in groups.items()},
         )
 
@@ -358,11 +365,12 @@ def setup(cfg) -> None:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    set_threads(cfg.trainer.num_threads)
+    t = cfg.system.trainer
+    set_threads(t.num_threads)
     torch.manual_seed(cfg.trainer.seed)
-    t = cfg.trainer
-    if getattr(t, "backend", "local") == "local" and t.device.startswith("cuda:"):  # this process trains on GPU N: make it the current one
-        if getattr(getattr(cfg, "rollout", None), "name", "") == "vllm" and torch.device(t.device).index:
+    scale_out = getattr(cfg.system, "scale_out", None)  # (recipes/rm.py: none, always local)
+    if (scale_out is None or scale_out.backend == "local") and t.device.startswith("cuda:"):  # this process trains on GPU N
+        if getattr(getattr(cfg.system, "rollout", None), "name", "") == "vllm" and torch.device(t.device).index:
             raise ConfigError(  # vLLM's in-process engine takes the first visible GPU whatever the current one is
                 f"--trainer.device {t.device} with --rollout.name vllm: vLLM would start on cuda:0; choose the GPU with "
                 f"CUDA_VISIBLE_DEVICES={torch.device(t.device).index} and --trainer.device cuda"
@@ -382,7 +390,7 @@ def preflight(cfg) -> None:
 
     check_flags(cfg)
     if getattr(cfg, "rl_rows", True):  # sft.py, rm.py: conversations, pairs -- not RL prompt rows; they check their own
-        check_files(cfg.data)
+        check_files(cfg.data, cfg.system.data)
     if getattr(cfg, "reward", None) and cfg.reward.custom_fn:
         load_function(cfg.reward.custom_fn)
     checks.run(cfg)
@@ -428,10 +436,7 @@ def cli(main, config_cls):
 
     import tyro
 
-    from rlkit.config import cli_view
-
-    view_cls, to_config = cli_view(config_cls)  # the system options in boxes of their own, after the learning options
-    cfg = to_config(tyro.cli(view_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:])))
+    cfg = tyro.cli(config_cls, description=sys.modules[main.__module__].__doc__, args=expand_aliases(sys.argv[1:]))
     try:
         return main(cfg)
     except UserError as e:

@@ -370,25 +370,28 @@ class RewardFn:
         self.model, self.use_function = None, True  # a RewardModel, set by from_config
 
     @classmethod
-    def from_config(cls, cfg, device: str = "auto", model=None, max_length: int = 2048) -> RewardFn:
-        """The reward of a RewardConfig: the scoring function and, with cfg.model_path, a reward model
-        (loaded here on `device`, reading at most `max_length` tokens, unless `model` gives one: anything called as
-        model(prompts, responses))."""
+    def from_config(cls, cfg, device: str = "auto", model=None, max_length: int = 2048, system=None) -> RewardFn:
+        """The reward of a RewardConfig and its RewardSystem (where scorers run, what a failing one does; default
+        RewardSystem()): the scoring function and, with cfg.model_path, a reward model (loaded here on `device`, reading
+        at most `max_length` tokens, unless `model` gives one: anything called as model(prompts, responses))."""
+        from rlkit.config import RewardSystem
+
+        s = system or RewardSystem()
         fn = cls(
             cfg.custom_fn,
-            cfg.on_error,
-            cfg.timeout_s,
-            cfg.sandbox,
-            cfg.sandbox_level,
-            cfg.sandbox_workers,
-            cfg.sandbox_fresh,
-            cfg.sandbox_memory_mb,
+            s.on_error,
+            s.timeout_s,
+            s.sandbox,
+            s.sandbox_level,
+            s.sandbox_workers,
+            s.sandbox_fresh,
+            s.sandbox_memory_mb,
             stop_if_all_fail=True,
         )
         if cfg.model_path:
             from rlkit.reward_model import RewardModel
 
-            fn.model = model or RewardModel(cfg.model_path, device, cfg.model_micro_batch_size, max_length)
+            fn.model = model or RewardModel(cfg.model_path, device, s.model_micro_batch_size, max_length)
             fn.use_function = cfg.combine == "add"
         return fn
 

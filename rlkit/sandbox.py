@@ -488,7 +488,8 @@ def check_level(wanted: str, flag: str) -> str:
 
 def start_clause(cfg) -> str:
     """The run's start line says how model-written text is contained: "sandbox level strict", or why nothing runs there."""
-    reward = getattr(getattr(cfg, "reward", None), "sandbox", "off")
+    reward = getattr(cfg.system, "reward", None)  # (recipes/rm.py, sft.py-free of scorers: none)
+    reward = reward.sandbox if reward is not None else "off"
     tools = str(getattr(getattr(cfg, "agent", None), "tools", ""))
     if reward == "off" and "python" not in tools:
         return "sandbox off (scorers run in this process)"

@@ -11,7 +11,7 @@ verifier. rlkit turns a task into rows of the verl parquet format, so the rest o
     reward_model  {"style": "rule", "ground_truth": answer}
     extra_info    {"split", "index", "task", "options" (JSON), "entry" (JSON), "format"}
 
-Options (DataConfig): `task_options` ("min_terms=2,max_terms=2" or JSON) go to the task's config;
+Options (DataSystem): `task_options` ("min_terms=2,max_terms=2" or JSON) go to the task's config;
 `task_train_size` / `task_val_size` items are generated with seeds `task_seed` and `task_seed + task_train_size`
 (reasoning-gym seeds item i with seed + i, so the two never share a generator)
 (validation items whose question also occurs in the training set are dropped, so it is held out);

@@ -290,7 +290,7 @@ class VLLMRollout:
     """Generation with a vLLM engine next to the training model; see the module docstring."""
 
     def __init__(
-        self, model, tokenizer, model_path: str, dtype: torch.dtype, device: torch.device, rollout_cfg, max_model_len: int, seed: int = 0
+        self, model, tokenizer, model_path: str, dtype: torch.dtype, device: torch.device, rollout_sys, max_model_len: int, seed: int = 0
     ):
         if not vllm_available():
             raise MissingPackage(VLLM_MISSING)
@@ -299,7 +299,7 @@ class VLLMRollout:
         self.syncs = 0
         self.sleep_mode = device.type == "cuda"  # see the module docstring, 4.
         self.sleeping: set[str] = set()  # the parts now asleep: weights, kv_cache
-        r = rollout_cfg
+        r = rollout_sys  # a RolloutSystem: the vllm options
         from rlkit.vlm import is_vlm, vision_token_ids
 
         config = getattr(model, "config", None)

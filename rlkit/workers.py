@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.config import rows_per_mini_batch
+from rlkit.config import CriticSystem, System, rows_per_mini_batch
 from rlkit.engine import TorchEngine, auto_micro_batch, num_params, unpack_weights
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.models import resolve_model_path
@@ -40,13 +40,13 @@ def resolved(model_cfg):
     return model_cfg if path == model_cfg.path else dataclasses.replace(model_cfg, path=path)
 
 
-def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
-    """The generation backend named by --rollout.name: hf (generate on the training model) or vllm."""
-    if rollout_cfg.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
+def make_rollout(engine, rollout_sys, data_cfg, model_path: str, seed: int):
+    """The generation backend named by --rollout.name (rollout_sys: a RolloutSystem): hf (generate on the training model) or vllm."""
+    if rollout_sys.name == "hf":  # generates under the engine's autocast: in the compute dtype over float32 masters
         model = getattr(engine, "hf_model", engine.model)  # a Megatron engine generates on a gathered HF copy
         kv = engine.dtype if getattr(engine, "master_fp32", False) else None  # the KV cache in the compute dtype, not the masters'
-        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast, kv_dtype=kv, impl=rollout_cfg.hf_impl)
-    if rollout_cfg.name == "vllm":
+        return HFRollout(model, engine.tokenizer, engine.device, autocast=engine.autocast, kv_dtype=kv, impl=rollout_sys.hf_impl)
+    if rollout_sys.name == "vllm":
         from rlkit.vllm_rollout import VLLMRollout
 
         return VLLMRollout(
@@ -55,11 +55,11 @@ def make_rollout(engine, rollout_cfg, data_cfg, model_path: str, seed: int):
             model_path,
             engine.dtype,
             engine.device,
-            rollout_cfg,
+            rollout_sys,
             max_model_len=data_cfg.max_prompt_length + data_cfg.max_response_length,
             seed=seed,
         )
-    raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
+    raise ConfigError(f"unknown --rollout.name {rollout_sys.name!r}; available: hf, vllm")
 
 
 class CheckpointFiles:
@@ -98,32 +98,39 @@ class ActorRolloutRefWorker(CheckpointFiles):
         need_ref: bool | None = None,
         wrap=None,
         trains: bool = True,
+        system=None,
     ):
-        """trains=False: a generation-only copy (the async generation worker, rlkit/async_rollout.py): no optimizer,
-        weights from load_weights; actor_cfg still sets its log-prob micro-batches."""
-        if rollout_cfg.name not in ("hf", "vllm"):
-            raise ConfigError(f"unknown --rollout.name {rollout_cfg.name!r}; available: hf, vllm")
+        """system: the recipe's cfg.system (default System()), of which the worker reads .model, .actor and .rollout.
+        trains=False: a generation-only copy (the async generation worker, rlkit/async_rollout.py): no optimizer,
+        weights from load_weights; system.actor still sets its log-prob micro-batches."""
+        system = system or System()
+        model_sys, update_sys, rollout_sys = system.model, system.actor, system.rollout
+        if rollout_sys.name not in ("hf", "vllm"):
+            raise ConfigError(f"unknown --rollout.name {rollout_sys.name!r}; available: hf, vllm")
         model_cfg = resolved(model_cfg)
         torch.manual_seed(seed)  # fresh weights (LoRA's) start the same in every process and on every backend
         self.trains = trains
-        self.engine = self.engine_class(model_cfg, actor_cfg if trains else None, device, need_ref=need_ref, wrap=wrap)
-        if not trains:  # no actor_cfg for the engine (no optimizer), but its log-prob passes keep the trainer's token budget
-            self.engine.max_tokens = actor_cfg.max_token_len_per_micro_batch
+        self.engine = self.engine_class(
+            model_cfg, actor_cfg if trains else None, device, need_ref=need_ref, wrap=wrap, model_sys=model_sys, update_sys=update_sys
+        )
+        if not trains:  # no optimizer, but its log-prob passes keep the trainer's token budget
+            self.engine.max_tokens = update_sys.max_token_len_per_micro_batch
         self.tokenizer = self.engine.tokenizer
-        self.rollout = make_rollout(self.engine, rollout_cfg, data_cfg, model_cfg.path, seed)
+        self.rollout = make_rollout(self.engine, rollout_sys, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
-        self.router_replay = getattr(actor_cfg, "router_replay", "none")  # MoE: none, r2, r3 (docs/moe.md)
+        self.system, self.rollout_sys = system, rollout_sys
+        self.router_replay = getattr(update_sys, "router_replay", "none")  # MoE: none, r2, r3 (docs/moe.md)
         self.updates = 0
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
         self.agent = None  # set_agent: generate() runs this turn loop instead of single-turn sampling
-        self.micro_batch = auto_micro_batch(actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
-        self.log_prob_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
-        self.gen_micro_batch = auto_micro_batch(rollout_cfg.micro_batch_size, self.engine.model, None, 64)  # tiny: one generate call
+        self.micro_batch = auto_micro_batch(update_sys.ppo_micro_batch_size, self.engine.model, 256, 8)
+        self.log_prob_micro_batch = rollout_sys.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
+        self.gen_micro_batch = auto_micro_batch(rollout_sys.micro_batch_size, self.engine.model, None, 64)  # tiny: one generate call
         self.kv_budget_fraction = 0.5  # CUDA, --rollout.micro-batch-size 0: the share of free memory HF generation may fill
 
     def describe(self) -> str:
         """Device, dtypes, attention implementation, checkpointing and rollout backend, for the start-of-run line."""
-        return f"{self.engine.describe()}, rollout {self.rollout_cfg.name}"
+        return f"{self.engine.describe()}, rollout {self.rollout_sys.name}"
 
     def set_agent(self, agent) -> None:
         """Make generate() multi-turn: agent(worker, prompts, validate) -> DataProto (rlkit/agent.py's TurnLoop; picklable, so
@@ -136,17 +143,17 @@ class ActorRolloutRefWorker(CheckpointFiles):
         generation worker (async_rollout.Generator); --rollout.drop-finished is passed here."""
         if self.agent is not None:
             return self.agent(self, prompts, validate)
-        r = self.rollout_cfg
-        extra = {"return_log_probs": True} if r.log_probs and not validate and isinstance(self.rollout, HFRollout) else {}
-        if r.drop_finished and isinstance(self.rollout, HFRollout):  # (config: hf fast only)
-            extra["drop_finished"] = r.drop_finished
+        r, s = self.rollout_cfg, self.rollout_sys
+        extra = {"return_log_probs": True} if s.log_probs and not validate and isinstance(self.rollout, HFRollout) else {}
+        if s.drop_finished and isinstance(self.rollout, HFRollout):  # (config: hf fast only)
+            extra["drop_finished"] = s.drop_finished
         if self.router_replay == "r3" and not validate:  # R3: the routing of the forwards that sample (docs/moe.md)
             extra["record_routing"] = True
         extra.update(stream)
         return self.rollout.generate(
             prompts,
             self.data_cfg.max_response_length,
-            temperature=r.val_temperature if validate else r.temperature,
+            temperature=s.val_temperature if validate else r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             micro_batch_size=self.generation_rows(prompts),
@@ -157,7 +164,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         """Rows per HF generate call: --rollout.micro-batch-size; with 0 on CPU gen_micro_batch (64 rows, all for a tiny
         model), on CUDA as many rows as fit in kv_budget_fraction of the free memory (rollout.generation_rows: the KV
         cache of prompt + response tokens, the prefill's activations and a step's logits per row)."""
-        if self.rollout_cfg.micro_batch_size or self.engine.device.type != "cuda" or not isinstance(self.rollout, HFRollout):
+        if self.rollout_sys.micro_batch_size or self.engine.device.type != "cuda" or not isinstance(self.rollout, HFRollout):
             return self.gen_micro_batch
         tokens = (prompts["input_ids"].shape[1], self.data_cfg.max_response_length)
         model = self.rollout.model  # the model that generates (Megatron: its Hugging Face copy, whose config this reads)
@@ -273,15 +280,22 @@ class ActorRolloutRefWorker(CheckpointFiles):
 class CriticWorker(CheckpointFiles):
     """A value model V(s_t) on one device: the policy's checkpoint (or critic.path) with a fresh 1-output head."""
 
-    def __init__(self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", seed: int = 0, wrap=None):
+    def __init__(
+        self, model_cfg, critic_cfg, rollout_cfg, actor_mini_batch_size: int, device: str = "auto", seed: int = 0, wrap=None, system=None
+    ):
+        """system: the recipe's cfg.system, of which the worker reads .model, .critic (a CriticSystem) and .rollout."""
+        system = system or System()
+        critic_sys = getattr(system, "critic", None) or CriticSystem()
         model_cfg = dataclasses.replace(model_cfg, path=critic_cfg.path or model_cfg.path, lora_rank=critic_cfg.lora_rank)
         torch.manual_seed(seed)  # the fresh value head starts the same in every process and on every backend
-        self.engine = TorchEngine(resolved(model_cfg), critic_cfg, device, value_head=True, wrap=wrap)
+        self.engine = TorchEngine(
+            resolved(model_cfg), critic_cfg, device, value_head=True, wrap=wrap, model_sys=system.model, update_sys=critic_sys
+        )
         self.critic_cfg, self.rollout_cfg = critic_cfg, rollout_cfg
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)
         self.mini_batch_size = critic_cfg.ppo_mini_batch_size or actor_mini_batch_size  # prompts
-        self.micro_batch = auto_micro_batch(critic_cfg.ppo_micro_batch_size, self.engine.model, 256, 8)
-        self.values_micro_batch = rollout_cfg.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
+        self.micro_batch = auto_micro_batch(critic_sys.ppo_micro_batch_size, self.engine.model, 256, 8)
+        self.values_micro_batch = system.rollout.log_prob_micro_batch_size or self.micro_batch  # the update's, unless set
 
     def compute_values(self, batch: DataProto) -> DataProto:
         """V(s_t) for every response token t (the state before it): 'values', shaped like the responses."""
@@ -317,7 +331,9 @@ class TeacherWorker:
     so the replicas need no process group (rank/world_size are accepted and unused) and the group splits every
     batch across them (data parallel)."""
 
-    def __init__(self, model_cfg, actor_cfg, rollout_cfg, device: str = "auto", **ray_rank):
+    def __init__(self, model_cfg, rollout_cfg, device: str = "auto", system=None, **ray_rank):
+        """system: the recipe's cfg.system (its .model, the policy's .actor micro-batches, .rollout's log-prob batches)."""
+        system = system or System()
         if ray_rank:  # a Ray worker: its bundle's threads, and the one GPU Ray made visible to it
             import os
 
@@ -325,13 +341,13 @@ class TeacherWorker:
 
             set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
             device = "cuda:0" if resolve_device(device).type == "cuda" else "cpu"
-        self.engine = TorchEngine(resolved(model_cfg), None, device, need_ref=False)
+        self.engine = TorchEngine(resolved(model_cfg), None, device, need_ref=False, model_sys=system.model)
         self.engine.model.requires_grad_(False)
-        self.engine.max_tokens = actor_cfg.max_token_len_per_micro_batch  # the trainer's token budget per pass
+        self.engine.max_tokens = system.actor.max_token_len_per_micro_batch  # the trainer's token budget per pass
         self.tokenizer = self.engine.tokenizer
         self.temperature = rollout_cfg.temperature
-        self.micro_batch = rollout_cfg.log_prob_micro_batch_size or auto_micro_batch(
-            actor_cfg.ppo_micro_batch_size, self.engine.model, 256, 8
+        self.micro_batch = system.rollout.log_prob_micro_batch_size or auto_micro_batch(
+            system.actor.ppo_micro_batch_size, self.engine.model, 256, 8
         )
 
     @dispatch("split")

@@ -11,6 +11,7 @@ estimators of rlkit/evaluation.py. The flags are the recipes' (--model, --data.*
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,8 +26,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rlkit import evaluation  # noqa: E402
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig  # noqa: E402
+from rlkit.config import (  # noqa: E402
+    ActorConfig,
+    DataConfig,
+    DataSystem,
+    ModelConfig,
+    ModelSystem,
+    RewardConfig,
+    RewardSystem,
+    RolloutConfig,
+    RolloutSystem,
+    System,
+)
 from rlkit.errors import ConfigError  # noqa: E402
+
+
+@dataclass
+class EvalSystem:
+    """The system sections eval reads (cfg.system): their flags keep the recipes' names (--model.dtype, --data.val-files,
+    --rollout.name, --reward.timeout-s, ...)."""
+
+    model: ModelSystem = field(default_factory=ModelSystem)
+    data: DataSystem = field(default_factory=DataSystem)
+    rollout: RolloutSystem = field(default_factory=RolloutSystem)
+    reward: RewardSystem = field(default_factory=RewardSystem)
 
 
 @dataclass
@@ -45,6 +68,8 @@ class Config:
     """seed of the sampling"""
     num_threads: int = 0
     """torch CPU threads (0 = 1 thread on a machine with <= 4 cores, else torch's default)"""
+    system: EvalSystem = field(default_factory=EvalSystem)
+    """how the model runs and what is evaluated (dtype, the files, vLLM, the scorer's sandbox)"""
 
 
 def check(cfg: Config) -> None:
@@ -55,11 +80,11 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"-n {cfg.n}: must be at least 1")
     if cfg.rollout.temperature <= 0 and cfg.n > 1:
         raise ConfigError(f"--rollout.temperature {cfg.rollout.temperature} with -n {cfg.n}: greedy samples are all the same; use > 0")
-    if not cfg.data.val_files and not cfg.data.task:
+    if not cfg.system.data.val_files and not cfg.system.data.task:
         raise ConfigError("--data.val-files is empty: name the parquet file(s) to evaluate on")
-    if cfg.data.val_batch_size < 1:
-        raise ConfigError(f"--data.val-batch-size {cfg.data.val_batch_size}: must be at least 1")
-    check_files(DataConfig(**{**vars(cfg.data), "train_files": []}))  # only the files evaluated
+    if cfg.system.data.val_batch_size < 1:
+        raise ConfigError(f"--data.val-batch-size {cfg.system.data.val_batch_size}: must be at least 1")
+    check_files(dataclasses.replace(cfg.data, train_files=[]), cfg.system.data)  # only the files evaluated
     out = Path(cfg.output)
     try:  # writable before the sampling, not after it (the samples would be lost)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,15 +107,17 @@ def main(cfg: Config) -> dict[str, float]:
     check(cfg)
     set_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    reward_fn = RewardFn.from_config(cfg.reward, cfg.device)
+    s = cfg.system
+    reward_fn = RewardFn.from_config(cfg.reward, cfg.device, system=s.reward)
     # a generation-only worker (no optimizer, no reference copy); --rollout.name vllm gives it a vLLM engine
+    system = System(model=s.model, data=s.data, rollout=s.rollout, reward=s.reward)  # the worker's: the rest at their defaults
     policy = ActorRolloutRefWorker(
-        cfg.model, ActorConfig(), cfg.rollout, cfg.data, device=cfg.device, seed=cfg.seed, need_ref=False, trains=False
+        cfg.model, ActorConfig(), cfg.rollout, cfg.data, device=cfg.device, seed=cfg.seed, need_ref=False, trains=False, system=system
     )
-    prompts = build_prompts(cfg.data.val_files, policy.tokenizer, cfg.data, cfg.data.val_max_samples, split="val")
+    prompts = build_prompts(s.data.val_files, policy.tokenizer, cfg.data, s.data, s.data.val_max_samples, split="val")
     try:
         with tqdm(total=len(prompts) * cfg.n, desc=f"eval {len(prompts)} prompts x {cfg.n}", unit="sample", file=sys.stderr) as bar:
-            records, _ = evaluation.sample(policy, prompts, reward_fn, cfg.data.val_batch_size, cfg.n, validate=False, progress=bar)
+            records, _ = evaluation.sample(policy, prompts, reward_fn, s.data.val_batch_size, cfg.n, validate=False, progress=bar)
     finally:
         policy.close()
         reward_fn.close()

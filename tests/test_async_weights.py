@@ -10,7 +10,7 @@ from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
 from rlkit import async_rollout
 from rlkit.async_rollout import handoff_dtype, receive_weights, send_weights
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.config import ActorConfig, DataConfig, ModelConfig, ModelSystem, RolloutConfig, System
 from rlkit.engine import TorchEngine, unpack_weights
 from rlkit.workers import ActorRolloutRefWorker
 
@@ -46,13 +46,16 @@ def test_weights_go_through_a_file_when_shared_memory_lacks_room(tmp_path, monke
 def test_bf16_hand_off_is_bit_identical_for_a_bf16_worker():
     """The generation worker's engine does not train: a full model is stored in the compute dtype, so bf16 weights sent
     are exactly what it kept of float32 ones (copy_ rounds to nearest-even, as .to(bfloat16) does)."""
-    cfg = ModelConfig(dtype="bfloat16")
-    assert handoff_dtype(cfg, "cpu") == torch.bfloat16 and handoff_dtype(ModelConfig(), "cpu") == torch.float32
-    assert handoff_dtype(ModelConfig(dtype="bfloat16", lora_rank=4), "cpu") == torch.float32  # peft's float32 adapters
-    gen = ActorRolloutRefWorker(cfg, ActorConfig(), RolloutConfig(), DataConfig(), device="cpu", need_ref=False, trains=False)
+    cfg, bf16 = ModelConfig(), ModelSystem(dtype="bfloat16")
+    assert handoff_dtype(cfg, bf16, "cpu") == torch.bfloat16 and handoff_dtype(ModelConfig(), ModelSystem(), "cpu") == torch.float32
+    assert handoff_dtype(ModelConfig(lora_rank=4), bf16, "cpu") == torch.float32  # peft's float32 adapters
+    system = System(model=bf16)
+    gen = ActorRolloutRefWorker(
+        cfg, ActorConfig(), RolloutConfig(), DataConfig(), device="cpu", need_ref=False, trains=False, system=system
+    )
     worker = gen.engine  # the generation worker's (async_rollout.Generator): no optimizer, no float32 masters
     assert {p.dtype for p in worker.model.parameters()} == {torch.bfloat16}
-    trainer = ActorRolloutRefWorker(cfg, ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), device="cpu")
+    trainer = ActorRolloutRefWorker(cfg, ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), device="cpu", system=system)
     assert trainer.engine.master_fp32
     with torch.no_grad():  # float32 masters off the bf16 grid, as after a few optimizer steps
         for p in trainer.engine.model.parameters():
@@ -64,7 +67,7 @@ def test_bf16_hand_off_is_bit_identical_for_a_bf16_worker():
         unpack_weights(worker.model, flat, layout)
         sent[dtype] = [p.detach().clone() for p in worker.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(sent[torch.float32], sent[torch.bfloat16], strict=True))
-    lora = TorchEngine(ModelConfig(dtype="bfloat16", lora_rank=4), None, "cpu", need_ref=False)
+    lora = TorchEngine(ModelConfig(lora_rank=4), None, "cpu", need_ref=False, model_sys=bf16)
     assert {p.dtype for n, p in lora.model.named_parameters() if "lora_" in n} == {torch.float32}
 
 
@@ -85,7 +88,7 @@ def test_one_step_off_run_through_the_file_fallback_equals_the_shared_memory_run
 
         monkeypatch.setattr(async_rollout, "send_weights", recording)
         cfg = small_config(grpo, tmp_path / name, steps=3, save_freq=0, test_freq=0, val_before_train=False, async_steps=1)
-        cfg.data.val_max_samples = 16
+        cfg.system.data.val_max_samples = 16
         grpo.main(cfg)
         assert {p[0] for payloads in made for p in payloads.values()} == {name}
         rows[name] = [

@@ -23,7 +23,18 @@ from test_grpo_recipe import ROOT, _row, _write_parquet, load_recipe
 
 from rlkit import agent, checkpoint, tools
 from rlkit.async_rollout import Rollouts
-from rlkit.config import RewardConfig
+from rlkit.config import (
+    AsyncConfig,
+    ModelConfig,
+    RewardConfig,
+    RewardSystem,
+    RolloutConfig,
+    System,
+    TrainerSystem,
+    flag_values,
+    nested,
+    set_flags,
+)
 from rlkit.errors import ConfigError, RunFailed, UserError
 from rlkit.rewards import RewardFn, time_limit
 
@@ -40,15 +51,13 @@ def moe(cfg):
 def tiny(grpo, tmp_path, **data):
     cfg = grpo.Config()
     cfg.data.train_files = [_write_parquet(tmp_path / "train.parquet", [_row() for _ in range(8)])]
-    cfg.data.val_files = []
+    cfg.system.data.val_files = []
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 4
     cfg.rollout.n = 2
     cfg.trainer.total_training_steps = 1
-    cfg.trainer.val_before_train = False
-    cfg.trainer.default_local_dir = str(tmp_path / "out")
-    for k, v in data.items():
-        setattr(cfg.data, k, v)
-    return cfg
+    cfg.system.trainer.val_before_train = False
+    cfg.system.trainer.default_local_dir = str(tmp_path / "out")
+    return set_flags(cfg, {f"data.{k}": v for k, v in data.items()})
 
 
 def corrupt_checkpoint(cfg, tmp_path):
@@ -59,239 +68,236 @@ def corrupt_checkpoint(cfg, tmp_path):
         (folder / "state.pt").write_bytes(b"PK\x03\x04 garbage")
 
     path = checkpoint.save(
-        tmp_path / "ckpt", 1, {"loader": {"epoch": 0, "position": 1}}, dataclasses.asdict(cfg), parts={"policy": garbage}
+        tmp_path / "ckpt", 1, {"loader": {"epoch": 0, "position": 1}}, nested(flag_values(cfg)), parts={"policy": garbage}
     )
-    cfg.trainer.resume = str(path)
+    cfg.system.trainer.resume = str(path)
     return str(path / "policy" / "state.pt")
 
 
 CASES = {
     # name: (change the config, phrases the message holds); a change may return extra phrases
     "string_prompts": (
-        lambda c, t: setattr(c.data, "train_files", [_write_parquet(t / "s.parquet", [dict(_row(), prompt="What is 1+1?")] * 8)]),
+        lambda c, t: set_flags(c, {"data.train_files": [_write_parquet(t / "s.parquet", [dict(_row(), prompt="What is 1+1?")] * 8)]}),
         ["holds strings", '"role": "user"'],
     ),
     "max_prompt_length_0": (
-        lambda c, t: (setattr(c.data, "max_prompt_length", 0), setattr(c.data, "truncation", "left")),
+        lambda c, t: set_flags(c, {"data.max_prompt_length": 0, "data.truncation": "left"}),
         ["--data.max-prompt-length 0", "at least 1"],
     ),
     "not_parquet": (
-        lambda c, t: (t / "train.csv").write_text("a,b\n1,2\n") and setattr(c.data, "train_files", [str(t / "train.csv")]),
+        lambda c, t: (t / "train.csv").write_text("a,b\n1,2\n") and set_flags(c, {"data.train_files": [str(t / "train.csv")]}),
         ["--data.train-files", "train.csv: not a parquet file"],
     ),
     "empty_file": (
-        lambda c, t: (t / "e.parquet").write_bytes(b"") or setattr(c.data, "train_files", [str(t / "e.parquet")]),
+        lambda c, t: (t / "e.parquet").write_bytes(b"") or set_flags(c, {"data.train_files": [str(t / "e.parquet")]}),
         ["--data.train-files", "e.parquet: not a parquet file"],
     ),
     "empty_dataset": (
-        lambda c, t: setattr(c.data, "train_files", [_write_parquet(t / "none.parquet", [])]),
+        lambda c, t: set_flags(c, {"data.train_files": [_write_parquet(t / "none.parquet", [])]}),
         ["--data.train-files", "none.parquet: no rows"],
     ),
     "long_val_prompt": (
-        lambda c, t: setattr(c.data, "val_files", [_write_parquet(t / "val.parquet", [_row(), _row("What is " + "1+" * 300 + "1?")])]),
+        lambda c, t: set_flags(c, {"data.val_files": [_write_parquet(t / "val.parquet", [_row(), _row("What is " + "1+" * 300 + "1?")])]}),
         ["row 1 of", "val.parquet", "--data.max-prompt-length", "--data.truncation"],
     ),
-    "max_response_length_0": (lambda c, t: setattr(c.data, "max_response_length", 0), ["--data.max-response-length 0"]),
-    "val_batch_size_0": (lambda c, t: setattr(c.data, "val_batch_size", 0), ["--data.val-batch-size 0"]),
-    "val_n_0": (lambda c, t: setattr(c.trainer, "val_n", 0), ["--trainer.val-n 0", "at least 1"]),
-    "negative_micro_batch": (lambda c, t: setattr(c.actor, "ppo_micro_batch_size", -2), ["--actor.ppo-micro-batch-size -2", "0 (auto)"]),
+    "max_response_length_0": (lambda c, t: set_flags(c, {"data.max_response_length": 0}), ["--data.max-response-length 0"]),
+    "val_batch_size_0": (lambda c, t: set_flags(c, {"data.val_batch_size": 0}), ["--data.val-batch-size 0"]),
+    "val_n_0": (lambda c, t: set_flags(c, {"trainer.val_n": 0}), ["--trainer.val-n 0", "at least 1"]),
+    "negative_micro_batch": (
+        lambda c, t: set_flags(c, {"actor.ppo_micro_batch_size": -2}),
+        ["--actor.ppo-micro-batch-size -2", "0 (auto)"],
+    ),
     "negative_log_prob_micro_batch": (
-        lambda c, t: setattr(c.rollout, "log_prob_micro_batch_size", -1),
+        lambda c, t: set_flags(c, {"rollout.log_prob_micro_batch_size": -1}),
         ["--rollout.log-prob-micro-batch-size -1"],
     ),
-    "lr_zero": (lambda c, t: setattr(c.actor, "lr", 0.0), ["--actor.lr 0.0", "learning rate"]),
-    "lr_absurd": (lambda c, t: setattr(c.actor, "lr", 3.0), ["--actor.lr 3.0", "well below 1"]),
-    "ppo_epochs_0": (lambda c, t: setattr(c.actor, "ppo_epochs", 0), ["--actor.ppo-epochs 0"]),
+    "lr_zero": (lambda c, t: set_flags(c, {"actor.lr": 0.0}), ["--actor.lr 0.0", "learning rate"]),
+    "lr_absurd": (lambda c, t: set_flags(c, {"actor.lr": 3.0}), ["--actor.lr 3.0", "well below 1"]),
+    "ppo_epochs_0": (lambda c, t: set_flags(c, {"actor.ppo_epochs": 0}), ["--actor.ppo-epochs 0"]),
     "temperature_0": (
-        lambda c, t: setattr(c.rollout, "temperature", 0.0),
+        lambda c, t: set_flags(c, {"rollout.temperature": 0.0}),
         ["--rollout.temperature 0.0", "temperature > 0", "--rollout.val-temperature"],
     ),
     "reward_file_import_error": (
         lambda c, t: (
-            (t / "bad_reward.py").write_text("import no_such_module_xyz\n") and setattr(c.reward, "custom_fn", f"{t}/bad_reward.py:score")
+            (t / "bad_reward.py").write_text("import no_such_module_xyz\n")
+            and set_flags(c, {"reward.custom_fn": f"{t}/bad_reward.py:score"})
         ),
         ["the reward file", "bad_reward.py", "failed while importing", "no_such_module_xyz"],
     ),
     "null_ground_truth": (
-        lambda c, t: setattr(
-            c.data, "train_files", [_write_parquet(t / "n.parquet", [_row(answer=None if i in (2, 5) else "2") for i in range(8)])]
+        lambda c, t: set_flags(
+            c, {"data.train_files": [_write_parquet(t / "n.parquet", [_row(answer=None if i in (2, 5) else "2") for i in range(8)])]}
         ),
         ["n.parquet", "ground_truth is null in row(s) 2, 5"],
     ),
     "over_the_context": (
-        lambda c, t: (
-            setattr(c.data, "max_response_length", 64),
-            setattr(c.data, "train_files", [_write_parquet(t / "c.parquet", [_row("What is " + "1+" * 40 + "1?")] * 8)]),
+        lambda c, t: set_flags(
+            c,
+            {
+                "data.max_response_length": 64,
+                "data.train_files": [_write_parquet(t / "c.parquet", [_row("What is " + "1+" * 40 + "1?")] * 8)],
+            },
         ),
         ["+ --data.max-response-length 64", "over the model's context of 128", "max_position_embeddings"],
     ),
     "corrupt_policy_state": (corrupt_checkpoint, ["cannot read", "corrupt or cut short"]),
     # issue #21: before the model loads (and before Ray starts)
-    "grad_clip_0": (lambda c, t: setattr(c.actor, "grad_clip", 0.0), ["--actor.grad-clip 0.0", "must be > 0", "zero every update"]),
-    "grad_clip_negative": (lambda c, t: setattr(c.actor, "grad_clip", -1.0), ["--actor.grad-clip -1.0", "reverse it"]),
-    "temperature_nan": (lambda c, t: setattr(c.rollout, "temperature", math.nan), ["--rollout.temperature nan", "finite"]),
-    "kl_loss_coef_inf": (lambda c, t: setattr(c.actor, "kl_loss_coef", math.inf), ["--actor.kl-loss-coef inf", "finite"]),
+    "grad_clip_0": (lambda c, t: set_flags(c, {"actor.grad_clip": 0.0}), ["--actor.grad-clip 0.0", "must be > 0", "zero every update"]),
+    "grad_clip_negative": (lambda c, t: set_flags(c, {"actor.grad_clip": -1.0}), ["--actor.grad-clip -1.0", "reverse it"]),
+    "temperature_nan": (lambda c, t: set_flags(c, {"rollout.temperature": math.nan}), ["--rollout.temperature nan", "finite"]),
+    "kl_loss_coef_inf": (lambda c, t: set_flags(c, {"actor.kl_loss_coef": math.inf}), ["--actor.kl-loss-coef inf", "finite"]),
     "sampler_weights_nan": (
-        lambda c, t: setattr(c.data, "sampler_weights", (0.2, math.nan, 0.2)),
+        lambda c, t: set_flags(c, {"data.sampler_weights": (0.2, math.nan, 0.2)}),
         ["--data.sampler-weights (0.2, nan, 0.2)", "finite"],
     ),
-    "async_steps_negative": (lambda c, t: setattr(c.trainer, "async_steps", -1), ["--trainer.async-steps -1", ">= 0"]),
+    "async_steps_negative": (lambda c, t: set_flags(c, {"trainer.async_steps": -1}), ["--trainer.async-steps -1", ">= 0"]),
     "async_workers_0": (
-        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "async_workers", 0)),
+        lambda c, t: set_flags(c, {"trainer.async_steps": 1, "trainer.async_workers": 0}),
         ["--trainer.async-workers 0", ">= 1"],
     ),
     "async_timeout_negative": (
-        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "async_timeout_s", -5.0)),
+        lambda c, t: set_flags(c, {"trainer.async_steps": 1, "trainer.async_timeout_s": -5.0}),
         ["--trainer.async-timeout-s -5.0", "0 to wait"],
     ),
     "megatron_tp_mismatch": (
-        lambda c, t: (
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "engine", "megatron"),
-            setattr(c.trainer, "n_workers", 3),
-            setattr(c.trainer, "tp_size", 2),
-        ),
+        lambda c, t: set_flags(c, {"trainer.backend": "ray", "trainer.engine": "megatron", "trainer.n_workers": 3, "trainer.tp_size": 2}),
         ["--trainer.tp-size 2 must divide --trainer.n-workers 3"],
     ),
     "megatron_async": (
-        lambda c, t: (
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "engine", "megatron"),
-            setattr(c.trainer, "n_workers", 2),
-            setattr(c.trainer, "async_steps", 1),
+        lambda c, t: set_flags(
+            c, {"trainer.backend": "ray", "trainer.engine": "megatron", "trainer.n_workers": 2, "trainer.async_steps": 1}
         ),
         ["--trainer.async-steps 1 does not run with --trainer.engine megatron"],
     ),
     "megatron_heads": (  # the embedded model's config.json says how many heads it has: read without loading it
-        lambda c, t: (
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "engine", "megatron"),
-            setattr(c.trainer, "n_workers", 7),
-            setattr(c.trainer, "tp_size", 7),
-        ),
+        lambda c, t: set_flags(c, {"trainer.backend": "ray", "trainer.engine": "megatron", "trainer.n_workers": 7, "trainer.tp_size": 7}),
         ["--trainer.tp-size 7 must divide the attention heads"],
     ),
-    "megatron_local": (lambda c, t: setattr(c.trainer, "engine", "megatron"), ["--trainer.engine megatron runs on Ray workers"]),
+    "megatron_local": (lambda c, t: set_flags(c, {"trainer.engine": "megatron"}), ["--trainer.engine megatron runs on Ray workers"]),
     # --trainer.sp-size (Ulysses): each refused before Ray starts; the padded layout set where the case is about something else
-    "sp_local": (lambda c, t: setattr(c.trainer, "sp_size", 2), ["--trainer.sp-size 2 runs on Ray workers", "--trainer.backend ray"]),
+    "sp_local": (lambda c, t: set_flags(c, {"trainer.sp_size": 2}), ["--trainer.sp-size 2 runs on Ray workers", "--trainer.backend ray"]),
     "sp_workers": (
-        lambda c, t: (setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "n_workers", 3), setattr(c.trainer, "sp_size", 2)),
+        lambda c, t: set_flags(c, {"trainer.backend": "ray", "trainer.n_workers": 3, "trainer.sp_size": 2}),
         ["--trainer.sp-size 2 must divide --trainer.n-workers 3"],
     ),
     "sp_megatron": (
-        lambda c, t: (setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "engine", "megatron"), setattr(c.trainer, "sp_size", 2)),
+        lambda c, t: set_flags(c, {"trainer.backend": "ray", "trainer.engine": "megatron", "trainer.sp_size": 2}),
         ["--trainer.sp-size 2 runs with the FSDP engine only", "--trainer.engine fsdp"],
     ),
     "sp_packed": (
-        lambda c, t: (setattr(c.trainer, "backend", "ray"), setattr(c.trainer, "n_workers", 2), setattr(c.trainer, "sp_size", 2)),
+        lambda c, t: set_flags(c, {"trainer.backend": "ray", "trainer.n_workers": 2, "trainer.sp_size": 2}),
         ["--trainer.sp-size 2 does not take packed rows yet", "--model.no-remove-padding"],
     ),
     "sp_attention": (
-        lambda c, t: (
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "n_workers", 2),
-            setattr(c.trainer, "sp_size", 2),
-            setattr(c.model, "remove_padding", False),
-            setattr(c.model, "attn_implementation", "eager"),
+        lambda c, t: set_flags(
+            c,
+            {
+                "trainer.backend": "ray",
+                "trainer.n_workers": 2,
+                "trainer.sp_size": 2,
+                "model.remove_padding": False,
+                "model.attn_implementation": "eager",
+            },
         ),
         ["--trainer.sp-size 2 runs its own sdpa attention", "--model.attn-implementation sdpa"],
     ),
     "sp_checkpointing": (
-        lambda c, t: (
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "n_workers", 2),
-            setattr(c.trainer, "sp_size", 2),
-            setattr(c.model, "remove_padding", False),
-            setattr(c.model, "gradient_checkpointing", "on"),
+        lambda c, t: set_flags(
+            c,
+            {
+                "trainer.backend": "ray",
+                "trainer.n_workers": 2,
+                "trainer.sp_size": 2,
+                "model.remove_padding": False,
+                "model.gradient_checkpointing": "on",
+            },
         ),
         ["--trainer.sp-size 2 does not run with gradient checkpointing", "--model.gradient-checkpointing off"],
     ),
     "sp_router_replay": (  # forward_sp splits no routing over the shards (on the embedded MoE: 4 heads, S = 2 divides them)
         lambda c, t: (
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "n_workers", 2),
-            setattr(c.trainer, "sp_size", 2),
-            setattr(c.model, "remove_padding", False),
-            setattr(c.actor, "router_replay", "r2"),
+            set_flags(
+                c,
+                {
+                    "trainer.backend": "ray",
+                    "trainer.n_workers": 2,
+                    "trainer.sp_size": 2,
+                    "model.remove_padding": False,
+                    "actor.router_replay": "r2",
+                },
+            ),
             moe(c),
         ),
         ["--trainer.sp-size 2 does not carry --actor.router-replay r2", "--actor.router-replay none"],
     ),
     "sp_heads": (  # the embedded model has 4 attention heads (its config.json, read without loading it)
-        lambda c, t: (
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "n_workers", 3),
-            setattr(c.trainer, "sp_size", 3),
-            setattr(c.model, "remove_padding", False),
-        ),
+        lambda c, t: set_flags(c, {"trainer.backend": "ray", "trainer.n_workers": 3, "trainer.sp_size": 3, "model.remove_padding": False}),
         ["--trainer.sp-size 3 must divide the model's 4 attention heads"],
     ),
-    "swap_without_async": (lambda c, t: setattr(c.trainer, "swap_every", 4), ["--trainer.swap-every", "--trainer.async-steps 1"]),
+    "swap_without_async": (lambda c, t: set_flags(c, {"trainer.swap_every": 4}), ["--trainer.swap-every", "--trainer.async-steps 1"]),
     "swap_with_generate": (
-        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "swap_every", 4), setattr(c.rollout, "hf_impl", "generate")),
+        lambda c, t: set_flags(c, {"trainer.async_steps": 1, "trainer.swap_every": 4, "rollout.hf_impl": "generate"}),
         ["--trainer.swap-every 4 does not run with --rollout.hf-impl generate"],
     ),
     "swap_mode_alone": (
-        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "swap_mode", "reprefill")),
+        lambda c, t: set_flags(c, {"trainer.async_steps": 1, "trainer.swap_mode": "reprefill"}),
         ["--trainer.swap-mode reprefill", "--trainer.swap-every"],
     ),
     "max_staleness_negative": (
-        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "max_staleness", -1)),
+        lambda c, t: set_flags(c, {"trainer.async_steps": 1, "trainer.max_staleness": -1}),
         ["--trainer.max-staleness -1"],
     ),
-    "queue_without_async": (lambda c, t: setattr(c.trainer, "queue_groups", 2), ["--trainer.queue-groups", "--trainer.async-steps 1"]),
+    "queue_without_async": (lambda c, t: set_flags(c, {"trainer.queue_groups": 2}), ["--trainer.queue-groups", "--trainer.async-steps 1"]),
     "queue_with_ray": (
-        lambda c, t: (setattr(c.trainer, "async_steps", 1), setattr(c.trainer, "queue_groups", 2), setattr(c.trainer, "backend", "ray")),
+        lambda c, t: set_flags(c, {"trainer.async_steps": 1, "trainer.queue_groups": 2, "trainer.backend": "ray"}),
         ["--trainer.queue-groups 2 does not run with --trainer.backend ray"],
     ),
     "max_staleness_masks_every_batch": (
-        lambda c, t: (setattr(c.trainer, "async_steps", 2), setattr(c.trainer, "max_staleness", 1)),
+        lambda c, t: set_flags(c, {"trainer.async_steps": 2, "trainer.max_staleness": 1}),
         ["--trainer.max-staleness 1 < --trainer.async-steps 2 masks every batch", "--trainer.queue-groups"],
     ),
-    "drop_finished_out_of_range": (lambda c, t: setattr(c.rollout, "drop_finished", 2.0), ["--rollout.drop-finished 2.0"]),
+    "drop_finished_out_of_range": (lambda c, t: set_flags(c, {"rollout.drop_finished": 2.0}), ["--rollout.drop-finished 2.0"]),
     "drop_finished_with_generate": (
-        lambda c, t: (setattr(c.rollout, "drop_finished", 0.5), setattr(c.rollout, "hf_impl", "generate")),
+        lambda c, t: set_flags(c, {"rollout.drop_finished": 0.5, "rollout.hf_impl": "generate"}),
         ["--rollout.drop-finished 0.5", "fast"],
     ),
     # MoE router replay (docs/moe.md): the model's config.json is read for its experts, never the weights
-    "router_replay_no_experts": (lambda c, t: setattr(c.actor, "router_replay", "r2"), ["--actor.router-replay r2", "has no experts"]),
+    "router_replay_no_experts": (lambda c, t: set_flags(c, {"actor.router_replay": "r2"}), ["--actor.router-replay r2", "has no experts"]),
     "r3_with_vllm": (
-        lambda c, t: (moe(c), setattr(c.actor, "router_replay", "r3"), setattr(c.rollout, "name", "vllm")),
+        lambda c, t: (moe(c), set_flags(c, {"actor.router_replay": "r3", "rollout.name": "vllm"})),
         ["--actor.router-replay r3", "--rollout.name vllm", "use --actor.router-replay r2"],
     ),
     "r3_with_drop_finished": (
-        lambda c, t: (moe(c), setattr(c.actor, "router_replay", "r3"), setattr(c.rollout, "drop_finished", 0.5)),
+        lambda c, t: (moe(c), set_flags(c, {"actor.router_replay": "r3", "rollout.drop_finished": 0.5})),
         ["--actor.router-replay r3", "--rollout.drop-finished 0.5"],
     ),
     "r3_with_reprefill": (
         lambda c, t: (
             moe(c),
-            setattr(c.actor, "router_replay", "r3"),
-            setattr(c.trainer, "async_steps", 1),
-            setattr(c.trainer, "swap_every", 4),
-            setattr(c.trainer, "swap_mode", "reprefill"),
+            set_flags(
+                c, {"actor.router_replay": "r3", "trainer.async_steps": 1, "trainer.swap_every": 4, "trainer.swap_mode": "reprefill"}
+            ),
         ),
         ["--actor.router-replay r3", "--trainer.swap-mode reprefill"],
     ),
     "r3_with_async": (
-        lambda c, t: (moe(c), setattr(c.actor, "router_replay", "r3"), setattr(c.trainer, "async_steps", 1)),
+        lambda c, t: (moe(c), set_flags(c, {"actor.router_replay": "r3", "trainer.async_steps": 1})),
         ["--actor.router-replay r3", "--trainer.async-steps 1"],
     ),
     "moe_with_megatron": (
         lambda c, t: (
             moe(c),
-            setattr(c.trainer, "backend", "ray"),
-            setattr(c.trainer, "engine", "megatron"),
-            setattr(c.trainer, "n_workers", 2),
+            set_flags(c, {"trainer.backend": "ray", "trainer.engine": "megatron", "trainer.n_workers": 2}),
         ),
         ["--trainer.engine megatron", "mixture-of-experts", "use --trainer.engine fsdp"],
     ),
     "moe_with_vllm_on_cpu": (
-        lambda c, t: (moe(c), setattr(c.rollout, "name", "vllm"), setattr(c.trainer, "device", "cpu")),
+        lambda c, t: (moe(c), set_flags(c, {"rollout.name": "vllm", "trainer.device": "cpu"})),
         ["--rollout.name vllm on CPU", "mixture-of-experts", "use --rollout.name hf"],
     ),
     "filter_drops_every_prompt": (
-        lambda c, t: (setattr(c.data, "max_prompt_length", 2), setattr(c.data, "filter_overlong_prompts", True)),
+        lambda c, t: set_flags(c, {"data.max_prompt_length": 2, "data.filter_overlong_prompts": True}),
         ["every prompt is over --data.max-prompt-length 2"],
     ),
 }
@@ -346,8 +352,8 @@ def literal_fields(cfg, prefix="--"):
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, flag = getattr(cfg, f.name), prefix + f.name.replace("_", "-")
-        if dataclasses.is_dataclass(value):
-            yield from literal_fields(value, flag + ".")
+        if dataclasses.is_dataclass(value):  # a system section (cfg.system.model) is named by its flags (--model.dtype)
+            yield from literal_fields(value, f"--{value.flag_section}." if hasattr(value, "flag_section") else flag + ".")
         elif typing.get_origin(hints[f.name]) is typing.Literal:
             yield cfg, f.name, flag, typing.get_args(hints[f.name])
 
@@ -383,11 +389,21 @@ def test_sequence_parallel_refuses_the_critic_and_a_vision_language_model_before
     from rlkit import preflight
 
     cfg = load_recipe("ppo").Config()  # a critic (value head): no sequence-parallel pass yet
-    cfg.trainer.backend, cfg.trainer.n_workers, cfg.trainer.sp_size, cfg.model.remove_padding = "ray", 2, 2, False
+    cfg.system.scale_out.backend, cfg.system.scale_out.n_workers, cfg.system.scale_out.sp_size, cfg.system.model.remove_padding = (
+        "ray",
+        2,
+        2,
+        False,
+    )
     with pytest.raises(ConfigError, match=r"--trainer.sp-size 2: the critic's value head has no sequence-parallel pass yet"):
         preflight.check_sequence_parallel(cfg)
     cfg = load_recipe("grpo").Config()
-    cfg.trainer.backend, cfg.trainer.n_workers, cfg.trainer.sp_size, cfg.model.remove_padding = "ray", 2, 2, False
+    cfg.system.scale_out.backend, cfg.system.scale_out.n_workers, cfg.system.scale_out.sp_size, cfg.system.model.remove_padding = (
+        "ray",
+        2,
+        2,
+        False,
+    )
     preflight.check_sequence_parallel(cfg)  # the embedded model (4 heads): accepted
     vlm = SimpleNamespace(vision_config={}, num_attention_heads=4)  # what config.json of a Qwen2-VL says, in short
     monkeypatch.setattr(preflight, "_model_config", lambda cfg: vlm)
@@ -399,12 +415,12 @@ def test_nan_policy_skip_stops_after_k_skipped_steps(tmp_path, monkeypatch):
     grpo = load_recipe("grpo")
     cfg = tiny(grpo, tmp_path)
     cfg.trainer.total_training_steps = 5
-    cfg.actor.nan_policy, cfg.actor.max_skipped_steps = "skip", 2
+    cfg.system.actor.nan_policy, cfg.system.actor.max_skipped_steps = "skip", 2
     monkeypatch.setattr(grpo, "make_actor_loss", lambda cfg: lambda mb, logp, ent, norm: (logp.sum() * torch.nan, {}, {}))
     with pytest.raises(FloatingPointError, match=r"2 optimizer steps in a row skipped .*--actor.max-skipped-steps 2") as info:
         grpo.main(cfg)
     assert "\n" not in str(info.value)
-    rows = (Path(cfg.trainer.default_local_dir) / "metrics.jsonl").read_text().splitlines()
+    rows = (Path(cfg.system.trainer.default_local_dir) / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1  # step 1 skipped and logged; step 2 skipped again and stopped the run
 
 
@@ -426,7 +442,7 @@ def tools_cfg(grpo_tools, tmp_path):
     cfg = grpo_tools.Config()
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 4
     cfg.rollout.n = 2
-    cfg.trainer.default_local_dir = str(tmp_path / "out")
+    cfg.system.trainer.default_local_dir = str(tmp_path / "out")
     return cfg
 
 
@@ -523,7 +539,7 @@ def test_a_nan_extra_from_a_scorer_is_refused_not_printed_as_accuracy(tmp_path):
 
 def test_on_error_zero_stops_a_run_whose_scorer_fails_on_every_call(tmp_path):
     spec = scorer_file(tmp_path, "return 1 / 0")
-    reward = RewardFn.from_config(RewardConfig(custom_fn=spec, on_error="zero"))
+    reward = RewardFn.from_config(RewardConfig(custom_fn=spec), system=RewardSystem(on_error="zero"))
     try:
         with pytest.raises(RunFailed) as info:
             reward(["ds"] * 3, ["a", "b", "c"], ["1", "1", "1"])
@@ -536,7 +552,7 @@ def test_on_error_zero_stops_a_run_whose_scorer_fails_on_every_call(tmp_path):
 
 def test_on_error_zero_keeps_going_when_some_calls_succeed(tmp_path):
     spec = scorer_file(tmp_path, "return 1.0 / int(solution_str)")
-    reward = RewardFn.from_config(RewardConfig(custom_fn=spec, on_error="zero"))
+    reward = RewardFn.from_config(RewardConfig(custom_fn=spec), system=RewardSystem(on_error="zero"))
     try:
         scores, metrics = reward(["ds"] * 3, ["1", "0", "2"], ["1", "1", "1"])
     finally:
@@ -547,10 +563,10 @@ def test_on_error_zero_keeps_going_when_some_calls_succeed(tmp_path):
 def test_a_run_with_on_error_zero_and_a_scorer_failing_every_call_ends_with_one_line(tmp_path):
     grpo = load_recipe("grpo")
     cfg = tiny(grpo, tmp_path)
-    cfg.reward.custom_fn, cfg.reward.on_error = scorer_file(tmp_path, "raise KeyError('answer')"), "zero"
+    cfg.reward.custom_fn, cfg.system.reward.on_error = scorer_file(tmp_path, "raise KeyError('answer')"), "zero"
     with pytest.raises(RunFailed, match=r"every one of the 8 reward calls of this batch failed .*KeyError: 'answer'"):
         grpo.main(cfg)
-    assert (Path(cfg.trainer.default_local_dir) / "metrics.jsonl").read_text() == ""  # stopped in step 1: no step logged
+    assert (Path(cfg.system.trainer.default_local_dir) / "metrics.jsonl").read_text() == ""  # stopped in step 1: no step logged
 
 
 # ----------------------------------------------------------------------------- parse_hermes: bounded, never raises
@@ -644,8 +660,8 @@ def _sleeper():
 
 def waiting_rollouts(timeout_s: float):
     """A Rollouts waiting on one stand-in 'generation worker' (a process that sleeps and never answers)."""
-    trainer = SimpleNamespace(async_steps=0, async_workers=1, async_timeout_s=timeout_s, device="cpu", swap_every=0, max_staleness=0)
-    cfg = SimpleNamespace(trainer=trainer, rollout=SimpleNamespace(n=2, name="hf"), model=SimpleNamespace(lora_rank=0, dtype="auto"))
+    system = System(async_rollout=AsyncConfig(async_timeout_s=timeout_s), trainer=TrainerSystem(device="cpu"))  # hf, dtype auto
+    cfg = SimpleNamespace(system=system, rollout=RolloutConfig(n=2), model=ModelConfig())  # lora_rank 0
     r = Rollouts(cfg, None, None)
     r.k = 1
     ctx = multiprocessing.get_context("fork")

@@ -362,3 +362,33 @@ def test_resuming_from_an_older_step_moves_the_later_checkpoints_aside(tmp_path)
     assert ckpt.list_checkpoints(tmp_path) == [2] and (tmp_path / "latest").read_text() == "2"
     assert aside.parent == tmp_path and sorted(p.name for p in aside.iterdir()) == ["global_step_4", "global_step_6"]
     assert ckpt.set_aside_later(tmp_path, 2) is None
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "grpo_tools", "sft", "rm"])
+def test_a_checkpoint_config_json_is_the_one_rlkit_wrote_before_the_system_sections(name):
+    """config.json holds the options by flag name (recipe.Run: config.nested(config.flag_values(cfg))), not by where a
+    field sits: moving --trainer.backend into cfg.system.scale_out left it config["trainer"]["backend"]. The fixture is
+    each recipe's default config.json as rlkit wrote it before cfg.system existed (dataclasses.asdict of the old
+    Config; install paths as {root}): identical, so a run saved then resumes now (checkpoint.check_config)."""
+    from test_grpo_recipe import ROOT, load_recipe
+
+    from rlkit import config
+
+    fixture = (ROOT / "tests" / "fixtures" / "config_json_before_system_sections.json").read_text()
+    before = json.loads(fixture.replace("{root}", str(ROOT)))[name]
+    now = json.loads(json.dumps(config.nested(config.flag_values(load_recipe(name).Config())), default=str))
+    assert ckpt.flatten(now) == ckpt.flatten(before)
+    ckpt.check_config(before, now)  # resumable: no difference outside RESUMABLE_CHANGES either
+
+
+def test_a_run_writes_config_json_by_flag_name(tmp_path):
+    """What recipe.Run writes is that format: a one-step grpo run's config.json has exactly the old config.json's keys
+    (config["trainer"]["backend"], no "system")."""
+    from test_grpo_recipe import ROOT, load_recipe, small_config
+
+    grpo = load_recipe("grpo")
+    grpo.main(small_config(grpo, tmp_path, steps=1, num_threads=1, test_freq=0, val_before_train=False))
+    saved = json.loads((tmp_path / "checkpoints" / "global_step_1" / "config.json").read_text())
+    before = json.loads((ROOT / "tests" / "fixtures" / "config_json_before_system_sections.json").read_text())["grpo"]
+    assert "system" not in saved and set(ckpt.flatten(saved)) == set(ckpt.flatten(before))
+    assert saved["trainer"]["backend"] == "local" and saved["trainer"]["total_training_steps"] == 1

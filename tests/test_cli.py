@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -58,7 +59,7 @@ def test_each_recipe_names_its_runs_after_itself_and_what_it_trains_on():
     cfg.model.path = "Qwen/Qwen2.5-0.5B-Instruct"
     cfg.data.train_files = ["data/gsm8k/train.parquet"]
     assert recipe.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-gsm8k"
-    cfg.data.task = "reasoning_gym:chain_sum"
+    cfg.system.data.task = "reasoning_gym:chain_sum"
     assert recipe.run_name(cfg) == "grpo-qwen2.5-0.5b-instruct-chain_sum"
 
 
@@ -66,7 +67,7 @@ def test_a_rerun_into_a_used_folder_names_both_ways_forward(tmp_path):
     from rlkit.errors import RunExists
 
     cfg = load_recipe("rloo").Config()
-    cfg.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
+    cfg.system.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
     step = tmp_path / "rloo/checkpoints/global_step_3"
     step.mkdir(parents=True)
     (step / "state.pt").write_bytes(b"")
@@ -102,7 +103,18 @@ def help_boxes(text: str) -> dict[str, str]:
     return boxes
 
 
+def system_boxes(cfg) -> dict[str, tuple[str, list[str]]]:
+    """--help's title of each box of cfg.system -> (the flag prefix of its options, their field names)."""
+    out = {}
+    for f in dataclasses.fields(cfg.system):
+        section = getattr(cfg.system, f.name)
+        out[f"system.{f.name.replace('_', '-')} options"] = (section.flag_section, [g.name for g in dataclasses.fields(section)])
+    return out
+
+
 def test_help_shows_the_learning_options_first_and_the_system_options_apart():
+    """The Config's structure is --help's: the learning sections' boxes, then one box per section of cfg.system, whose
+    options keep their flags (--trainer.backend lives in cfg.system.scale_out, shown in the system.scale-out box)."""
     from test_grpo_recipe import run_cli
 
     for name in ("grpo", "ppo"):
@@ -114,16 +126,27 @@ def test_help_shows_the_learning_options_first_and_the_system_options_apart():
         assert titles[:first_system] == ["options", "model options", "data options", "rollout options", "actor options"] + (
             ["critic options"] if name == "ppo" else []
         ) + ["reward options", "trainer options"]
-        assert all(t.startswith("system.") for t in titles[first_system:])
-        for group, sections in config.SYSTEM_OPTIONS.items():  # each system flag in its own box only, under its old name
-            box = boxes[f"system.{group.replace('_', '-')} options"]
-            for section, names in sections.items():
-                if f"{section} options" not in boxes:  # critic: PPO's only; agent: grpo_tools' only
-                    continue
-                for name in names:
-                    flag = re.compile(rf"--{section}\.{name.replace('_', '-')}[ ,]")  # (a bool: --x, --no-x)
-                    assert flag.search(box) and not flag.search(boxes[f"{section} options"]), (name, flag)
+        expected = system_boxes(load_recipe(name).Config())
+        assert titles[first_system:] == list(expected)
+        for title, (prefix, names) in expected.items():  # each system flag in its own box only, under its section's name
+            for field_name in names:
+                flag = re.compile(rf"--{prefix}\.{field_name.replace('_', '-')}[ ,]")  # (a bool: --x, --no-x)
+                assert flag.search(boxes[title]) and not flag.search(boxes.get(f"{prefix} options", "")), (title, flag)
         assert "--trainer.total-epochs" in boxes["trainer options"] and "--rollout.n " in boxes["rollout options"]
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "grpo_tools", "sft", "rm"])
+def test_every_option_is_the_flag_flag_values_names(name):
+    """The flags tyro makes from a recipe's Config are exactly config.flag_values' names: a system section's @flags
+    prefix is its options' prefix (so set_flags, the checks' messages and checkpoints speak the command line's names)."""
+    import tyro
+
+    cls = load_recipe(name).Config
+    with warnings.catch_warnings():  # (get_parser: deprecated in tyro 1.0, still the way to list a CLI's flags)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        parser = tyro.extras.get_parser(cls)
+    shown = {a.option_strings[0] for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"}
+    assert shown == {"--" + k.replace("_", "-") for k in config.flag_values(cls())}
 
 
 def test_system_flags_keep_their_names_and_land_in_their_sections():
@@ -131,27 +154,41 @@ def test_system_flags_keep_their_names_and_land_in_their_sections():
     from test_grpo_recipe import load_recipe
 
     grpo = load_recipe("grpo")
-    view, to_config = config.cli_view(grpo.Config)
     args = ["--trainer.backend", "ray", "--rollout.name", "vllm", "--trainer.async-steps", "2", "--reward.sandbox", "all"]
-    cfg = to_config(tyro.cli(view, args=[*args, "--model.no-remove-padding", "--rollout.n", "4", "--trainer.n-workers", "2"]))
-    assert type(cfg) is grpo.Config and type(cfg.trainer) is config.TrainerConfig and type(cfg.model) is config.ModelConfig
+    cfg = tyro.cli(grpo.Config, args=[*args, "--model.no-remove-padding", "--rollout.n", "4", "--trainer.n-workers", "2"])
+    assert type(cfg) is grpo.Config and type(cfg.trainer) is config.TrainerConfig and type(cfg.system.model) is config.ModelSystem
     expected = grpo.Config()
-    expected.trainer.backend, expected.trainer.async_steps, expected.trainer.n_workers = "ray", 2, 2
-    expected.rollout.name, expected.rollout.n, expected.reward.sandbox, expected.model.remove_padding = "vllm", 4, "all", False
-    assert dataclasses.asdict(cfg) == dataclasses.asdict(expected)  # the recipe's own defaults (actor.lr 1e-4) kept
-    assert to_config(tyro.cli(view, args=[])) == grpo.Config()
+    expected.system.scale_out.backend, expected.system.async_rollout.async_steps, expected.system.scale_out.n_workers = "ray", 2, 2
+    expected.system.rollout.name, expected.rollout.n = "vllm", 4
+    expected.system.reward.sandbox, expected.system.model.remove_padding = "all", False
+    assert cfg == expected  # the recipe's own defaults (actor.lr 1e-4) kept
+    assert tyro.cli(grpo.Config, args=[]) == grpo.Config()
+
+
+def test_set_flags_sets_options_by_flag_name_wherever_they_live():
+    grpo = load_recipe("grpo")
+    cfg = config.set_flags(grpo.Config(), {"trainer.backend": "ray", "trainer.seed": 7, "model.dtype": "float32", "actor.lr": 0.01})
+    assert (cfg.system.scale_out.backend, cfg.trainer.seed, cfg.system.model.dtype, cfg.actor.lr) == ("ray", 7, "float32", 0.01)
+    config.set_flags(cfg, {"norm-adv-by-std-in-grpo": False, "rollout.val-temperature": 0.5})  # dashes, a top-level option
+    assert cfg.norm_adv_by_std_in_grpo is False and cfg.system.rollout.val_temperature == 0.5
+    with pytest.raises(KeyError, match="--trainer.nope"):
+        config.set_flags(cfg, {"trainer.nope": 1})
+    with pytest.raises(KeyError, match="--critic.lr"):  # grpo.py has no critic
+        config.set_flags(cfg, {"critic.lr": 1e-5})
+    values = config.flag_values(cfg)
+    assert values["trainer.backend"] == "ray" and values["model.dtype"] == "float32" and values["norm_adv_by_std_in_grpo"] is False
 
 
 def test_grpo_help_shows_at_most_40_learning_options_before_the_system_boxes():
     """Issue #35: grpo.py's --help opened with 74 learning options; the run, validation, data-loading, off-policy,
-    reliability and performance options now wait in system boxes after them (config.SYSTEM_OPTIONS' rule)."""
+    reliability and performance options now sit in cfg.system's sections, whose boxes come after them."""
     from test_grpo_recipe import run_cli
 
     out = run_cli("--help", recipe="grpo")
     boxes = help_boxes(out.stdout)
     learning = [body for title, body in boxes.items() if not title.startswith("system.")]
     titles = list(boxes)
-    assert all(t.startswith("system.") for t in titles[titles.index("system.run options") :])
+    assert all(t.startswith("system.") for t in titles[titles.index("system.model options") :])
     flags = re.findall(r"^--[a-z][\w.-]*", "".join(learning), re.M)
     assert 30 <= len(flags) <= 40, flags
     assert "--actor.lr" in flags and "--trainer.experiment-name" not in flags and "--data.task" not in flags
@@ -183,9 +220,25 @@ def test_help_shows_each_recipes_own_default_paths_relative_to_the_install(name,
 def test_shown_default_is_relative_inside_the_install_only():
     from rlkit import demos
 
-    assert config.shown_default(str(demos.ARITH_MODEL)) == "rlkit/assets/tiny-arith"
-    assert config.shown_default([str(demos.ARITH_DATA / "a.parquet"), str(demos.ARITH_DATA / "b.parquet")]) == (
-        "rlkit/assets/arith/a.parquet rlkit/assets/arith/b.parquet"
+    assert config.shown_default(str(demos.ARITH_MODEL)) == "(default: rlkit/assets/tiny-arith)"
+    assert config.shown_default(f"{demos.ARITH_DATA / 'a.parquet'} {demos.ARITH_DATA / 'b.parquet'}") == (
+        "(default: rlkit/assets/arith/a.parquet rlkit/assets/arith/b.parquet)"
     )
-    assert config.shown_default("Qwen/Qwen2.5-0.5B-Instruct") is None and config.shown_default([]) is None
-    assert config.shown_default(512) is None and config.shown_default(["/elsewhere/x.parquet"]) is None
+    assert config.shown_default("Qwen/Qwen2.5-0.5B-Instruct") == "(default: Qwen/Qwen2.5-0.5B-Instruct)"
+    assert config.shown_default("/elsewhere/x.parquet") == "(default: /elsewhere/x.parquet)"
+
+
+def test_a_moved_or_misspelt_option_fails_loudly_in_python():
+    """Sections are slotted dataclasses: code written for the old layout (cfg.trainer.backend = "ray", before the
+    system options moved to cfg.system) or a typo raises instead of setting an attribute nothing reads; reading one
+    says where the option lives now."""
+    cfg = load_recipe("grpo").Config()
+    with pytest.raises(AttributeError):
+        cfg.trainer.backend = "ray"
+    with pytest.raises(AttributeError):
+        cfg.system.scale_out.n_worker = 2  # (n_workers)
+    with pytest.raises(AttributeError, match=r"--trainer\.backend is a system option, cfg\.system\.scale_out\.backend"):
+        _ = cfg.trainer.backend
+    with pytest.raises(AttributeError, match=r"--actor\.ppo-micro-batch-size is a system option, cfg\.system\.actor"):
+        _ = cfg.actor.ppo_micro_batch_size
+    assert not hasattr(cfg.model, "dtype") and cfg.system.model.dtype == "auto"

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from rlkit import demos
-from rlkit.config import DataConfig
+from rlkit.config import DataConfig, DataSystem
 from rlkit.data import PromptLoader, PromptSet, _objects, build_prompts, load_parquet, read_table, render_prompts
 from rlkit.errors import ConfigError, MissingFile
 
@@ -100,7 +100,7 @@ def test_read_table_names_the_flag_in_each_of_its_errors(tmp_path):
 def test_build_prompts_renders_chatml_and_tokenizes(tmp_path, tok):
     f = write(tmp_path / "d.parquet", [row("What is 2+3?", "5", 7)])
     assert render_prompts(tok, [row("What is 2+3?", "5")["prompt"]]) == [CHATML]
-    ps = build_prompts([f], tok, DataConfig())
+    ps = build_prompts([f], tok, DataConfig(), DataSystem())
     assert len(ps) == 1
     assert ps.input_ids[0] == tok(CHATML, add_special_tokens=False)["input_ids"]
     assert ps.ground_truth.tolist() == ["5"]
@@ -115,7 +115,7 @@ def test_embedded_prompt_ids_decode_to_the_chatml_text(tok):
 
 def test_build_prompts_max_samples(tmp_path, tok):
     f = write(tmp_path / "d.parquet", [row(f"What is {i}+1?", str(i + 1), i) for i in range(5)])
-    ps = build_prompts([f], tok, DataConfig(), max_samples=3)
+    ps = build_prompts([f], tok, DataConfig(), DataSystem(), max_samples=3)
     assert ps.ground_truth.tolist() == ["1", "2", "3"]
 
 
@@ -128,7 +128,7 @@ def long_file(tmp_path):
 
 
 def full_ids(files, tok):
-    return build_prompts(files, tok, DataConfig(max_prompt_length=10_000)).input_ids
+    return build_prompts(files, tok, DataConfig(max_prompt_length=10_000), DataSystem()).input_ids
 
 
 @pytest.mark.parametrize("mode", ["left", "right", "middle"])
@@ -136,7 +136,7 @@ def test_truncation_modes(long_file, tok, mode):
     full = full_ids([long_file], tok)
     k = 21
     assert len(full[0]) <= k < len(full[1])
-    ps = build_prompts([long_file], tok, DataConfig(max_prompt_length=k, truncation=mode))
+    ps = build_prompts([long_file], tok, DataConfig(max_prompt_length=k), DataSystem(truncation=mode))
     expected = {"left": full[1][-k:], "right": full[1][:k], "middle": full[1][: k // 2] + full[1][-(k - k // 2) :]}[mode]
     assert len(expected) == k
     assert ps.input_ids[1] == expected
@@ -147,7 +147,7 @@ def test_truncation_modes(long_file, tok, mode):
 def test_truncation_error_names_row_count_and_fixes(long_file, tok):
     n = len(full_ids([long_file], tok)[1])
     with pytest.raises(ValueError) as e:
-        build_prompts([long_file], tok, DataConfig(max_prompt_length=21, truncation="error"))
+        build_prompts([long_file], tok, DataConfig(max_prompt_length=21), DataSystem(truncation="error"))
     msg = str(e.value)
     assert "row 1" in msg and f"{n} tokens" in msg
     for fix in ("--data.max-prompt-length", "--data.filter-overlong-prompts", "--data.truncation"):
@@ -156,7 +156,7 @@ def test_truncation_error_names_row_count_and_fixes(long_file, tok):
 
 def test_filter_overlong_drops_exactly_the_long_rows(long_file, tok):
     full = full_ids([long_file], tok)
-    ps = build_prompts([long_file], tok, DataConfig(max_prompt_length=21, filter_overlong_prompts=True))
+    ps = build_prompts([long_file], tok, DataConfig(max_prompt_length=21), DataSystem(filter_overlong_prompts=True))
     assert ps.ground_truth.tolist() == ["5", "2"]
     assert ps.input_ids == [full[0], full[2]]
     assert [e["index"] for e in ps.extra_info] == [0, 2]
@@ -178,11 +178,11 @@ def test_no_chat_template(tmp_path, no_template_dir):
     assert not t.chat_template
     f = write(tmp_path / "chat.parquet", [row("What is 2+3?", "5")])
     with pytest.raises(ValueError, match="chat template"):
-        build_prompts([f], t, DataConfig())
+        build_prompts([f], t, DataConfig(), DataSystem())
     # plain-string prompts need no template and pass through unchanged
     plain = [{**row("x", "5"), "prompt": "What is 2+3? "}]
     g = write(tmp_path / "plain.parquet", plain)
-    ps = build_prompts([g], t, DataConfig())
+    ps = build_prompts([g], t, DataConfig(), DataSystem())
     assert ps.input_ids[0] == t("What is 2+3? ", add_special_tokens=False)["input_ids"]
     assert t.decode(ps.input_ids[0]) == "What is 2+3? "
 

@@ -385,12 +385,13 @@ def default_checkpoints(name: str) -> tuple[str, frozenset[int]]:
 
     from rlkit import recipe
 
-    cfg, t = load_recipe(name).Config(), load_recipe(name).Config().trainer
+    cfg = load_recipe(name).Config()
+    t, s = cfg.trainer, cfg.system.trainer  # the schedule; the output and checkpoints
     rows = sum(pq.ParquetFile(ROOT / f).metadata.num_rows for f in cfg.data.train_files)
     batch = getattr(cfg, "gen_batch_size", None) or cfg.data.train_batch_size
     total = t.total_training_steps or t.total_epochs * (rows // batch)
-    steps = {total, *(range(t.save_freq, total + 1, t.save_freq) if t.save_freq > 0 else ())}
-    out = t.default_local_dir.format(experiment_name=t.experiment_name or recipe.run_name(cfg), project_name=t.project_name)
+    steps = {total, *(range(s.save_freq, total + 1, s.save_freq) if s.save_freq > 0 else ())}
+    out = s.default_local_dir.format(experiment_name=s.experiment_name or recipe.run_name(cfg), project_name=s.project_name)
     return out, frozenset(steps)
 
 
@@ -817,8 +818,10 @@ def logged_keys(tmp_path_factory) -> dict[str, set[str]]:
             module = load_recipe(name)
             cfg = small_config(module, tmp / name, steps=1, num_threads=1, save_freq=0)
             cfg.data.train_files = [tiny_train_file(module, tmp)]
-            cfg.data.val_files = []
-            cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 4
+            cfg.system.data.val_files = []
+            cfg.data.train_batch_size = 4
+            if hasattr(cfg.actor, "ppo_mini_batch_size"):  # rm.py: one optimizer step per batch
+                cfg.actor.ppo_mini_batch_size = 4
             if hasattr(cfg, "rollout"):  # rm.py samples nothing
                 cfg.rollout.n = 2
             if name == "dapo":
@@ -1024,14 +1027,15 @@ def test_a_recipe_page_follows_the_template(doc):
 
 
 def config_default(cfg, flag: str):
-    """The default of `--section.some-flag` / `--some-flag` in a recipe's Config (a KeyError if it has no such field)."""
-    obj, parts = cfg, flag.lstrip("-").split(".")
-    for part in parts:
-        name = part.replace("-", "_")
-        if not hasattr(obj, name):
-            raise KeyError(flag)
-        obj = getattr(obj, name)
-    return obj
+    """The default of `--section.some-flag` / `--some-flag` in a recipe's Config, wherever its section sits
+    (config.flag_values; a KeyError if it has no such option)."""
+    from rlkit.config import flag_values
+
+    values = flag_values(cfg)
+    name = flag.lstrip("-").replace("-", "_")
+    if name not in values:
+        raise KeyError(flag)
+    return values[name]
 
 
 def same_default(cell: str, value) -> bool:

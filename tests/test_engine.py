@@ -10,7 +10,7 @@ from numerics import assert_within, entropy_tol, grad_tol, log_prob_tol, max_abs
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlkit import algos, demos
-from rlkit.config import ActorConfig, DataConfig, ModelConfig
+from rlkit.config import ActorConfig, ActorSystem, DataConfig, DataSystem, ModelConfig, ModelSystem
 from rlkit.data import build_prompts
 from rlkit.engine import TorchEngine, load_model, load_tokenizer, trim_padding
 from rlkit.placement import build_policy
@@ -24,15 +24,20 @@ pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (t
 CONFIG = AutoConfig.from_pretrained(demos.ARITH_MODEL)  # the tiny model's sizes, for the rounding bounds (numerics.py)
 
 
-def make_engine(lora_rank: int = 0, gradient_checkpointing: bool = False, **actor) -> TorchEngine:
-    model = ModelConfig(lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing)
-    return TorchEngine(model, ActorConfig(**{"lr": 1e-3, **actor}), device="cpu")
+def make_engine(lora_rank: int = 0, gradient_checkpointing: bool = False, nan_policy: str = "error", **actor) -> TorchEngine:
+    return TorchEngine(
+        ModelConfig(lora_rank=lora_rank),
+        ActorConfig(**{"lr": 1e-3, **actor}),
+        device="cpu",
+        model_sys=ModelSystem(gradient_checkpointing=gradient_checkpointing),
+        update_sys=ActorSystem(nan_policy=nan_policy),
+    )
 
 
 @pytest.fixture(scope="module")
 def prompt_set():
     tok = load_tokenizer(str(demos.ARITH_MODEL))
-    return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=16)
+    return build_prompts(DataConfig().train_files, tok, DataConfig(), DataSystem(), max_samples=16)
 
 
 def prompts(prompt_set, tok, rows=B) -> DataProto:
@@ -649,13 +654,13 @@ def load_recipe(name="grpo"):
 def test_workers_with_the_grpo_recipe_config():
     grpo = load_recipe()
     cfg = grpo.Config()
-    cfg.trainer.device = "cpu"
+    cfg.system.trainer.device = "cpu"
     cfg.rollout.n = 2
     cfg.data.max_response_length = 6
-    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 2, 2
+    cfg.actor.ppo_mini_batch_size, cfg.system.actor.ppo_micro_batch_size = 2, 2
     policy = build_policy(cfg)
     tok = policy.tokenizer
-    batch = build_prompts(cfg.data.train_files, tok, cfg.data, max_samples=2).batch([0, 1], tok.pad_token_id)
+    batch = build_prompts(cfg.data.train_files, tok, cfg.data, cfg.system.data, max_samples=2).batch([0, 1], tok.pad_token_id)
     batch["uid"] = ["p0", "p1"]
     batch = batch.repeat(cfg.rollout.n)
 
@@ -695,14 +700,14 @@ def test_workers_with_the_grpo_recipe_config():
 
 def test_hf_rollout_log_probs_match_the_trainers():
     """`rollout_log_probs` from generation's raw logits equal the engine's teacher-forced log-probs."""
-    from rlkit.config import ActorConfig, DataConfig, ModelConfig
+    from rlkit.config import ActorConfig, DataConfig, DataSystem, ModelConfig
     from rlkit.data import build_prompts
     from rlkit.engine import TorchEngine
     from rlkit.rollout import HFRollout
 
     torch.manual_seed(0)
     engine = TorchEngine(ModelConfig(), ActorConfig())
-    prompts = build_prompts([str(demos.ARITH_DATA / "val.parquet")], engine.tokenizer, DataConfig(), max_samples=6)
+    prompts = build_prompts([str(demos.ARITH_DATA / "val.parquet")], engine.tokenizer, DataConfig(), DataSystem(), max_samples=6)
     batch = HFRollout(engine.model, engine.tokenizer, engine.device).generate(
         prompts.batch(list(range(6)), engine.tokenizer.pad_token_id).repeat(2), 8, temperature=0.7, return_log_probs=True
     )
@@ -718,7 +723,7 @@ def test_hf_rollout_log_probs_match_the_trainers():
 def test_on_policy_update_without_old_log_probs_equals_the_update_with_them():
     """One optimizer step: reusing the update's own detached log-probs as log pi_old gives the same weights
     as computing them in a separate pass; with several optimizer steps it is refused."""
-    from rlkit.config import ActorConfig, DataConfig, ModelConfig
+    from rlkit.config import ActorConfig, DataConfig, DataSystem, ModelConfig
     from rlkit.data import build_prompts
     from rlkit.engine import TorchEngine
     from rlkit.rollout import HFRollout
@@ -729,7 +734,7 @@ def test_on_policy_update_without_old_log_probs_equals_the_update_with_them():
 
     torch.manual_seed(0)
     a, b = TorchEngine(ModelConfig(), ActorConfig(lr=1e-3)), TorchEngine(ModelConfig(), ActorConfig(lr=1e-3))
-    prompts = build_prompts([str(demos.ARITH_DATA / "val.parquet")], a.tokenizer, DataConfig(), max_samples=8)
+    prompts = build_prompts([str(demos.ARITH_DATA / "val.parquet")], a.tokenizer, DataConfig(), DataSystem(), max_samples=8)
     batch = HFRollout(a.model, a.tokenizer, a.device).generate(prompts.batch(list(range(8)), a.tokenizer.pad_token_id).repeat(2), 8)
     batch["advantages"] = torch.randn(len(batch), 1) * batch["response_mask"]
     with_old = batch.union(DataProto.from_dict(tensors={"old_log_probs": a.compute_log_prob(batch, 1.0, 16)[0]}))

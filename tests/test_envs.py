@@ -182,7 +182,7 @@ def test_agent_env_guess_is_a_preset_and_explicit_flags_win(monkeypatch):
     """--agent.env guess starts from the guess demo's defaults (its model, data, no tools, 4 turns, 96 tokens), chosen
     before parsing: a flag given explicitly keeps its value even when it equals the tool demo's default."""
     cfg = run_config(monkeypatch, "--agent.env", "guess")
-    assert (cfg.model.path, cfg.data.train_files, cfg.data.val_files) == (
+    assert (cfg.model.path, cfg.data.train_files, cfg.system.data.val_files) == (
         str(demos.GUESS_MODEL),
         [str(demos.GUESS_DATA / "train.parquet")],
         [str(demos.GUESS_DATA / "val.parquet")],

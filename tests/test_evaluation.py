@@ -102,7 +102,7 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     """The embedded model on 4 val prompts x 4 samples: the printed numbers are the estimators of the jsonl's scores."""
     rlkit_eval = load_eval()
     cfg = rlkit_eval.Config(n=4, output=str(tmp_path / "s.jsonl"), num_threads=1)
-    cfg.data.val_max_samples = 4
+    cfg.system.data.val_max_samples = 4
     metrics = rlkit_eval.main(cfg)
     rows = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(p, s) for p in range(4) for s in range(4)]
@@ -131,11 +131,11 @@ def test_eval_flags_match_the_recipes_and_mistakes_are_one_line():
 
     args = expand_aliases(["--model", "m", "-n", "3", "--data.val-files", "a.parquet", "--rollout.temperature", "0.7"])
     cfg = tyro.cli(rlkit_eval.Config, args=args)
-    assert (cfg.model.path, cfg.n, cfg.data.val_files, cfg.rollout.temperature) == ("m", 3, ["a.parquet"], 0.7)
+    assert (cfg.model.path, cfg.n, cfg.system.data.val_files, cfg.rollout.temperature) == ("m", 3, ["a.parquet"], 0.7)
     cases = [
         ({"n": 0}, "-n 0"),
         ({"rollout": rlkit_eval.RolloutConfig(temperature=0.0)}, "--rollout.temperature"),
-        ({"data": rlkit_eval.DataConfig(val_files=[])}, "--data.val-files is empty"),
+        ({"system": rlkit_eval.EvalSystem(data=rlkit_eval.DataSystem(val_files=[]))}, "--data.val-files is empty"),
     ]
     for change, flag in cases:
         with pytest.raises(ConfigError, match=flag):
@@ -148,7 +148,7 @@ def test_training_validation_with_val_n(tmp_path):
 
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path, steps=2, num_threads=1, val_n=4, save_freq=0)
-    cfg.data.val_max_samples, cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size = 4, 4, 4
+    cfg.system.data.val_max_samples, cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size = 4, 4, 4
     grpo.main(cfg)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "val/acc" in r]
     assert [r["step"] for r in rows] == [0, 2]
@@ -161,13 +161,12 @@ def test_training_validation_with_val_n(tmp_path):
 def test_resume_accepts_another_val_n_and_checkpoints_saved_before_it():
     """--trainer.val-n changes what validation measures, not the run: a checkpoint saved with another value, or by an rlkit
     without the flag, resumes."""
-    import dataclasses
-
     from test_grpo_recipe import load_recipe
 
+    from rlkit import config
     from rlkit.checkpoint import check_config
 
-    current = dataclasses.asdict(load_recipe("grpo").Config())
+    current = config.nested(config.flag_values(load_recipe("grpo").Config()))  # as recipe.Run saves it
     saved = json.loads(json.dumps(current, default=str))
     del saved["trainer"]["val_n"]  # an older checkpoint's config.json
     check_config(saved, current)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from rlkit import demos
-from rlkit.config import DataConfig
+from rlkit.config import DataConfig, DataSystem
 from rlkit.data import build_prompts
 from rlkit.engine import load_tokenizer
 from rlkit.errors import ConfigError
@@ -29,7 +29,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompt_set(tok):
-    return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=8)
+    return build_prompts(DataConfig().train_files, tok, DataConfig(), DataSystem(), max_samples=8)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
-from rlkit import algos, demos  # noqa: E402
+from rlkit import algos, config, demos  # noqa: E402
 from rlkit.data import PromptLoader, build_prompts  # noqa: E402
 from rlkit.placement import build_critic, build_policy  # noqa: E402
 
@@ -33,7 +33,9 @@ def _rollout_batch(grpo, cfg):
     torch.manual_seed(0)
     policy = build_policy(cfg)
     tok = policy.tokenizer
-    loader = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, True, 0)
+    loader = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data, cfg.system.data), cfg.data.train_batch_size, tok.pad_token_id, True, 0
+    )
     batch = loader.next_batch()
     batch["uid"] = [str(i) for i in range(len(batch))]
     batch = policy.generate(batch.repeat(cfg.rollout.n))
@@ -44,19 +46,18 @@ def _rollout_batch(grpo, cfg):
     before = {k: v.clone() for k, v in policy.state_dict()["model"].items()}
     metrics = policy.update(batch, grpo.make_actor_loss(cfg))
     after_local = policy.state_dict()["model"]
-    policy.save_pretrained(Path(cfg.trainer.default_local_dir) / "hf-local")
+    policy.save_pretrained(Path(cfg.system.trainer.default_local_dir) / "hf-local")
     return batch, before, after_local, metrics
 
 
 def _update_on_ray(grpo, cfg, batch, n_workers, **trainer):
+    """trainer: --trainer.* options by name (fsdp_param_dtype, fsdp_offload, ...)."""
     cfg = copy.deepcopy(cfg)
-    cfg.trainer.backend, cfg.trainer.n_workers = "ray", n_workers
-    for k, v in trainer.items():
-        setattr(cfg.trainer, k, v)
+    config.set_flags(cfg, {"trainer.backend": "ray", "trainer.n_workers": n_workers} | {f"trainer.{k}": v for k, v in trainer.items()})
     group = build_policy(cfg)
     try:
         metrics = group.update(batch, grpo.make_actor_loss(cfg))
-        group.save_pretrained(Path(cfg.trainer.default_local_dir) / f"hf-{n_workers}")
+        group.save_pretrained(Path(cfg.system.trainer.default_local_dir) / f"hf-{n_workers}")
         return group.state_dict()["model"], metrics
     finally:
         group.close()
@@ -70,7 +71,7 @@ def _max_diff(a, b):
 def test_one_update_agrees_across_one_and_two_fsdp_workers(tmp_path, local_ray, lora_rank):
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path)  # 8 prompts x 4 samples, mini-batches of 4 prompts (2 optimizer steps), micro 4
-    cfg.actor.ppo_micro_batch_size = 4
+    cfg.system.actor.ppo_micro_batch_size = 4
     cfg.model.lora_rank = lora_rank
     if lora_rank:
         cfg.actor.lr = 1e-3  # LoRA's B starts at 0: a larger step so that the adapter moves measurably
@@ -98,7 +99,7 @@ def test_one_update_agrees_across_one_and_two_fsdp_workers(tmp_path, local_ray, 
 def test_mixed_precision_update_keeps_float32_master_weights_and_lands_near_the_float32_one(tmp_path, local_ray):
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path)
-    cfg.actor.ppo_micro_batch_size = 4
+    cfg.system.actor.ppo_micro_batch_size = 4
     batch, before, local, _ = _rollout_batch(grpo, cfg)
     bf16, _ = _update_on_ray(grpo, cfg, batch, 2, fsdp_param_dtype="bfloat16", fsdp_offload=True)
     assert all(v.dtype == torch.float32 for v in bf16.values())  # master weights stay float32
@@ -116,8 +117,7 @@ def test_sharded_checkpoint_of_two_workers_loads_into_one(tmp_path, local_ray):
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path)
     batch, *_ = _rollout_batch(grpo, cfg)
-    cfg.trainer.backend = "ray"
-    cfg.trainer.n_workers = 2
+    config.set_flags(cfg, {"trainer.backend": "ray", "trainer.n_workers": 2})
     two = build_policy(cfg)
     try:
         two.update(batch, grpo.make_actor_loss(cfg))
@@ -127,7 +127,7 @@ def test_sharded_checkpoint_of_two_workers_loads_into_one(tmp_path, local_ray):
         two.close()
     files = sorted(p.name for p in (tmp_path / "policy").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_state.pt"]  # one shard per process
-    cfg.trainer.n_workers = 1
+    cfg.system.scale_out.n_workers = 1
     one = build_policy(cfg)
     try:
         fresh = one.state_dict()
@@ -145,19 +145,17 @@ def test_sharded_checkpoint_of_two_workers_loads_into_one(tmp_path, local_ray):
 def _ppo_config(ppo, out_dir, steps, **trainer):
     cfg = ppo.Config()
     cfg.data.train_batch_size = 8
-    cfg.data.val_max_samples = 16
+    cfg.system.data.val_max_samples = 16
     cfg.actor.ppo_mini_batch_size = 4
     cfg.rollout.n = 2
     cfg.trainer.total_training_steps = steps
-    cfg.trainer.default_local_dir = str(out_dir)
-    cfg.trainer.test_freq = 0
-    cfg.trainer.val_before_train = False
-    cfg.trainer.save_freq = 1
-    cfg.trainer.max_ckpt_to_keep = 0
-    cfg.trainer.backend, cfg.trainer.n_workers, cfg.trainer.cpus_per_worker = "ray", 2, 0.5
-    for k, v in trainer.items():
-        setattr(cfg.trainer, k, v)
-    return cfg
+    cfg.system.trainer.default_local_dir = str(out_dir)
+    cfg.system.trainer.test_freq = 0
+    cfg.system.trainer.val_before_train = False
+    cfg.system.trainer.save_freq = 1
+    cfg.system.trainer.max_ckpt_to_keep = 0
+    cfg.system.scale_out.backend, cfg.system.scale_out.n_workers, cfg.system.scale_out.cpus_per_worker = "ray", 2, 0.5
+    return config.set_flags(cfg, {f"trainer.{k}": v for k, v in trainer.items()})  # resume, critic_workers, ...
 
 
 def _comparable(rows):
@@ -193,7 +191,7 @@ def test_the_critic_starts_from_the_same_value_head_on_both_backends(tmp_path, l
     finally:
         on_ray.close()
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-    cfg.trainer.backend = "local"
+    cfg.system.scale_out.backend = "local"
     local_head = build_critic(cfg).state_dict()["model"]["score.weight"]
     assert torch.equal(ray_head, local_head) and local_head.abs().max() > 0
 
@@ -212,9 +210,9 @@ def test_hybrid_engine_generates_on_gathered_weights_like_one_process_then_frees
     cfg = small_config(grpo, tmp_path)
     local = build_policy(cfg)
     tok = local.tokenizer
-    prompts = build_prompts(cfg.data.val_files, tok, cfg.data, 32).batch(list(range(32)), tok.pad_token_id)
+    prompts = build_prompts(cfg.system.data.val_files, tok, cfg.data, cfg.system.data, 32).batch(list(range(32)), tok.pad_token_id)
     want = local.generate(prompts, validate=True)  # greedy
-    cfg.trainer.backend, cfg.trainer.n_workers = "ray", 2
+    config.set_flags(cfg, {"trainer.backend": "ray", "trainer.n_workers": 2})
     group = build_policy(cfg)
     try:
         got = group.generate(prompts, validate=True)  # 16 prompts per worker, each on its own full weights

@@ -14,7 +14,7 @@ import torch
 from test_packing import P, make_batch
 
 from rlkit import algos, demos, packing
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.config import ActorConfig, DataConfig, DataSystem, ModelConfig, ModelSystem, RolloutConfig, RolloutSystem
 from rlkit.engine import TorchEngine, load_tokenizer
 from rlkit.protocol import DataProto
 from rlkit.ray_group import free_port
@@ -192,7 +192,7 @@ def test_merged_lora_is_merged_in_float32_and_cast_once(tmp_path):
 
     from rlkit.vllm_rollout import VLLMRollout, hf_weights
 
-    eng = TorchEngine(ModelConfig(lora_rank=4, dtype="bfloat16"), ActorConfig(), device="cpu")
+    eng = TorchEngine(ModelConfig(lora_rank=4), ActorConfig(), device="cpu", model_sys=ModelSystem(dtype="bfloat16"))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in eng.model.named_parameters():
@@ -324,7 +324,7 @@ def test_flash_attention_keeps_packing_varlen_and_gives_the_padded_log_probs(mon
 
     real = engine_mod.load_model
     monkeypatch.setattr(engine_mod, "load_model", lambda *a: real(*a[:5], "sdpa"))  # CPU: the kernel sdpa, the layout flash's
-    eng = TorchEngine(ModelConfig(attn_implementation="flash_attention_2"), None, device="cpu")
+    eng = TorchEngine(ModelConfig(), None, device="cpu", model_sys=ModelSystem(attn_implementation="flash_attention_2"))
     assert eng.remove_padding and eng.varlen and not eng.share_prompt
     seen = []
     hook = eng.model.register_forward_pre_hook(
@@ -444,7 +444,7 @@ def test_hf_rollout_log_probs_are_recorded_step_by_step_without_the_logits_stack
     from rlkit.rollout import HFRollout
 
     eng = TorchEngine(ModelConfig(), None, device="cpu")
-    rows = build_prompts(DataConfig().train_files, eng.tokenizer, DataConfig(), max_samples=4).batch(
+    rows = build_prompts(DataConfig().train_files, eng.tokenizer, DataConfig(), DataSystem(), max_samples=4).batch(
         [0, 1, 2, 3], eng.tokenizer.pad_token_id
     )
     rows = rows.repeat(2)  # groups of 2: the shared prefill path too
@@ -492,9 +492,9 @@ def test_hf_rollout_log_probs_are_recorded_step_by_step_without_the_logits_stack
 def test_hf_generation_kv_cache_is_in_the_compute_dtype_under_autocast(impl):
     from rlkit.workers import make_rollout
 
-    eng = TorchEngine(ModelConfig(dtype="bfloat16"), ActorConfig(), device="cpu")
+    eng = TorchEngine(ModelConfig(), ActorConfig(), device="cpu", model_sys=ModelSystem(dtype="bfloat16"))
     assert eng.master_fp32
-    rollout = make_rollout(eng, RolloutConfig(hf_impl=impl), DataConfig(), str(demos.ARITH_MODEL), 0)
+    rollout = make_rollout(eng, RolloutSystem(hf_impl=impl), DataConfig(), str(demos.ARITH_MODEL), 0)
     caches = []  # the cache every forward of the generation reads and fills
     eng.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw["past_key_values"]), with_kwargs=True)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
@@ -560,7 +560,7 @@ def test_hf_generation_rows_come_from_free_memory_on_cuda_and_stay_on_cpu(monkey
 
     data = DataConfig()
     worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(), data, device="cpu")
-    prompts = build_prompts(data.train_files, worker.tokenizer, data).batch(list(range(4)), worker.tokenizer.pad_token_id)
+    prompts = build_prompts(data.train_files, worker.tokenizer, data, DataSystem()).batch(list(range(4)), worker.tokenizer.pad_token_id)
     assert worker.generation_rows(prompts) is None  # CPU, tiny model: one call, as before
     asked = []
     monkeypatch.setattr(workers, "free_device_memory", lambda device: 40 * 2**30)
@@ -568,7 +568,7 @@ def test_hf_generation_rows_come_from_free_memory_on_cuda_and_stay_on_cpu(monkey
     worker.engine.device = torch.device("cuda")  # the decision only: nothing runs on the device
     assert worker.generation_rows(prompts) == 123
     assert asked == [(prompts["input_ids"].shape[1], data.max_response_length, torch.float32, 20 * 2**30)]
-    worker.rollout_cfg = RolloutConfig(micro_batch_size=16)
+    worker.rollout_sys = RolloutSystem(micro_batch_size=16)
     worker.gen_micro_batch = 16
     assert worker.generation_rows(prompts) == 16 and len(asked) == 1
 
@@ -698,7 +698,7 @@ def test_fsdp_vllm_sync_gathers_tensor_by_tensor_without_unsharding_the_model(mo
     from rlkit.fsdp_workers import FSDPActorRolloutRefWorker
 
     w = object.__new__(FSDPActorRolloutRefWorker)
-    w.rollout_cfg = RolloutConfig(name="vllm")
+    w.rollout_sys = RolloutSystem(name="vllm")
     monkeypatch.setattr(FSDPActorRolloutRefWorker, "_full_weights", lambda self: pytest.fail("the sync unsharded the model"))
     monkeypatch.setattr(workers.ActorRolloutRefWorker, "sync_rollout", lambda self: 0.25)
     assert w.sync_rollout() == 0.25

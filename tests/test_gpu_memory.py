@@ -206,12 +206,13 @@ def test_model_predicts_an_update_pass_with_checkpointed_activations(body_heavy,
     activations are ~1 GiB of 12): asserted as not below the measurement and at most 40 % above it."""
     from transformers import Qwen2Config
 
-    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.config import ActorConfig, ModelConfig, ModelSystem
     from rlkit.engine import TorchEngine
     from rlkit.protocol import DataProto
     from rlkit.rollout import assemble
 
-    eng = TorchEngine(ModelConfig(path=body_heavy, dtype=dtype, gradient_checkpointing="on"), ActorConfig(use_kl_loss=False), device="cpu")
+    model_sys = ModelSystem(dtype=dtype, gradient_checkpointing="on")
+    eng = TorchEngine(ModelConfig(path=body_heavy), ActorConfig(use_kl_loss=False), device="cpu", model_sys=model_sys)
     rows, P, R = 4, 64, 192
     g = torch.Generator().manual_seed(0)
     prompts = DataProto.from_dict(

@@ -12,7 +12,7 @@ import torch
 
 from rlkit import algos, demos, recipe
 from rlkit.checkpoint import rng_state
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.config import ActorConfig, ActorSystem, DataConfig, DataSystem, ModelConfig, ModelSystem, RolloutConfig, RolloutSystem, System
 from rlkit.data import build_prompts
 from rlkit.engine import TorchEngine, load_tokenizer, resolve_attn_implementation, resolve_gradient_checkpointing
 from rlkit.errors import ConfigError
@@ -29,7 +29,7 @@ B = 8
 @pytest.fixture(scope="module")
 def prompt_set():
     tok = load_tokenizer(str(demos.ARITH_MODEL))
-    return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=B)
+    return build_prompts(DataConfig().train_files, tok, DataConfig(), DataSystem(), max_samples=B)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def likelihood_loss(mb, log_prob, entropy, norm):
 def weight_changes(dtype: str, batch, steps: int = 5, **engine) -> torch.Tensor:
     """Every weight's change (as float32) after `steps` AdamW steps at lr 1e-5."""
     torch.manual_seed(0)
-    eng = TorchEngine(ModelConfig(dtype=dtype), ActorConfig(lr=1e-5, use_kl_loss=False), device="cpu", **engine)
+    eng = TorchEngine(ModelConfig(), ActorConfig(lr=1e-5, use_kl_loss=False), device="cpu", model_sys=ModelSystem(dtype=dtype), **engine)
     before = [p.detach().float().clone() for p in eng.model.parameters()]
     for _ in range(steps):
         eng.update(batch, likelihood_loss, B, B)
@@ -59,7 +59,7 @@ def weight_changes(dtype: str, batch, steps: int = 5, **engine) -> torch.Tensor:
 
 
 def test_bf16_full_training_keeps_float32_masters_and_every_weight_moves_as_in_float32(batch):
-    eng = TorchEngine(ModelConfig(dtype="bfloat16"), ActorConfig(lr=1e-5), device="cpu")
+    eng = TorchEngine(ModelConfig(), ActorConfig(lr=1e-5), device="cpu", model_sys=ModelSystem(dtype="bfloat16"))
     assert eng.master_fp32 and eng.dtype == torch.bfloat16
     assert {p.dtype for p in eng.model.parameters()} == {torch.float32}  # the masters
     assert {p.dtype for p in eng.ref_model.parameters()} == {torch.bfloat16}  # the frozen reference: compute dtype
@@ -73,7 +73,7 @@ def test_bf16_full_training_keeps_float32_masters_and_every_weight_moves_as_in_f
 
 
 def test_bf16_forward_runs_in_bf16_under_autocast(batch):
-    eng = TorchEngine(ModelConfig(dtype="bfloat16"), ActorConfig(), device="cpu")
+    eng = TorchEngine(ModelConfig(), ActorConfig(), device="cpu", model_sys=ModelSystem(dtype="bfloat16"))
     seen = []
     hook = eng.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     lp, _ = eng.compute_log_prob(batch, 1.0, B)
@@ -86,7 +86,7 @@ def test_bf16_forward_runs_in_bf16_under_autocast(batch):
 
 
 def test_lora_and_float32_are_unchanged():
-    lora = TorchEngine(ModelConfig(dtype="bfloat16", lora_rank=4), ActorConfig(), device="cpu")
+    lora = TorchEngine(ModelConfig(lora_rank=4), ActorConfig(), device="cpu", model_sys=ModelSystem(dtype="bfloat16"))
     assert not lora.master_fp32 and lora.model.get_base_model().lm_head.weight.dtype == torch.bfloat16
     assert not TorchEngine(ModelConfig(), ActorConfig(), device="cpu").master_fp32
 
@@ -126,7 +126,7 @@ def test_attention_implementation():
     """(auto on CUDA: flash_attention_2 only when flash-attn imports, tests/test_gpu_construction.py)"""
     assert resolve_attn_implementation("auto", torch.device("cpu")) == "sdpa"
     assert resolve_attn_implementation("eager", torch.device("cpu")) == "eager"
-    eng = TorchEngine(ModelConfig(attn_implementation="eager"), None, device="cpu")
+    eng = TorchEngine(ModelConfig(), None, device="cpu", model_sys=ModelSystem(attn_implementation="eager"))
     assert eng.model.config._attn_implementation == "eager"
 
 
@@ -134,7 +134,8 @@ def test_attention_implementation():
 
 
 def test_log_prob_micro_batch_follows_the_update_and_generation_is_micro_batched(prompt_set):
-    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(ppo_micro_batch_size=4), RolloutConfig(micro_batch_size=3), DataConfig())
+    system = System(actor=ActorSystem(ppo_micro_batch_size=4), rollout=RolloutSystem(micro_batch_size=3))
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(), DataConfig(), system=system)
     assert worker.log_prob_micro_batch == 4 and worker.gen_micro_batch == 3
     assert "device cpu, params float32, compute float32, attention sdpa, gradient checkpointing off" in worker.describe()
     calls = []  # rows of each prefill (a forward of more than one position): one per generation micro-batch
@@ -142,7 +143,8 @@ def test_log_prob_micro_batch_follows_the_update_and_generation_is_micro_batched
     worker.engine.model.register_forward_pre_hook(prefill, with_kwargs=True)
     out = worker.generate(prompt_set.batch(list(range(B)), worker.tokenizer.pad_token_id), validate=True)
     assert calls == [3, 3, 2] and len(out) == B
-    set_ = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(log_prob_micro_batch_size=5), DataConfig())
+    system = System(rollout=RolloutSystem(log_prob_micro_batch_size=5))
+    set_ = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(), DataConfig(), system=system)
     assert set_.log_prob_micro_batch == 5 and set_.gen_micro_batch is None  # a tiny model: all rows at once
 
 
@@ -243,7 +245,7 @@ def test_trainer_device_cuda_n_is_made_current_and_its_memory_read(monkeypatch, 
         pass
     assert calls == [("set_device", "cuda:1")] + [(k, "cuda:1") for k in ("peak", "reset", "peak")]
 
-    cfg.rollout.name = "vllm"
+    cfg.system.rollout.name = "vllm"
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=1"):
         recipe.setup(cfg)
 

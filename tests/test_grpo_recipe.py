@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit import demos
+from rlkit import config, demos
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,18 +28,17 @@ def load_recipe(name: str):
 def small_config(recipe, out_dir, steps=3, **trainer):
     cfg = recipe.Config()
     cfg.data.train_batch_size = 8
-    cfg.data.val_max_samples = 32
-    cfg.actor.ppo_mini_batch_size = 4
-    cfg.actor.ppo_micro_batch_size = 16
+    cfg.system.data.val_max_samples = 32
+    if hasattr(cfg.actor, "ppo_mini_batch_size"):  # recipes/rm.py: one optimizer step per batch
+        cfg.actor.ppo_mini_batch_size = 4
+    cfg.system.actor.ppo_micro_batch_size = 16
     if hasattr(cfg, "rollout"):  # recipes/rm.py samples nothing
         cfg.rollout.n = 4
     cfg.trainer.total_training_steps = steps
-    cfg.trainer.default_local_dir = str(out_dir)
-    cfg.trainer.test_freq = 2
-    cfg.trainer.save_freq = 2
-    for k, v in trainer.items():
-        setattr(cfg.trainer, k, v)
-    return cfg
+    cfg.system.trainer.default_local_dir = str(out_dir)
+    cfg.system.trainer.test_freq = 2
+    cfg.system.trainer.save_freq = 2
+    return config.set_flags(cfg, {f"trainer.{k}": v for k, v in trainer.items()})
 
 
 def read_jsonl(path):

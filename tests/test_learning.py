@@ -10,8 +10,8 @@ from test_grpo_recipe import load_recipe
 def test_default_grpo_run_gains_twenty_points(tmp_path):
     grpo = load_recipe("grpo")
     cfg = grpo.Config()
-    cfg.trainer.default_local_dir = str(tmp_path)
-    cfg.trainer.test_freq = 0  # validate at step 0 and at the end only
+    cfg.system.trainer.default_local_dir = str(tmp_path)
+    cfg.system.trainer.test_freq = 0  # validate at step 0 and at the end only
     summary = grpo.main(cfg)
     gain = summary["val_acc_after"] - summary["val_acc_before"]
     assert summary["val_acc_before"] < 0.35, summary  # the embedded model starts weak ...

@@ -162,7 +162,7 @@ def test_a_ray_fsdp_worker_refuses_a_payload_in_its_checkpoints_metadata_or_byte
     from rlkit.ray_group import init_ray
 
     cfg = small_config(load_recipe("grpo"), tmp_path)
-    cfg.trainer.backend, cfg.trainer.n_workers = "ray", 1
+    cfg.system.scale_out.backend, cfg.system.scale_out.n_workers = "ray", 1
     marker = tmp_path / "ran.txt"
     init_ray(num_cpus=2)
     try:

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: bas
 from test_fsdp import _max_diff, _rollout_batch  # noqa: E402
 from test_grpo_recipe import load_recipe, read_jsonl, small_config  # noqa: E402
 
-from rlkit import demos  # noqa: E402
+from rlkit import config, demos  # noqa: E402
 from rlkit.placement import build_policy  # noqa: E402
 from rlkit.ray_group import free_port  # noqa: E402
 
@@ -32,8 +32,9 @@ def local_ray():
 
 def megatron_cfg(cfg, tp=2, n_workers=2):
     cfg = copy.deepcopy(cfg)
-    cfg.trainer.backend, cfg.trainer.engine, cfg.trainer.tp_size, cfg.trainer.n_workers = "ray", "megatron", tp, n_workers
-    return cfg
+    return config.set_flags(
+        cfg, {"trainer.backend": "ray", "trainer.engine": "megatron", "trainer.tp_size": tp, "trainer.n_workers": n_workers}
+    )
 
 
 def test_megatron_engine_needs_the_ray_backend_and_a_dividing_tp_size(tmp_path):
@@ -41,7 +42,7 @@ def test_megatron_engine_needs_the_ray_backend_and_a_dividing_tp_size(tmp_path):
     from rlkit.megatron_workers import build_gpt
 
     cfg = small_config(load_recipe("grpo"), tmp_path)
-    cfg.trainer.engine = "megatron"
+    cfg.system.scale_out.engine = "megatron"
     with pytest.raises(ConfigError, match="--trainer.backend ray"):
         build_policy(cfg)
     from transformers import AutoConfig
@@ -140,7 +141,7 @@ def test_megatron_forward_equals_hf_for_a_qwen2_shape_with_gqa_qkv_bias_and_left
 def test_tp2_agrees_with_one_process_exports_hf_and_resumes(tmp_path, local_ray):
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path)  # 8 prompts x 4 samples, mini-batches of 4 prompts (2 optimizer steps)
-    cfg.actor.ppo_micro_batch_size = 4
+    cfg.system.actor.ppo_micro_batch_size = 4
     batch, before, local, local_metrics = _rollout_batch(grpo, cfg)
     group = build_policy(megatron_cfg(cfg))
     try:
@@ -180,10 +181,10 @@ def test_tp2_in_bf16_with_recompute_stays_within_bf16_rounding_of_float32(tmp_pa
 
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path)
-    cfg.actor.ppo_micro_batch_size = 4
+    cfg.system.actor.ppo_micro_batch_size = 4
     batch, _, _, local_metrics = _rollout_batch(grpo, cfg)
     meg = megatron_cfg(cfg)
-    meg.model.dtype, meg.model.gradient_checkpointing = "bfloat16", "on"
+    config.set_flags(meg, {"model.dtype": "bfloat16", "model.gradient_checkpointing": "on"})
     group = build_policy(meg)
     try:
         lp = group.compute_log_prob(batch)["old_log_probs"]
@@ -206,7 +207,7 @@ def test_tp2_in_bf16_with_recompute_stays_within_bf16_rounding_of_float32(tmp_pa
 def _recipe_config(recipe, out_dir, steps, **trainer):
     """The recipes' small run (8 prompts x n samples, mini-batches of 4 prompts), every step checkpointed, no validation."""
     cfg = small_config(recipe, out_dir, steps, save_freq=1, test_freq=0, val_before_train=False, max_ckpt_to_keep=0, **trainer)
-    cfg.actor.ppo_micro_batch_size = 4
+    cfg.system.actor.ppo_micro_batch_size = 4
     return cfg
 
 
@@ -295,12 +296,12 @@ def one_process_tp():
 
 
 def _engine(dtype: str, checkpointing: str = "off"):
-    from rlkit.config import ActorConfig, ModelConfig
+    from rlkit.config import ActorConfig, ModelConfig, ModelSystem
     from rlkit.megatron_workers import MegatronEngine
 
     torch.manual_seed(0)
-    cfg = ModelConfig(path=str(demos.ARITH_MODEL), dtype=dtype, gradient_checkpointing=checkpointing)
-    return MegatronEngine(cfg, ActorConfig(use_kl_loss=False), device="cpu")
+    model_sys = ModelSystem(dtype=dtype, gradient_checkpointing=checkpointing)
+    return MegatronEngine(ModelConfig(path=str(demos.ARITH_MODEL)), ActorConfig(use_kl_loss=False), device="cpu", model_sys=model_sys)
 
 
 def _padded_batch(rows=4, prompt=6, response=10):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlkit import models
-from rlkit.config import DataConfig
+from rlkit.config import DataConfig, DataSystem
 from rlkit.rewards import RewardFn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,11 +140,10 @@ def test_data_task_builds_batches_like_parquet_and_the_script_writes_the_same_ro
     from rlkit.engine import load_tokenizer
 
     tok = load_tokenizer(str(demos.ARITH_MODEL))
-    cfg = DataConfig(
-        task="reasoning_gym:chain_sum", task_options=EASY, task_format="number", task_train_size=50, task_val_size=40, max_prompt_length=128
-    )
-    train = build_prompts(cfg.train_files, tok, cfg)
-    val = build_prompts(cfg.val_files, tok, cfg, max_samples=10)
+    cfg = DataConfig(max_prompt_length=128)
+    task = DataSystem(task="reasoning_gym:chain_sum", task_options=EASY, task_format="number", task_train_size=50, task_val_size=40)
+    train = build_prompts(cfg.train_files, tok, cfg, task)
+    val = build_prompts(task.val_files, tok, cfg, task, max_samples=10)
     assert len(train) == 50 and len(val) == 10
     batch = train.batch([0, 1, 2], tok.pad_token_id)
     assert set(batch.keys()) >= {"input_ids", "attention_mask", "position_ids", "data_source", "ground_truth", "extra_info"}
@@ -169,11 +168,14 @@ def test_data_task_builds_batches_like_parquet_and_the_script_writes_the_same_ro
         check=True,
         cwd=tmp_path,
     )
-    files = DataConfig(train_files=[str(tmp_path / "train.parquet")], val_files=[str(tmp_path / "val.parquet")], max_prompt_length=128)
-    from_parquet = build_prompts(files.train_files, tok, files)
+    files, parquet = (
+        DataConfig(train_files=[str(tmp_path / "train.parquet")], max_prompt_length=128),
+        DataSystem(val_files=[str(tmp_path / "val.parquet")]),
+    )
+    from_parquet = build_prompts(files.train_files, tok, files, parquet)
     assert from_parquet.input_ids == train.input_ids
     assert list(from_parquet.ground_truth) == list(train.ground_truth)
-    assert len(build_prompts(files.val_files, tok, files)) == len(build_prompts(cfg.val_files, tok, cfg))
+    assert len(build_prompts(parquet.val_files, tok, files, parquet)) == len(build_prompts(task.val_files, tok, cfg, task))
     scores, _ = RewardFn()(
         list(from_parquet.data_source[:2]),
         [f"= {g}" for g in from_parquet.ground_truth[:2]],
@@ -189,12 +191,12 @@ def test_grpo_runs_on_a_reasoning_gym_task(tmp_path):
     grpo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grpo)
     cfg = grpo.Config()
-    cfg.data.task, cfg.data.task_options, cfg.data.task_format = "reasoning_gym:chain_sum", EASY, "number"
-    cfg.data.task_train_size, cfg.data.task_val_size = 16, 16
-    cfg.data.max_prompt_length, cfg.data.truncation = 112, "left"
+    cfg.system.data.task, cfg.system.data.task_options, cfg.system.data.task_format = "reasoning_gym:chain_sum", EASY, "number"
+    cfg.system.data.task_train_size, cfg.system.data.task_val_size = 16, 16
+    cfg.data.max_prompt_length, cfg.system.data.truncation = 112, "left"
     cfg.data.train_batch_size, cfg.rollout.n = 8, 2
-    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 8, 16
-    cfg.trainer.total_training_steps, cfg.trainer.default_local_dir = 1, str(tmp_path)
+    cfg.actor.ppo_mini_batch_size, cfg.system.actor.ppo_micro_batch_size = 8, 16
+    cfg.trainer.total_training_steps, cfg.system.trainer.default_local_dir = 1, str(tmp_path)
     summary = grpo.main(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and "reward/acc" in rows[1] and "val/acc" in rows[0]

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from rlkit import demos
-from rlkit.config import DataConfig
+from rlkit.config import DataConfig, DataSystem
 from rlkit.data import build_prompts
 from rlkit.engine import load_tokenizer
 from rlkit.errors import ConfigError
@@ -33,7 +33,7 @@ def tiny_moe(tok, norm_topk_prob=True, seed=0):
 
 def batch_of(tok, rows=4):
     """rows left-padded prompts of the embedded task (input_ids, attention_mask, position_ids)."""
-    return build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=rows).batch(range(rows), tok.pad_token_id)
+    return build_prompts(DataConfig().train_files, tok, DataConfig(), DataSystem(), max_samples=rows).batch(range(rows), tok.pad_token_id)
 
 
 def forward(model, b):

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from rlkit import demos
-from rlkit.config import RolloutConfig
+from rlkit.config import RolloutSystem
 from rlkit.engine import load_tokenizer
 from rlkit.errors import ConfigError
 from rlkit.moe import routers
@@ -35,7 +35,7 @@ def test_one_grpo_step_on_the_moe_updates_its_experts_and_routers(tmp_path):
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path, steps=1, test_freq=0, save_freq=1)
     cfg.model.path = str(demos.MOE_MODEL)
-    assert cfg.model.remove_padding and cfg.model.share_prompt and cfg.rollout.hf_impl == "fast"  # the default layout
+    assert cfg.system.model.remove_padding and cfg.system.model.share_prompt and cfg.system.rollout.hf_impl == "fast"  # the default layout
     grpo.main(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[-1]["step"] == 1 and torch.isfinite(torch.tensor(rows[-1]["actor/pg_loss"]))
@@ -57,7 +57,7 @@ def test_vllm_on_cpu_refuses_a_moe_in_one_line_before_the_engine_starts():
     model = AutoModelForCausalLM.from_pretrained(demos.MOE_MODEL)
     tok = load_tokenizer(str(demos.MOE_MODEL))
     with pytest.raises(ConfigError, match=r"^--rollout\.name vllm on CPU .* mixture-of-experts .*use --rollout\.name hf$"):
-        VLLMRollout(model, tok, str(demos.MOE_MODEL), torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
+        VLLMRollout(model, tok, str(demos.MOE_MODEL), torch.float32, torch.device("cpu"), RolloutSystem(name="vllm"), 64)
 
 
 def test_lora_on_the_moe_adapts_experts_and_router_and_merges_them_into_the_exported_weights():
@@ -93,7 +93,7 @@ def test_grpo_lifts_the_moe_in_60_steps(tmp_path):
     grpo = load_recipe("grpo")
     cfg = grpo.Config()
     cfg.model.path = str(demos.MOE_MODEL)
-    cfg.trainer.default_local_dir, cfg.trainer.test_freq, cfg.trainer.total_training_steps = str(tmp_path), 0, 60
+    cfg.system.trainer.default_local_dir, cfg.system.trainer.test_freq, cfg.trainer.total_training_steps = str(tmp_path), 0, 60
     summary = grpo.main(cfg)
     assert summary["val_acc_before"] == 149 / 512, summary  # 0.291, the asset README's number
     assert summary["val_acc_after"] - summary["val_acc_before"] >= 0.15, summary

@@ -16,7 +16,18 @@ from safetensors.torch import load_file
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
 from rlkit import algos, recipe
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.config import (
+    ActorConfig,
+    ActorSystem,
+    DataConfig,
+    DataSystem,
+    ModelConfig,
+    RolloutConfig,
+    RolloutSystem,
+    System,
+    TrainerConfig,
+    TrainerSystem,
+)
 from rlkit.errors import ConfigError
 from rlkit.placement import build_policy, build_reward
 from rlkit.protocol import DataProto
@@ -25,7 +36,7 @@ from rlkit.workers import ActorRolloutRefWorker
 
 def quick_config(recipe, out_dir, steps=3, **trainer):
     cfg = small_config(recipe, out_dir, steps=steps, **{"save_freq": 0, "test_freq": 0, "val_before_train": False, **trainer})
-    cfg.data.val_max_samples = 16
+    cfg.system.data.val_max_samples = 16
     return cfg
 
 
@@ -39,10 +50,11 @@ def comparable(rows):
 @pytest.mark.numerics
 def test_hf_rollout_log_probs_equal_the_trainers_in_fp32():
     """The exact control arm: HF generation's own log-probs are the trainer's (same model code, fp32)."""
-    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=4, log_probs=True), DataConfig(), device="cpu")
+    system = System(rollout=RolloutSystem(log_probs=True))
+    worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=4), DataConfig(), device="cpu", system=system)
     from rlkit.data import build_prompts
 
-    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig())
+    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig(), DataSystem())
     batch = worker.generate(prompts.batch(list(range(16)), worker.tokenizer.pad_token_id).repeat(4, interleave=True))
     trainer = worker.compute_log_prob(batch)["old_log_probs"]
     m = algos.rollout_mismatch_metrics(trainer, batch["rollout_log_probs"], batch["response_mask"])
@@ -74,7 +86,7 @@ def test_actor_loss_weights_each_token_by_the_correction(name):
         ("none", torch.ones_like(delta)),
     ):
         cfg = recipe.Config()
-        cfg.actor.rollout_correction, cfg.actor.use_kl_loss, cfg.actor.entropy_coeff = mode, False, 0.0
+        cfg.system.actor.rollout_correction, cfg.actor.use_kl_loss, cfg.actor.entropy_coeff = mode, False, 0.0
         loss_fn = recipe.make_actor_loss(cfg)
         log_prob = old.clone().requires_grad_(True)
         mb = DataProto.from_dict({"response_mask": mask, "advantages": adv, "old_log_probs": old, "rollout_log_probs": old - delta})
@@ -107,7 +119,7 @@ def test_a_batch_with_reference_log_probs_gets_its_own_back_without_a_pass(monke
     worker = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=2), DataConfig(), device="cpu")
     from rlkit.data import build_prompts
 
-    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig())
+    prompts = build_prompts(DataConfig().train_files, worker.tokenizer, DataConfig(), DataSystem())
     batch = worker.generate(prompts.batch(list(range(4)), worker.tokenizer.pad_token_id).repeat(2, interleave=True))
     computed = worker.compute_ref_log_prob(batch)["ref_log_prob"]  # a pass of the frozen reference
     assert (computed * batch["response_mask"]).abs().sum() > 0
@@ -118,7 +130,7 @@ def test_a_batch_with_reference_log_probs_gets_its_own_back_without_a_pass(monke
 
 
 def test_flag_thresholds_resolve_per_mode():
-    a = ActorConfig()
+    a = ActorSystem()
     assert a.rollout_correction == "token-tis" and a.rollout_is_threshold == 2.0
     a.rollout_is_cap = 3.0
     assert a.rollout_is_threshold == 3.0
@@ -135,7 +147,7 @@ def test_grpo_with_hf_rollout_log_probs_logs_zero_mismatch_and_trains_the_same_w
     base = quick_config(grpo, tmp_path / "base", steps=2)
     grpo.main(base)
     cfg = quick_config(grpo, tmp_path / "lp", steps=2)
-    cfg.rollout.log_probs = True
+    cfg.system.rollout.log_probs = True
     grpo.main(cfg)
     rows = read_jsonl(tmp_path / "lp/metrics.jsonl")
     for r in rows[1:]:  # rounding only (numerics.py): |Delta| <= b, so the weight e^Delta is within 2b of 1
@@ -158,9 +170,13 @@ def synchronous_grpo(grpo, cfg):
     from rlkit.data import PromptLoader, build_prompts
 
     train = PromptLoader(
-        build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, cfg.data.shuffle, cfg.trainer.seed
+        build_prompts(cfg.data.train_files, tok, cfg.data, cfg.system.data),
+        cfg.data.train_batch_size,
+        tok.pad_token_id,
+        cfg.data.shuffle,
+        cfg.trainer.seed,
     )
-    val = build_prompts(cfg.data.val_files, tok, cfg.data, cfg.data.val_max_samples)
+    val = build_prompts(cfg.system.data.val_files, tok, cfg.data, cfg.system.data, cfg.system.data.val_max_samples)
     reward_fn = build_reward(cfg, policy)
     run = recipe.Run(cfg, policy, train, val, reward_fn)
     actor_loss = grpo.make_actor_loss(cfg)
@@ -227,18 +243,20 @@ def test_the_generation_worker_is_the_trainers_rollout_worker_loaded_with_its_we
     load_weights of the trainer's (changed) weights it samples with mu = the trainer's log-probs, and its reference pass
     is the trainer's (HF, fp32: the same model code, so equal up to float rounding across batch shapes)."""
     from rlkit.async_rollout import Generator
-    from rlkit.config import TrainerConfig
     from rlkit.data import build_prompts
 
-    actor, rollout, data = ActorConfig(ppo_micro_batch_size=4), RolloutConfig(n=2, micro_batch_size=3), DataConfig()
-    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True)
+    actor, rollout, data = ActorConfig(), RolloutConfig(n=2), DataConfig()
+    system = System(
+        actor=ActorSystem(ppo_micro_batch_size=4), rollout=RolloutSystem(micro_batch_size=3), trainer=TrainerSystem(device="cpu")
+    )
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True, system=system)
     with torch.no_grad():
         for p in trainer.engine.model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # weights the generation worker cannot start with
-    gen = Generator(ModelConfig(), actor, rollout, data, TrainerConfig(device="cpu"), need_ref=True)
+    gen = Generator(ModelConfig(), actor, rollout, data, system, TrainerConfig().seed, need_ref=True)
     assert isinstance(gen.worker, ActorRolloutRefWorker) and gen.worker.engine.optimizer is None
     assert (gen.worker.log_prob_micro_batch, gen.worker.gen_micro_batch) == (4, 3)  # the trainer's rules, not copies
-    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data, system.data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
     i, batch = gen.generate(5, prompts, (*trainer.trainable_weights(), 3))
     assert i == 5 and batch.meta["policy_version"] == 3
     mask = batch["response_mask"].bool()
@@ -258,9 +276,9 @@ def test_the_generation_worker_keeps_no_reference_it_does_not_use():
     """need_ref False (no KL loss, no KL in the reward): the generation worker holds its model and no frozen reference
     copy; need_ref True (full fine-tuning) holds exactly one more copy, in the compute dtype (float32 on CPU)."""
     from rlkit.async_rollout import Generator
-    from rlkit.config import TrainerConfig
 
-    args = (ModelConfig(), ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), TrainerConfig(device="cpu"))
+    system = System(trainer=TrainerSystem(device="cpu"))
+    args = (ModelConfig(), ActorConfig(use_kl_loss=False), RolloutConfig(), DataConfig(), system, TrainerConfig().seed)
     alone = Generator(*args, need_ref=False)
     model = sum(p.numel() * p.element_size() for p in alone.worker.engine.model.parameters())
     assert alone.worker.engine.ref_model is None and module_bytes(alone.worker.engine) == model
@@ -285,13 +303,13 @@ def test_the_generation_worker_keeps_the_trainers_token_budget():
     """--actor.max-token-len-per-micro-batch: the generation worker's log-prob passes (its reference pass) split a batch
     into the trainer's token-budget micro-batches, not into --rollout.log-prob-micro-batch-size rows."""
     from rlkit.async_rollout import Generator
-    from rlkit.config import TrainerConfig
     from rlkit.data import build_prompts
 
-    actor, rollout, data = ActorConfig(ppo_micro_batch_size=8, max_token_len_per_micro_batch=160), RolloutConfig(n=2), DataConfig()
-    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True)
-    gen = Generator(ModelConfig(), actor, rollout, data, TrainerConfig(device="cpu"), need_ref=True)
-    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    actor, rollout, data = ActorConfig(), RolloutConfig(n=2), DataConfig()
+    system = System(actor=ActorSystem(ppo_micro_batch_size=8, max_token_len_per_micro_batch=160), trainer=TrainerSystem(device="cpu"))
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=True, system=system)
+    gen = Generator(ModelConfig(), actor, rollout, data, system, TrainerConfig().seed, need_ref=True)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data, system.data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
     passes, forward = [], gen.worker.engine.forward
     gen.worker.engine.forward = lambda model, mb, *a: passes.append(len(mb)) or forward(model, mb, *a)
     _, batch = gen.generate(1, prompts)
@@ -349,11 +367,11 @@ def test_an_idle_generation_worker_puts_its_vllm_engine_to_sleep_and_a_job_wakes
     """Generator.idle calls the rollout's sleep (VLLMRollout: level 1 on CUDA, a no-op on CPU); the next job wakes what it
     needs (load_weights' sync: the weights; generate: the KV cache). Recorded on a stand-in rollout with vLLM's interface."""
     from rlkit.async_rollout import Generator
-    from rlkit.config import TrainerConfig
     from rlkit.data import build_prompts
 
     data = DataConfig()
-    gen = Generator(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, TrainerConfig(device="cpu"), need_ref=False)
+    system = System(trainer=TrainerSystem(device="cpu"))
+    gen = Generator(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, system, TrainerConfig().seed, need_ref=False)
     hf, calls = gen.worker.rollout, []
 
     class Recording:  # the calls VLLMRollout gets from the worker, sampling with the HF rollout
@@ -370,7 +388,7 @@ def test_an_idle_generation_worker_puts_its_vllm_engine_to_sleep_and_a_job_wakes
             return hf.generate(prompts, *a, **k)
 
     gen.worker.rollout = Recording()
-    prompts = build_prompts(data.train_files, hf.tokenizer, data).batch(list(range(2)), hf.tokenizer.pad_token_id)
+    prompts = build_prompts(data.train_files, hf.tokenizer, data, system.data).batch(list(range(2)), hf.tokenizer.pad_token_id)
     gen.idle()
     gen.generate(1, prompts, (*gen.worker.trainable_weights(), 1))
     assert calls == ["sleep", "wake weights", "wake kv_cache"]
@@ -485,9 +503,9 @@ def test_one_step_off_learns(tmp_path):
     """k = 1 on the embedded task: 60 steps of the default GRPO settings lift held-out accuracy."""
     grpo = load_recipe("grpo")
     cfg = grpo.Config()
-    cfg.trainer.default_local_dir = str(tmp_path)
-    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.async_steps = 60, 0, 1
-    cfg.data.val_max_samples = 128
+    cfg.system.trainer.default_local_dir = str(tmp_path)
+    cfg.trainer.total_training_steps, cfg.system.trainer.test_freq, cfg.system.async_rollout.async_steps = 60, 0, 1
+    cfg.system.data.val_max_samples = 128
     summary = grpo.main(cfg)
     assert summary["val_acc_after"] - summary["val_acc_before"] >= 0.10, summary
     rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
@@ -499,16 +517,18 @@ def test_the_off_policy_lines_are_the_same_in_every_recipe():
     metrics logged) and the Rollouts line (every loop) are the same everywhere."""
     from test_grpo_recipe import ROOT
 
-    for name in ASYNC_RECIPES:
+    rl = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if p.stem not in ("sft", "rm"))  # every recipe with a policy loss
+    assert len(rl) == 11 and set(ASYNC_RECIPES) < set(rl)
+    for name in rl:
         code = [line.split("#")[0].strip() for line in (ROOT / "recipes" / f"{name}.py").read_text().splitlines()]
-        assert "weights, mask, corr = algos.rollout_weights(mb, a)" in code, name
+        assert "weights, mask, corr = algos.rollout_weights(mb, off)" in code, name
         assert "weights=weights," in code and "metrics.update(corr)" in code, name
         assert any(line.startswith("rollouts = recipe.Rollouts(cfg, policy, train") for line in code), name
 
 
 def test_rollout_weights_is_a_no_op_without_rollout_log_probs_and_the_correction_with_them():
     mask, old = torch.tensor([[1, 1, 0]]), torch.log(torch.tensor([[0.5, 0.25, 1.0]]))
-    a = ActorConfig()  # token-tis, cap 2
+    a = ActorSystem()  # token-tis, cap 2
     assert algos.rollout_weights(DataProto.from_dict({"response_mask": mask, "old_log_probs": old}), a) == (None, mask, {})
     mu = old - torch.tensor([[1.0, -0.5, 0.0]])  # pi_old / mu = e, e^-0.5 on the two response tokens
     mb = DataProto.from_dict({"response_mask": mask, "old_log_probs": old, "rollout_log_probs": mu})
@@ -524,15 +544,17 @@ def test_the_async_generation_worker_sizes_hf_generation_from_a_quarter_of_free_
     generation_rows reads only the device type and the free memory)."""
     from rlkit import workers
     from rlkit.async_rollout import Generator
-    from rlkit.config import TrainerConfig
     from rlkit.data import build_prompts
     from rlkit.workers import ActorRolloutRefWorker
 
     data = DataConfig(max_prompt_length=64, max_response_length=64)
-    gen = Generator(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, TrainerConfig(device="cpu"), need_ref=False)
+    system = System(trainer=TrainerSystem(device="cpu"))
+    gen = Generator(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, system, TrainerConfig().seed, need_ref=False)
     trainer = ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(n=1), data, device="cpu")
     monkeypatch.setattr(workers, "free_device_memory", lambda device: 2**30)
-    prompts = build_prompts(data.train_files, trainer.tokenizer, data, max_samples=4).batch(list(range(4)), trainer.tokenizer.pad_token_id)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data, system.data, max_samples=4).batch(
+        list(range(4)), trainer.tokenizer.pad_token_id
+    )
     rows = {}
     for name, w in (("worker", gen.worker), ("trainer", trainer)):
         w.engine.device = torch.device("cuda")  # the sizing path only

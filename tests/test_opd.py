@@ -43,7 +43,7 @@ def opd_config(opd, tmp_path, teacher, steps=1):
     cfg = small_config(opd, tmp_path / "out", steps=steps, save_freq=0, test_freq=0, val_before_train=False)
     cfg.teacher = str(teacher)
     cfg.rollout.n = 4
-    cfg.data.val_files = []
+    cfg.system.data.val_files = []
     return cfg
 
 
@@ -107,7 +107,7 @@ def test_the_teacher_on_ray_scores_as_the_local_teacher_and_a_ray_run_distills(t
     the same weights, in other micro-batch shapes, so they differ by round-off only (~1e-6 per log-prob of size ~3);
     1e-4 bounds the mean while a misaligned row would give ~1 (the per-token log-probs are -0.1 to -10)."""
     ray = pytest.importorskip("ray")
-    from rlkit.config import ActorConfig, ModelConfig, RolloutConfig
+    from rlkit.config import ModelConfig, RolloutConfig
     from rlkit.protocol import DataProto
     from rlkit.ray_group import RayWorkerGroup, init_ray
     from rlkit.workers import TeacherWorker
@@ -129,7 +129,7 @@ def test_the_teacher_on_ray_scores_as_the_local_teacher_and_a_ray_run_distills(t
             "response_mask": resp_mask,
         }
     )
-    args = (ModelConfig(path=str(STUDENT)), ActorConfig(), RolloutConfig())
+    args = (ModelConfig(path=str(STUDENT)), RolloutConfig())
     want = TeacherWorker(*args).compute_log_prob(batch)["teacher_log_prob"]
     init_ray(num_cpus=2)
     try:
@@ -143,7 +143,7 @@ def test_the_teacher_on_ray_scores_as_the_local_teacher_and_a_ray_run_distills(t
 
         opd = load_recipe("opd")
         cfg = opd_config(opd, tmp_path, STUDENT)
-        cfg.trainer.backend, cfg.trainer.n_workers, cfg.trainer.cpus_per_worker = "ray", 2, 1
+        cfg.system.scale_out.backend, cfg.system.scale_out.n_workers, cfg.system.scale_out.cpus_per_worker = "ray", 2, 1
         opd.main(cfg)
         row = read_jsonl(tmp_path / "out" / "metrics.jsonl")[-1]
         assert abs(row["distill/reverse_kl"]) < 1e-4 and row["distill/teacher_log_prob"] < -0.05, row

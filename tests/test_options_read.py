@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from test_grpo_recipe import load_recipe, small_config  # noqa: E402
 
+from rlkit import config  # noqa: E402
+
+COPIES = ("flag_values", "sections", "set_flags")  # rlkit.config's functions that copy every value: not a use
+
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
 # option -> (the path that reads it, what a recipe must call to have that path: a string in its source)
@@ -76,13 +80,16 @@ OTHER_PATHS = {
 }
 
 
-def options(cfg, prefix: str = "") -> list[str]:
-    """section.field of every leaf field: the options --help shows (flag = "--" + this, "_" -> "-")."""
-    out = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        out += options(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
-    return out
+def options(cfg) -> list[str]:
+    """The options --help shows, by flag name with underscores (flag = "--" + this, "_" -> "-"): section.field of
+    every leaf field, a system section's under its flags' prefix (cfg.system.scale_out.backend: trainer.backend)."""
+    return list(config.flag_values(cfg))
+
+
+def owner(cfg, option: str):
+    """(the section object that holds `option`, its field name): cfg.system.scale_out for trainer.backend."""
+    prefix, _, key = option.rpartition(".")
+    return next(s for p, s in [("", cfg), *config.sections(cfg)] if p == prefix and key in {f.name for f in dataclasses.fields(s)}), key
 
 
 def flag(option: str) -> str:
@@ -94,10 +101,16 @@ def recording(cls, prefix: str, reads: set):
     names = {f.name for f in dataclasses.fields(cls)}
 
     class Recording(cls):
+        __slots__ = ()  # the sections' layout (slotted dataclasses), so that an instance's class can be swapped
+
         def __getattribute__(self, name):
             if name in names:
                 caller = sys._getframe(1)
-                if caller.f_globals.get("__name__") not in ("dataclasses", "copy") and not caller.f_code.co_name.startswith("check"):
+                while caller.f_code.co_name.startswith("<") and caller.f_back:  # a comprehension's frame: its function's
+                    caller = caller.f_back
+                if caller.f_globals.get("__name__") not in ("dataclasses", "copy") and not caller.f_code.co_name.startswith(
+                    ("check", *COPIES)
+                ):
                     reads.add(prefix + name)
             return super().__getattribute__(name)
 
@@ -110,7 +123,7 @@ def tiny_config(recipe, name: str, out: Path):
     cfg.data.train_batch_size = 4
     if hasattr(cfg.actor, "ppo_mini_batch_size"):
         cfg.actor.ppo_mini_batch_size = 4
-    cfg.data.val_max_samples = 4
+    cfg.system.data.val_max_samples = 4
     if hasattr(cfg, "rollout"):
         cfg.rollout.n = 2
     if name == "dapo":
@@ -125,10 +138,8 @@ def read_in_one_run(name: str, out: Path) -> tuple[list[str], set[str]]:
 
     recipe = load_recipe(name)
     cfg, reads = tiny_config(recipe, name, out), set()
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            value.__class__ = recording(type(value), f.name + ".", reads)
+    for prefix, section in config.sections(cfg):
+        section.__class__ = recording(type(section), prefix + ".", reads)
     top = {f.name for f in dataclasses.fields(cfg) if not dataclasses.is_dataclass(getattr(cfg, f.name))}
     cfg.__class__ = recording(type(cfg), "", reads)
     with pytest.MonkeyPatch.context() as mp:
@@ -198,10 +209,7 @@ def refused(name: str, option: str, tmp: Path) -> bool:
 
     recipe = load_recipe(name)
     cfg = tiny_config(recipe, name, tmp)
-    *path, last = option.split(".")
-    section = cfg
-    for p in path:
-        section = getattr(section, p)
+    section, last = owner(cfg, option)
     setattr(section, last, other_value(type(section), last, getattr(section, last)))
 
     def load(*a, **k):
@@ -264,13 +272,12 @@ def test_an_option_that_needs_another_is_refused_alone(section, name, value, mes
     from rlkit import config
     from rlkit.errors import ConfigError
 
-    cfg = load_recipe("grpo").Config()
-    setattr(getattr(cfg, section), name, value)
+    cfg = config.set_flags(load_recipe("grpo").Config(), {f"{section}.{name}": value})
     with pytest.raises(ConfigError, match=re.escape(message)):
         config.check_flags(cfg)
     opens = {"data": ("task", "reasoning_gym:chain_sum"), "actor": ("nan_policy", "skip"), "trainer": ("async_steps", 1)}
     key, on = ("sampler", "difficulty") if name == "sampler_weights" else opens[section]
-    setattr(getattr(cfg, section), key, on)
+    config.set_flags(cfg, {f"{section}.{key}": on})
     config.check_flags(cfg)
 
 

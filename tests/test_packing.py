@@ -8,7 +8,7 @@ import torch
 from numerics import assert_within, entropy_tol, grad_tol, log_prob_tol, max_abs_logit, tol
 
 from rlkit import algos, packing
-from rlkit.config import ActorConfig, CriticConfig, ModelConfig
+from rlkit.config import ActorConfig, CriticConfig, ModelConfig, ModelSystem
 from rlkit.engine import TorchEngine
 from rlkit.protocol import DataProto
 
@@ -87,10 +87,10 @@ def test_split_by_tokens_counts_real_tokens_and_a_prompt_once_per_micro_batch():
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
 def engines(request):
-    cfg = ModelConfig(attn_implementation=request.param)
+    sys = ModelSystem(attn_implementation=request.param)
     torch.manual_seed(0)
-    padded = TorchEngine(dataclasses.replace(cfg, remove_padding=False), ActorConfig(lr=1e-3), device="cpu")
-    packed = TorchEngine(cfg, ActorConfig(lr=1e-3), device="cpu")
+    padded = TorchEngine(ModelConfig(), ActorConfig(lr=1e-3), device="cpu", model_sys=dataclasses.replace(sys, remove_padding=False))
+    packed = TorchEngine(ModelConfig(), ActorConfig(lr=1e-3), device="cpu", model_sys=sys)
     packed.model.load_state_dict(padded.model.state_dict())
     return padded, packed
 
@@ -175,7 +175,7 @@ def test_update_with_a_token_budget_gives_the_padded_update(engines):
 
 def test_packed_values_equal_the_padded_ones():
     torch.manual_seed(0)
-    padded = TorchEngine(ModelConfig(remove_padding=False), CriticConfig(), device="cpu", value_head=True)
+    padded = TorchEngine(ModelConfig(), CriticConfig(), device="cpu", value_head=True, model_sys=ModelSystem(remove_padding=False))
     packed = TorchEngine(ModelConfig(), CriticConfig(), device="cpu", value_head=True)
     packed.model.load_state_dict(padded.model.state_dict())
     b = make_batch(padded.model.config.vocab_size)
@@ -185,12 +185,12 @@ def test_packed_values_equal_the_padded_ones():
 
 
 def test_generation_prefills_each_group_once_and_samples_the_same_tokens():
-    from rlkit.config import DataConfig
+    from rlkit.config import DataConfig, DataSystem
     from rlkit.data import build_prompts
     from rlkit.rollout import HFRollout
 
     eng = TorchEngine(ModelConfig(), None, device="cpu")
-    prompts = build_prompts(DataConfig().train_files, eng.tokenizer, DataConfig(), max_samples=4).batch(
+    prompts = build_prompts(DataConfig().train_files, eng.tokenizer, DataConfig(), DataSystem(), max_samples=4).batch(
         [0, 1, 2, 3], eng.tokenizer.pad_token_id
     )
     rows = prompts.repeat(4, interleave=True)

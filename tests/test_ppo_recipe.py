@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit import algos, demos
+from rlkit import algos, config, demos
 from rlkit.protocol import DataProto
 from rlkit.rollout import HFRollout
 
@@ -28,19 +28,18 @@ ppo = load_recipe()
 def small_config(out_dir, steps=3, n=2, **over):
     cfg = ppo.Config()
     cfg.data.train_batch_size = 8
-    cfg.data.val_max_samples = 32
+    cfg.system.data.val_max_samples = 32
     cfg.actor.ppo_mini_batch_size = 4
-    cfg.actor.ppo_micro_batch_size = 16
-    cfg.critic.ppo_micro_batch_size = 16
+    cfg.system.actor.ppo_micro_batch_size = 16
+    cfg.system.critic.ppo_micro_batch_size = 16
     cfg.rollout.n = n
-    cfg.trainer.device = "cpu"
+    cfg.system.trainer.device = "cpu"
     cfg.trainer.total_training_steps = steps
-    cfg.trainer.default_local_dir = str(out_dir)
-    cfg.trainer.test_freq = 2
-    cfg.trainer.save_freq = 2
-    for k, v in over.items():
-        setattr(cfg.trainer, k, v) if hasattr(cfg.trainer, k) else setattr(cfg, k, v)
-    return cfg
+    cfg.system.trainer.default_local_dir = str(out_dir)
+    cfg.system.trainer.test_freq = 2
+    cfg.system.trainer.save_freq = 2
+    options = set(config.flag_values(cfg))  # a trainer option by its flag (--trainer.resume), else PPO's own
+    return config.set_flags(cfg, {f"trainer.{k}" if f"trainer.{k}" in options else k: v for k, v in over.items()})
 
 
 def read_jsonl(path):
@@ -164,12 +163,14 @@ def test_critic_values_sit_at_the_response_positions(lora_rank):
                 p.copy_(head if name.endswith("weight") else torch.zeros_like(p))
 
     # a batch with prompts and responses of several lengths (left-padded prompts, right-padded responses)
-    from rlkit.config import DataConfig
+    from rlkit.config import DataConfig, DataSystem
     from rlkit.data import build_prompts
     from rlkit.engine import load_model
 
     tok = eng.tokenizer
-    prompts = build_prompts(DataConfig().train_files, tok, DataConfig(), max_samples=6).batch(list(range(6)), tok.pad_token_id)
+    prompts = build_prompts(DataConfig().train_files, tok, DataConfig(), DataSystem(), max_samples=6).batch(
+        list(range(6)), tok.pad_token_id
+    )
     policy_model = load_model(str(demos.ARITH_MODEL), torch.float32, torch.device("cpu"))
     batch = HFRollout(policy_model, tok, torch.device("cpu")).generate(prompts, 8, temperature=2.0)
     lengths = batch["response_mask"].sum(-1)

@@ -200,7 +200,7 @@ def test_the_guard_sees_a_drifted_line(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match=r"(?s)rloo.py: make_actor_loss differs.*\+.*0.1 \* parts"):
         test_recipes_on_the_ppo_clip_loss_share_make_actor_loss("rloo")
     gspo = (Path(__file__).resolve().parents[1] / "recipes" / "gspo.py").read_text()
-    no_correction = gspo.replace("algos.rollout_weights(mb, a)", "None, mb['response_mask'], {}")  # a fork that skips it
+    no_correction = gspo.replace("algos.rollout_weights(mb, off)", "None, mb['response_mask'], {}")  # a fork that skips it
     (tmp_path / "gspo.py").write_text(no_correction)
     assert source("gspo") != gspo
     with pytest.raises(AssertionError, match=r"(?s)gspo.py: make_actor_loss differs from grpo.py's outside pg_loss.*\+.*None, mb"):

@@ -100,7 +100,7 @@ def test_resuming_from_an_older_step_moves_later_checkpoints_aside_and_cuts_the_
     first_four = (ckpts / "global_step_4" / "hf" / "model.safetensors").read_bytes()
 
     branch = small_config(grpo, out, steps=3, max_ckpt_to_keep=5, val_before_train=False, test_freq=0)
-    branch.trainer.resume = str(ckpts / "global_step_2")
+    branch.system.trainer.resume = str(ckpts / "global_step_2")
     branch.trainer.total_training_steps = 3
     grpo.main(branch)
     aside = list(ckpts.glob("abandoned-*"))

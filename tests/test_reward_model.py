@@ -83,10 +83,10 @@ def test_recipes_reward_model_reads_the_datas_lengths(tmp_path, rm_path):
 
 def test_reward_fn_replaces_or_adds_the_model_score(rm_path):
     rm_scores = RewardModel(str(rm_path))(PROMPTS[:2], ["5", "41"])
-    replace = RewardFn.from_config(RewardConfig(model_path=str(rm_path)), "cpu")
+    replace = RewardFn.from_config(RewardConfig(model_path=str(rm_path)), device="cpu")
     scores, metrics = replace(["rlkit/arith"] * 2, ["5", "41"], ["5", "40"], prompts=PROMPTS[:2])
     torch.testing.assert_close(scores, rm_scores)
-    add = RewardFn.from_config(RewardConfig(model_path=str(rm_path), combine="add"), "cpu")
+    add = RewardFn.from_config(RewardConfig(model_path=str(rm_path), combine="add"), device="cpu")
     scores, metrics = add(["rlkit/arith"] * 2, ["5", "41"], ["5", "40"], prompts=PROMPTS[:2])
     torch.testing.assert_close(scores, rm_scores + torch.tensor([1.0, 0.0]))  # arith: "5" right, "41" wrong
     assert metrics["reward/acc"] == 0.5 and "reward/model_score" in metrics
@@ -121,7 +121,7 @@ def test_reward_model_replicas_on_ray_score_like_the_local_model_and_a_ray_run_u
         cfg = small_config(
             grpo, tmp_path, steps=1, backend="ray", n_workers=2, cpus_per_worker=0.5, reward_workers=1, val_before_train=False
         )
-        cfg.data.val_max_samples = 8
+        cfg.system.data.val_max_samples = 8
         cfg.reward.model_path = str(rm_path)
         grpo.main(cfg)
         row = read_jsonl(tmp_path / "metrics.jsonl")[-1]

@@ -13,7 +13,7 @@ import torch
 from test_grpo_recipe import ROOT, load_recipe
 
 from rlkit import demos
-from rlkit.config import RewardConfig
+from rlkit.config import RewardConfig, set_flags
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.rewards import RewardFn
 from scripts.assets import tiny_arith
@@ -56,14 +56,14 @@ def easy_pairs(tmp_path):
 
 def config(tmp_path, train, val, steps, name="rm", **fields):
     cfg = rm.Config()
-    cfg.data.train_files, cfg.data.val_files = [train], [val] if val else []
+    cfg.data.train_files, cfg.system.data.val_files = [train], [val] if val else []
     cfg.data.train_batch_size = 32
     cfg.actor.warmup_steps = 5
     cfg.trainer.total_training_steps = steps
-    cfg.trainer.test_freq = steps
-    cfg.trainer.num_threads = 1
-    cfg.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
-    cfg.trainer.experiment_name = name
+    cfg.system.trainer.test_freq = steps
+    cfg.system.trainer.num_threads = 1
+    cfg.system.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
+    cfg.system.trainer.experiment_name = name
     for k, v in fields.items():
         setattr(cfg, k, v)
     return cfg
@@ -113,7 +113,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     def run(name, steps):
         cfg = config(tmp_path, train, None, steps, name=name)
         cfg.data.train_batch_size = 8
-        cfg.trainer.save_freq, cfg.trainer.resume = 2, "auto"
+        cfg.system.trainer.save_freq, cfg.system.trainer.resume = 2, "auto"
         rm.main(cfg)
 
     run("whole", 4)
@@ -239,7 +239,7 @@ def test_flags_go_through_the_shared_setup_before_the_model_loads(tmp_path, monk
         (None, "center_coef", -1.0, "--center-coef -1.0: must be a number >= 0"),
     ]:
         cfg = config(tmp_path, train, val, 1)
-        setattr(getattr(cfg, section) if section else cfg, name, value)
+        set_flags(cfg, {f"{section}.{name}" if section else name: value})
         with pytest.raises(ConfigError, match=match):
             rm.main(cfg)
 
@@ -274,8 +274,7 @@ def test_a_tie_counts_as_ranked_wrong():
 def trainer(tmp_path, **model):
     train, _ = easy_pairs(tmp_path)
     cfg = config(tmp_path, train, None, 1)
-    for k, v in model.items():
-        setattr(cfg.model, k, v)
+    set_flags(cfg, {f"model.{k}": v for k, v in model.items()})
     t = rm.RewardTrainer(cfg)
     pairs = rm.Pairs(rm.read_pairs([train], cfg)[:8], t.tokenizer, cfg.data)
     return t, pairs.batch(range(8), t.tokenizer.pad_token_id)

@@ -4,14 +4,12 @@ prompt, token-budget micro-batches and the update's epochs, and every update for
 experts. On the embedded MoE (rlkit/assets/tiny-moe: 8 experts, top-2, 2 layers), float32 CPU. The library's own tests
 (the dense-softmax gradient, checkpointing's recompute on a bare model) are tests/test_moe.py."""
 
-import dataclasses
-
 import pytest
 import torch
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
 from rlkit import algos, demos, packing
-from rlkit.config import ActorConfig, DataConfig, ModelConfig
+from rlkit.config import ActorConfig, ActorSystem, DataConfig, DataSystem, ModelConfig, ModelSystem
 from rlkit.data import build_prompts
 from rlkit.engine import TorchEngine
 from rlkit.moe import routers
@@ -19,15 +17,23 @@ from rlkit.rollout import HFRollout
 
 
 def engine(mode="none", lr=1e-4, **model):
+    """model: ModelSystem options (remove_padding, gradient_checkpointing)."""
     torch.manual_seed(0)
-    cfg = dataclasses.replace(ModelConfig(path=str(demos.MOE_MODEL)), **model)
-    return TorchEngine(cfg, ActorConfig(lr=lr, router_replay=mode, use_kl_loss=False), "cpu")
+    return TorchEngine(
+        ModelConfig(path=str(demos.MOE_MODEL)),
+        ActorConfig(lr=lr, use_kl_loss=False),
+        "cpu",
+        model_sys=ModelSystem(**model),
+        update_sys=ActorSystem(router_replay=mode),
+    )
 
 
 def rollout(eng, impl="fast", groups=4, n=2, micro_batch_size=None):
     """groups prompts x n samples (rows of a group side by side: the shared-prompt layout), the routing recorded (R3)."""
     d = DataConfig()
-    prompts = build_prompts(d.train_files, eng.tokenizer, d, max_samples=groups).batch(range(groups), eng.tokenizer.pad_token_id)
+    prompts = build_prompts(d.train_files, eng.tokenizer, d, DataSystem(), max_samples=groups).batch(
+        range(groups), eng.tokenizer.pad_token_id
+    )
     torch.manual_seed(1)
     out = HFRollout(eng.model, eng.tokenizer, eng.device, impl=impl).generate(
         prompts.repeat(n), 8, temperature=1.0, micro_batch_size=micro_batch_size, record_routing=True
@@ -162,7 +168,7 @@ def test_one_grpo_step_replays_with_zero_disagreement(tmp_path, mode):
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path, steps=1, test_freq=0, save_freq=0, val_before_train=False)
     cfg.model.path = str(demos.MOE_MODEL)
-    cfg.actor.router_replay, cfg.actor.ppo_epochs, cfg.actor.ppo_micro_batch_size = mode, 2, 4
+    cfg.system.actor.router_replay, cfg.actor.ppo_epochs, cfg.system.actor.ppo_micro_batch_size = mode, 2, 4
     cfg.actor.lr = 1e-2
     grpo.main(cfg)
     (row,) = read_jsonl(tmp_path / "metrics.jsonl")

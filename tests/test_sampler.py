@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_grpo_recipe import load_recipe, read_jsonl, small_config
 
-from rlkit.config import DataConfig, TrainerConfig
+from rlkit.config import AsyncConfig, DataConfig, System
 from rlkit.data import DifficultySampler
 from rlkit.errors import ConfigError
 
@@ -56,7 +56,7 @@ def test_a_resumed_grpo_run_equals_the_uninterrupted_one(tmp_path):
 
     def run(name, steps):
         cfg = small_config(grpo, tmp_path / name, steps=steps, num_threads=1, val_before_train=False, test_freq=0, resume="auto")
-        cfg.data.val_max_samples = 8
+        cfg.system.data.val_max_samples = 8
         cfg.data.sampler = "difficulty"
         grpo.main(cfg)
         return read_jsonl(tmp_path / name / "metrics.jsonl")
@@ -78,7 +78,7 @@ def test_async_refuses_the_difficulty_sampler_in_one_line():
 
     class Cfg:
         data = DataConfig(sampler="difficulty")
-        trainer = TrainerConfig(async_steps=1)
+        system = System(async_rollout=AsyncConfig(async_steps=1))
 
     with pytest.raises(ConfigError, match="--data.sampler difficulty does not run with --trainer.async-steps 1"):
         check_async(Cfg())

@@ -356,10 +356,10 @@ def test_the_level_is_checked_before_anything_loads_and_shown_in_the_start_line(
     assert sandbox.check_level("network", "--agent.sandbox-level") == "network"
     with pytest.raises(ConfigError, match="choose one of process, network, strict"):
         sandbox.check_level("max", "--agent.sandbox-level")
-    cfg = SimpleNamespace(reward=SimpleNamespace(sandbox="auto"), agent=SimpleNamespace(tools="calculator"))
+    cfg = SimpleNamespace(system=SimpleNamespace(reward=SimpleNamespace(sandbox="auto")), agent=SimpleNamespace(tools="calculator"))
     without = "(without ro-root, pidns, hidden-secrets, hidden-sockets, disk-quota)"  # each layer it could not apply
     assert sandbox.start_clause(cfg) == f"sandbox level network {without}"
-    cfg.reward.sandbox = "off"
+    cfg.system.reward.sandbox = "off"
     assert sandbox.start_clause(cfg) == "sandbox off (scorers run in this process)"
     cfg.agent.tools = "calculator,python"
     assert sandbox.start_clause(cfg) == f"sandbox level network {without} (scorers in this process: --reward.sandbox off)"

@@ -226,10 +226,10 @@ def test_grpo_tools_one_step_in_self_play_on_the_embedded_model(tmp_path):
     (model / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 2048}))
     cfg.model.path = str(model)
     cfg.agent = AgentConfig(tools="", env=GAME, self_play=True, max_turns=3)
-    cfg.data.train_files, cfg.data.val_files = [str(tmp_path / "ttt.parquet")], []
+    cfg.data.train_files, cfg.system.data.val_files = [str(tmp_path / "ttt.parquet")], []
     cfg.data.max_response_length = 400  # the game's observations (board, moves) are ~200 tokens a turn with this tokenizer
     cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n = 1, 1, 4  # 2 games
-    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.default_local_dir = 1, 0, str(tmp_path)
+    cfg.trainer.total_training_steps, cfg.system.trainer.test_freq, cfg.system.trainer.default_local_dir = 1, 0, str(tmp_path)
     recipe.main(cfg)
     last = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 1

@@ -54,13 +54,13 @@ def test_a_short_run_from_scratch_learns(tmp_path):
     cfg = sft.Config()
     cfg.init_from_scratch = True
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 32
-    cfg.data.val_max_samples = 128
+    cfg.system.data.val_max_samples = 128
     cfg.actor.warmup_steps = 10
     cfg.trainer.total_training_steps = 60
-    cfg.trainer.test_freq = 60
-    cfg.trainer.logger = ["console"]
-    cfg.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
-    cfg.trainer.experiment_name = "sft"
+    cfg.system.trainer.test_freq = 60
+    cfg.system.trainer.logger = ["console"]
+    cfg.system.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
+    cfg.system.trainer.experiment_name = "sft"
     sft.main(cfg)
     rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     nll = [r["actor/nll"] for r in rows if "actor/nll" in r]
@@ -77,18 +77,19 @@ def test_init_from_scratch_reaches_the_vllm_engine():
 
     if not vllm_available():
         pytest.skip("vllm is not installed (CPU: `bash scripts/install.sh vllm`)")
-    from rlkit.config import DataConfig
+    from rlkit.config import DataSystem
     from rlkit.data import build_prompts
     from rlkit.placement import build_policy
 
     cfg = sft.Config()
-    cfg.rollout.name = "vllm"
+    cfg.system.rollout.name = "vllm"
     policy = build_policy(cfg, need_ref=False)
     try:
         before, _ = policy.trainable_weights()
         sft.fresh_weights(policy, cfg)
         assert not torch.allclose(policy.trainable_weights()[0], before)  # the trainer's weights are new
-        prompts = build_prompts(DataConfig().val_files, policy.tokenizer, cfg.data, max_samples=4)
+        arith = DataSystem()  # the embedded arithmetic prompts (sft.py's own defaults are conversations)
+        prompts = build_prompts(arith.val_files, policy.tokenizer, cfg.data, arith, max_samples=4)
         batch = policy.generate(prompts.batch(range(4), policy.tokenizer.pad_token_id))
         lp = policy.compute_log_prob(batch)["old_log_probs"]
         mask = batch["response_mask"].bool()
@@ -100,13 +101,13 @@ def test_init_from_scratch_reaches_the_vllm_engine():
 def small(tmp_path, name, steps):
     cfg = sft.Config()
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 8
-    cfg.data.val_files = []
+    cfg.system.data.val_files = []
     cfg.trainer.total_training_steps = steps
-    cfg.trainer.save_freq = 2
-    cfg.trainer.logger = ["console"]
-    cfg.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
-    cfg.trainer.experiment_name = name
-    cfg.trainer.resume = "auto"
+    cfg.system.trainer.save_freq = 2
+    cfg.system.trainer.logger = ["console"]
+    cfg.system.trainer.default_local_dir = str(tmp_path / "{experiment_name}")
+    cfg.system.trainer.experiment_name = name
+    cfg.system.trainer.resume = "auto"
     return cfg
 
 
@@ -280,8 +281,8 @@ def test_prompt_and_response_strings_train_as_documented(tmp_path):
     rows = [{"prompt": f"What is {a}+1?", "response": str(a + 1)} for a in range(8)]
     val = [dict(r, reward_model={"ground_truth": r["response"]}) for r in rows[:4]]  # string prompts: no val/acc
     cfg = small(tmp_path, "strings", 1)
-    cfg.data.train_files, cfg.response_key, cfg.trainer.resume = [write(tmp_path / "t.parquet", rows)], "response", "disable"
-    cfg.data.val_files = [write(tmp_path / "v.parquet", val)]
+    cfg.data.train_files, cfg.response_key, cfg.system.trainer.resume = [write(tmp_path / "t.parquet", rows)], "response", "disable"
+    cfg.system.data.val_files = [write(tmp_path / "v.parquet", val)]
     sft.main(cfg)
     assert (tmp_path / "strings" / "checkpoints" / "global_step_1").is_dir()
     last = json.loads((tmp_path / "strings" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -307,7 +308,7 @@ def test_bad_sft_data_stops_in_one_line_before_the_model_loads(tmp_path, monkeyp
     }
     for name, (train, val, key, match) in cases.items():
         cfg = small(tmp_path, name, 1)
-        cfg.data.train_files, cfg.data.val_files, cfg.messages_key = [train], [val] if val else [], key
+        cfg.data.train_files, cfg.system.data.val_files, cfg.messages_key = [train], [val] if val else [], key
         with pytest.raises(ConfigError, match=match):
             sft.main(cfg)
     rows = [{"prompt": "What is 1+1?", "reward_model": {"style": "rule"}}] * 8  # no ground_truth field

@@ -7,7 +7,7 @@ from numerics import assert_within, entropy_tol, grad_tol, log_prob_tol, max_abs
 from test_packing import P, make_batch
 
 from rlkit import packing
-from rlkit.config import ActorConfig, ModelConfig
+from rlkit.config import ActorConfig, ModelConfig, ModelSystem
 from rlkit.engine import TorchEngine
 
 pytestmark = pytest.mark.numerics  # rerun with the scalar kernels by .ci/run (tests/numerics.py)
@@ -56,7 +56,8 @@ def test_split_pays_charges_each_response_its_prompt_keys(monkeypatch):
 @pytest.fixture(scope="module")
 def engine():
     torch.manual_seed(0)
-    return TorchEngine(ModelConfig(attn_implementation="sdpa", shared_prompt_attention="split"), ActorConfig(lr=1e-3), device="cpu")
+    split = ModelSystem(attn_implementation="sdpa", shared_prompt_attention="split")
+    return TorchEngine(ModelConfig(), ActorConfig(lr=1e-3), device="cpu", model_sys=split)
 
 
 def counted_sdpa(monkeypatch):
@@ -114,7 +115,7 @@ def test_split_gradients_equal_the_mask(engine):
 
 
 def test_mask_setting_keeps_the_dense_mask():
-    eng = TorchEngine(ModelConfig(attn_implementation="sdpa", shared_prompt_attention="mask"), device="cpu")
+    eng = TorchEngine(ModelConfig(), device="cpu", model_sys=ModelSystem(attn_implementation="sdpa", shared_prompt_attention="mask"))
     assert not eng.split_attention
     assert eng.model.config._attn_implementation == "sdpa"  # split only swaps it in during a pass
 
@@ -122,8 +123,8 @@ def test_mask_setting_keeps_the_dense_mask():
 def test_split_with_lora_equals_the_mask():
     """peft's wrapper passes the layout through to the attention (and the reference pass, adapter disabled, too)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(attn_implementation="sdpa", lora_rank=4, shared_prompt_attention="split")
-    eng = TorchEngine(cfg, ActorConfig(lr=1e-3), device="cpu")
+    split = ModelSystem(attn_implementation="sdpa", shared_prompt_attention="split")
+    eng = TorchEngine(ModelConfig(lora_rank=4), ActorConfig(lr=1e-3), device="cpu", model_sys=split)
     assert eng.split_attention
     b = make_batch(eng.model.config.vocab_size, seed=3)
     real = b["attention_mask"][:, P:].bool()
@@ -136,5 +137,5 @@ def test_split_with_lora_equals_the_mask():
 
 def test_gradient_checkpointing_keeps_the_mask():
     # checkpointing recomputes each layer in the backward, after the pass put sdpa back: split would lose its layout there
-    eng = TorchEngine(ModelConfig(attn_implementation="sdpa", gradient_checkpointing="on"), device="cpu")
+    eng = TorchEngine(ModelConfig(), device="cpu", model_sys=ModelSystem(attn_implementation="sdpa", gradient_checkpointing="on"))
     assert eng.share_prompt and not eng.split_attention

@@ -5,6 +5,7 @@ the worker wiring (rlkit/async_rollout.py: the updates queue, Generator.on_new_w
 drop (sample_keep -> workers.update masks the rows out of the loss) and the flags' refusals. Two tiny grpo runs, ~1 min.
 """
 
+import dataclasses
 import functools
 import multiprocessing as mp
 
@@ -16,7 +17,7 @@ from test_off_policy import quick_config
 
 from rlkit import preflight
 from rlkit.async_rollout import Rollouts, staleness
-from rlkit.config import check_flags
+from rlkit.config import check_flags, set_flags
 from rlkit.errors import ConfigError
 
 
@@ -99,10 +100,7 @@ def test_sample_keep_masks_samples_out_of_the_loss():
 )
 def test_impossible_combinations_are_refused_in_one_line(tmp_path, sets, match):
     grpo = load_recipe("grpo")
-    cfg = quick_config(grpo, tmp_path)
-    for key, value in sets.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
+    cfg = set_flags(quick_config(grpo, tmp_path), sets)
     with pytest.raises(ConfigError, match=match.replace("(", r"\(")) as e:
         check_flags(cfg)
         preflight.check_async(cfg)
@@ -131,14 +129,16 @@ class Scripted:
         return self.items.pop(0)
 
 
-def worker_setup(**rollout):
-    from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+def worker_setup(temperature: float, drop_finished: float = 0.0):
+    from rlkit.config import ActorConfig, ActorSystem, DataConfig, ModelConfig, RolloutConfig, RolloutSystem, System
     from rlkit.data import build_prompts
     from rlkit.workers import ActorRolloutRefWorker
 
-    actor, data = ActorConfig(ppo_micro_batch_size=8), DataConfig(max_response_length=12)
-    trainer = ActorRolloutRefWorker(ModelConfig(), actor, RolloutConfig(n=2, **rollout), data, device="cpu", need_ref=False)
-    prompts = build_prompts(data.train_files, trainer.tokenizer, data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
+    actor, data = ActorConfig(), DataConfig(max_response_length=12)
+    system = System(actor=ActorSystem(ppo_micro_batch_size=8), rollout=RolloutSystem(drop_finished=drop_finished))
+    rollout = RolloutConfig(n=2, temperature=temperature)
+    trainer = ActorRolloutRefWorker(ModelConfig(), actor, rollout, data, device="cpu", need_ref=False, system=system)
+    prompts = build_prompts(data.train_files, trainer.tokenizer, data, system.data).batch(list(range(8)), trainer.tokenizer.pad_token_id)
     return trainer, actor, data, prompts
 
 
@@ -147,7 +147,7 @@ def test_the_generator_loads_weights_pushed_mid_generation():
     finds version 1 (weights B): tokens 0-1 carry 0, tokens from 2 on carry 1, the batch's policy_version is 0 (where
     it started), and the worker ends holding B exactly."""
     from rlkit.async_rollout import Generator
-    from rlkit.config import ModelConfig, TrainerConfig
+    from rlkit.config import AsyncConfig, ModelConfig, TrainerConfig, TrainerSystem
 
     trainer, actor, data, prompts = worker_setup(temperature=2.0)
     a = trainer.trainable_weights()
@@ -155,8 +155,10 @@ def test_the_generator_loads_weights_pushed_mid_generation():
         for p in trainer.engine.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     b = trainer.trainable_weights()
-    cfg = TrainerConfig(device="cpu", async_steps=1, swap_every=2)
-    gen = Generator(ModelConfig(), actor, trainer.rollout_cfg, data, cfg, need_ref=False)
+    system = dataclasses.replace(
+        trainer.system, trainer=TrainerSystem(device="cpu"), async_rollout=AsyncConfig(async_steps=1, swap_every=2)
+    )
+    gen = Generator(ModelConfig(), actor, trainer.rollout_cfg, data, system, TrainerConfig().seed, need_ref=False)
     gen.updates = Scripted(("shm", *a, 0), None, ("shm", *b, 1), None)
     _, batch = gen.generate(1, prompts, ("await", 0))
     mask, v = batch["response_mask"].bool(), batch["token_version"]

@@ -49,10 +49,10 @@ def test_sft_trains_on_a_messages_only_parquet(tmp_path):
     paths = make_tool_traces.main(["--model", str(MODEL), "--out", str(tmp_path), "--traces", "8", "--train-size", "1", "--val-size", "1"])
     cfg = sft.Config()
     cfg.model.path, cfg.messages_key = str(MODEL), "messages"
-    cfg.data.train_files, cfg.data.val_files = [str(paths["sft"])], []
+    cfg.data.train_files, cfg.system.data.val_files = [str(paths["sft"])], []
     cfg.data.max_prompt_length, cfg.data.max_response_length = 1024, 128  # a character-level tokenizer: long
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 8
-    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.default_local_dir = 1, 0, str(tmp_path / "out")
+    cfg.trainer.total_training_steps, cfg.system.trainer.test_freq, cfg.system.trainer.default_local_dir = 1, 0, str(tmp_path / "out")
     sft.main(cfg)
     row = [r for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) if "actor/nll" in r][-1]
     assert row["step"] == 1 and row["actor/nll"] > 0

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from test_fsdp import _max_diff, local_ray  # noqa: E402,F401
 from test_grpo_recipe import load_recipe, small_config  # noqa: E402
 
-from rlkit import algos  # noqa: E402
+from rlkit import algos, config  # noqa: E402
 from rlkit.data import PromptLoader, build_prompts  # noqa: E402
 from rlkit.placement import build_policy  # noqa: E402
 
@@ -38,7 +38,9 @@ def _rollout_batch(grpo, cfg):
     torch.manual_seed(0)
     policy = build_policy(cfg)
     tok = policy.tokenizer
-    loader = PromptLoader(build_prompts(cfg.data.train_files, tok, cfg.data), cfg.data.train_batch_size, tok.pad_token_id, True, 0)
+    loader = PromptLoader(
+        build_prompts(cfg.data.train_files, tok, cfg.data, cfg.system.data), cfg.data.train_batch_size, tok.pad_token_id, True, 0
+    )
     batch = loader.next_batch()
     batch["uid"] = [str(i) for i in range(len(batch))]
     batch = policy.generate(batch.repeat(cfg.rollout.n))
@@ -65,11 +67,10 @@ def token_sum_loss(grpo, cfg):
 def sp_run(tmp_path_factory, local_ray):  # noqa: F811
     grpo = load_recipe("grpo")
     cfg = small_config(grpo, tmp_path_factory.mktemp("sp"))  # 8 prompts x 4 samples, 2 mini-batches of 16 rows: 2 AdamW steps
-    cfg.actor.ppo_micro_batch_size = 8  # 2 micro-batches per mini-batch per worker: the counts span micro-batches
-    cfg.model.remove_padding = False  # SP takes padded rows (packed ones are refused: docs/scaling.md)
+    cfg.system.actor.ppo_micro_batch_size = 8  # 2 micro-batches per mini-batch per worker: the counts span micro-batches
+    cfg.system.model.remove_padding = False  # SP takes padded rows (packed ones are refused: docs/scaling.md)
     batch, before, local, local_metrics, local_sum = _rollout_batch(grpo, cfg)
-    sp_cfg = copy.deepcopy(cfg)
-    sp_cfg.trainer.backend, sp_cfg.trainer.n_workers, sp_cfg.trainer.sp_size = "ray", 2, 2
+    sp_cfg = config.set_flags(copy.deepcopy(cfg), {"trainer.backend": "ray", "trainer.n_workers": 2, "trainer.sp_size": 2})
     group = build_policy(sp_cfg)
     try:
         assert group._sp_size() == 2

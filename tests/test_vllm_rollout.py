@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rlkit import demos
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.config import ActorConfig, ActorSystem, DataConfig, DataSystem, ModelConfig, RolloutConfig, RolloutSystem, System
 from rlkit.data import build_prompts
 from rlkit.vllm_rollout import hf_weights, vllm_available
 
@@ -105,7 +105,7 @@ def test_lora_adapter_goes_to_dev_shm_only_when_two_adapters_fit(monkeypatch):
     from rlkit.vllm_rollout import VLLMRollout
 
     tok = AutoTokenizer.from_pretrained(demos.ARITH_MODEL)
-    r = VLLMRollout(model, tok, str(demos.ARITH_MODEL), torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
+    r = VLLMRollout(model, tok, str(demos.ARITH_MODEL), torch.float32, torch.device("cpu"), RolloutSystem(name="vllm"), 64)
     try:  # /dev/shm still holds 1.5 adapters: the engine's adapters go to the temp folder, a sync and a generate work
         first = r.lora_request.lora_path
         r.sync_weights()
@@ -138,7 +138,8 @@ def test_unknown_rollout_name_is_rejected():
     from rlkit.workers import ActorRolloutRefWorker
 
     with pytest.raises(ValueError, match="available: hf, vllm"):
-        ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(name="sglang"), DataConfig(), device="cpu")
+        system = System(rollout=RolloutSystem(name="sglang"))
+        ActorRolloutRefWorker(ModelConfig(), ActorConfig(), RolloutConfig(), DataConfig(), device="cpu", system=system)
 
 
 # ----------------------------------------------------------------------------- with vLLM
@@ -165,15 +166,17 @@ def worker(long_model, data_cfg):
     from rlkit.workers import ActorRolloutRefWorker
 
     torch.manual_seed(0)
-    actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
-    return ActorRolloutRefWorker(ModelConfig(path=long_model), actor, RolloutConfig(name="vllm", n=2), data_cfg, device="cpu", seed=1)
+    actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8)
+    system = System(actor=ActorSystem(ppo_micro_batch_size=64), rollout=RolloutSystem(name="vllm"))
+    return ActorRolloutRefWorker(ModelConfig(path=long_model), actor, RolloutConfig(n=2), data_cfg, device="cpu", seed=1, system=system)
 
 
 @pytest.fixture(scope="module")
 def prompts(worker, data_cfg):
     """8 embedded validation prompts, the first replaced by one of 290 tokens (> 2 KV blocks), each twice."""
     tok = worker.tokenizer
-    ps = build_prompts(data_cfg.val_files, tok, data_cfg, 8)
+    data_sys = DataSystem()
+    ps = build_prompts(data_sys.val_files, tok, data_cfg, data_sys, 8)
     text = tok.apply_chat_template(
         [{"role": "user", "content": " ".join(f"What is {i}+{i + 1}?" for i in range(30))}], add_generation_prompt=True, tokenize=False
     )
@@ -253,9 +256,10 @@ def test_lora_policy_is_synced(long_model, data_cfg, prompts, adapter):
     from rlkit.vllm_rollout import _RotaryReloadFilter
     from rlkit.workers import ActorRolloutRefWorker
 
-    actor = ActorConfig(lr=5e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
-    rollout = RolloutConfig(name="vllm", n=2, lora_adapter_sync=adapter)
-    w = ActorRolloutRefWorker(ModelConfig(path=long_model, lora_rank=8), actor, rollout, data_cfg, device="cpu", seed=1)
+    actor = ActorConfig(lr=5e-2, use_kl_loss=False, ppo_mini_batch_size=8)
+    system = System(actor=ActorSystem(ppo_micro_batch_size=64), rollout=RolloutSystem(name="vllm", lora_adapter_sync=adapter))
+    model = ModelConfig(path=long_model, lora_rank=8)
+    w = ActorRolloutRefWorker(model, actor, RolloutConfig(n=2), data_cfg, device="cpu", seed=1, system=system)
     assert (w.rollout.lora_request is not None) == adapter
     reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     seen = Records()
@@ -294,15 +298,15 @@ def test_grpo_recipe_runs_with_vllm_rollout(tmp_path):
     grpo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grpo)
     cfg = grpo.Config()
-    cfg.rollout.name = "vllm"
+    cfg.system.rollout.name = "vllm"
     cfg.rollout.n = 4
     cfg.data.train_batch_size = 8
-    cfg.data.val_max_samples = 32
+    cfg.system.data.val_max_samples = 32
     cfg.actor.ppo_mini_batch_size = 4
-    cfg.actor.ppo_micro_batch_size = 16
+    cfg.system.actor.ppo_micro_batch_size = 16
     cfg.trainer.total_training_steps = 2
-    cfg.trainer.test_freq = 2
-    cfg.trainer.default_local_dir = str(tmp_path)
+    cfg.system.trainer.test_freq = 2
+    cfg.system.trainer.default_local_dir = str(tmp_path)
     summary = grpo.main(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -324,11 +328,11 @@ def test_one_step_off_with_vllm_in_the_generation_worker(tmp_path):
     grpo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grpo)
     cfg = grpo.Config()
-    cfg.rollout.name, cfg.rollout.n = "vllm", 4
-    cfg.data.train_batch_size, cfg.data.val_max_samples = 8, 16
-    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 4, 16
-    cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.save_freq = 3, 3, 0
-    cfg.trainer.async_steps, cfg.trainer.default_local_dir = 1, str(tmp_path)
+    cfg.system.rollout.name, cfg.rollout.n = "vllm", 4
+    cfg.data.train_batch_size, cfg.system.data.val_max_samples = 8, 16
+    cfg.actor.ppo_mini_batch_size, cfg.system.actor.ppo_micro_batch_size = 4, 16
+    cfg.trainer.total_training_steps, cfg.system.trainer.test_freq, cfg.system.trainer.save_freq = 3, 3, 0
+    cfg.system.async_rollout.async_steps, cfg.system.trainer.default_local_dir = 1, str(tmp_path)
     summary = grpo.main(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and [r["async/staleness"] for r in rows[1:]] == [0, 1, 1]
@@ -349,18 +353,24 @@ def test_vllm_engines_in_fsdp_workers_on_ray_follow_every_update(long_model, dat
     ray = pytest.importorskip("ray")
     from types import SimpleNamespace
 
-    from rlkit.config import RewardConfig, TrainerConfig
+    from rlkit.config import RewardConfig, ScaleOutConfig, TrainerConfig, TrainerSystem
     from rlkit.placement import build_policy
     from rlkit.ray_group import init_ray
 
-    actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8, ppo_micro_batch_size=64)
+    actor = ActorConfig(lr=1e-2, use_kl_loss=False, ppo_mini_batch_size=8)
     cfg = SimpleNamespace(
         model=ModelConfig(path=long_model, lora_rank=lora_rank),
         actor=actor,
-        rollout=RolloutConfig(name="vllm", n=2),
+        rollout=RolloutConfig(n=2),
         data=data_cfg,
         reward=RewardConfig(),
-        trainer=TrainerConfig(backend="ray", n_workers=2, device="cpu", seed=1),
+        trainer=TrainerConfig(seed=1),
+        system=System(
+            actor=ActorSystem(ppo_micro_batch_size=64),
+            rollout=RolloutSystem(name="vllm"),
+            trainer=TrainerSystem(device="cpu"),
+            scale_out=ScaleOutConfig(backend="ray", n_workers=2),
+        ),
     )
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers get push_up_sampled by value
     init_ray(num_cpus=2)

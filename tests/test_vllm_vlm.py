@@ -22,7 +22,7 @@ from test_grpo_recipe import load_recipe, read_jsonl
 from test_vlm import vlm_config
 
 from rlkit import demos, vlm
-from rlkit.config import ActorConfig, DataConfig, ModelConfig, RolloutConfig
+from rlkit.config import ActorConfig, DataConfig, DataSystem, ModelConfig, RolloutConfig, RolloutSystem, System
 from rlkit.errors import ConfigError
 from rlkit.vllm_rollout import fold_image_pads, vllm_available
 from scripts.assets import tiny_vlm
@@ -51,16 +51,17 @@ def test_unserved_architecture_and_ray_workers_are_refused_with_one_line(monkeyp
     processor = tiny_vlm.build_processor()
     model = tiny_vlm.build_model(tiny_vlm.tiny_config(processor.tokenizer))
     with pytest.raises(ConfigError, match="runs its engine in the trainer's process only"):
-        VLLMRollout(model, processor.tokenizer, "unused", torch.float32, torch.device("cpu"), RolloutConfig(name="vllm"), 64)
+        VLLMRollout(model, processor.tokenizer, "unused", torch.float32, torch.device("cpu"), RolloutSystem(name="vllm"), 64)
 
 
 @pytest.fixture(scope="module")
 def worker():
     from rlkit.workers import ActorRolloutRefWorker
 
-    data = DataConfig(task="colour_codeword", max_response_length=5)
+    data = DataConfig(max_response_length=5)
+    system = System(data=DataSystem(task="colour_codeword"), rollout=RolloutSystem(name="vllm"))
     actor = ActorConfig(use_kl_loss=False)
-    return ActorRolloutRefWorker(ModelConfig(path=str(demos.VLM_MODEL)), actor, RolloutConfig(name="vllm"), data, device="cpu", seed=1)
+    return ActorRolloutRefWorker(ModelConfig(path=str(demos.VLM_MODEL)), actor, RolloutConfig(), data, device="cpu", seed=1, system=system)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,7 @@ def prompts(worker):
     """16 held-out rows (distinct images), their pixels and PIL images in multi_modal_inputs."""
     from rlkit.data import build_prompts
 
-    cfg = DataConfig(task="colour_codeword", task_val_size=16)
-    ps = build_prompts([], worker.tokenizer, cfg, split="val")
+    ps = build_prompts([], worker.tokenizer, DataConfig(), DataSystem(task="colour_codeword", task_val_size=16), split="val")
     return ps.batch(list(range(16)), worker.tokenizer.pad_token_id)
 
 
@@ -170,12 +170,13 @@ def test_random_tiny_qwen25_vl_log_probs_match_the_trainer(tmp_path):
     folder = tmp_path / "qwen2_5_vl"
     tiny_vlm.build_model(tiny_vlm.tiny_config(processor.tokenizer, kind="qwen2_5_vl"), seed=0).save_pretrained(folder)
     processor.save_pretrained(folder)
-    data = DataConfig(task="colour_codeword", task_val_size=8, max_response_length=5)
+    data, data_sys = DataConfig(max_response_length=5), DataSystem(task="colour_codeword", task_val_size=8)
+    system = System(data=data_sys, rollout=RolloutSystem(name="vllm"))
     w = ActorRolloutRefWorker(
-        ModelConfig(path=str(folder)), ActorConfig(use_kl_loss=False), RolloutConfig(name="vllm"), data, device="cpu", seed=1
+        ModelConfig(path=str(folder)), ActorConfig(use_kl_loss=False), RolloutConfig(), data, device="cpu", seed=1, system=system
     )
     try:
-        rows = build_prompts([], w.tokenizer, data, split="val").batch(list(range(8)), w.tokenizer.pad_token_id)
+        rows = build_prompts([], w.tokenizer, data, data_sys, split="val").batch(list(range(8)), w.tokenizer.pad_token_id)
         out = w.rollout.generate(rows, max_new_tokens=5, temperature=1.0)
         mask = out["response_mask"].bool()
         assert (out["rollout_log_probs"] - trainer_log_probs(w, out, w.rollout.banned))[mask].abs().max() < LOGPROB_ATOL
@@ -198,7 +199,7 @@ def test_grpo_step_with_vllm_rollout(tmp_path, kind):
         path = str(folder)
     grpo = load_recipe("grpo")
     cfg = vlm_config(grpo, tmp_path / "run", path)
-    cfg.rollout.name = "vllm"
+    cfg.system.rollout.name = "vllm"
     cfg.actor.entropy_coeff = 0.01  # a random model scores 0 everywhere: the entropy term gives a gradient
     grpo.main(cfg)
     rows = read_jsonl(tmp_path / "run/metrics.jsonl")

@@ -129,17 +129,17 @@ def test_log_probs_use_mrope_positions_and_do_not_depend_on_the_micro_batch(proc
 def vlm_config(recipe, out_dir, model_path, steps=1):
     cfg = recipe.Config()
     cfg.model.path = model_path
-    cfg.data.task = "colour_codeword"
-    cfg.data.task_train_size, cfg.data.task_val_size = 16, 8
+    cfg.system.data.task = "colour_codeword"
+    cfg.system.data.task_train_size, cfg.system.data.task_val_size = 16, 8
     cfg.data.max_response_length = 5
     cfg.data.train_batch_size = 8
     cfg.actor.ppo_mini_batch_size = 8
-    cfg.actor.ppo_micro_batch_size = 12  # 32 rows in 3 micro-batches: the images sliced per micro-batch
+    cfg.system.actor.ppo_micro_batch_size = 12  # 32 rows in 3 micro-batches: the images sliced per micro-batch
     cfg.rollout.n = 4
     cfg.trainer.total_training_steps = steps
-    cfg.trainer.default_local_dir = str(out_dir)
-    cfg.trainer.test_freq = 1
-    cfg.trainer.save_freq = steps
+    cfg.system.trainer.default_local_dir = str(out_dir)
+    cfg.system.trainer.test_freq = 1
+    cfg.system.trainer.save_freq = steps
     return cfg
 
 
@@ -196,7 +196,7 @@ def test_random_tiny_qwen25_and_qwen3_vl_run_a_grpo_step(tmp_path, kind):
 
 def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
     """docs/errors.md's vision-language rows."""
-    from rlkit.config import DataConfig
+    from rlkit.config import DataConfig, DataSystem
     from rlkit.data import build_prompts
     from rlkit.engine import load_tokenizer
     from rlkit.errors import ConfigError
@@ -204,22 +204,22 @@ def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
     rows = rows_with_distinct_images(2)
     with pytest.raises(ConfigError, match=r"row 1: the prompt has 2 <image> placeholder\(s\) but the images column holds 1"):
         vlm.render(processor, [rows[0]["prompt"], [{"role": "user", "content": "<image><image>Two?"}]], [r["images"] for r in rows])
-    cfg = DataConfig(task="colour_codeword", task_train_size=4, task_val_size=2, truncation="left")
+    data_sys = DataSystem(task="colour_codeword", task_train_size=4, task_val_size=2, truncation="left")
     with pytest.raises(ConfigError, match="--data.truncation left would cut image tokens"):
-        build_prompts([], load_tokenizer(str(demos.VLM_MODEL)), cfg, split="train")
+        build_prompts([], load_tokenizer(str(demos.VLM_MODEL)), DataConfig(), data_sys, split="train")
 
 
 def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
     """The shipped parquet is verl's format ({"bytes": PNG} images, <image> in the prompt) and renders like the
     generated task: same prompts, same pixels."""
-    from rlkit.config import DataConfig
+    from rlkit.config import DataConfig, DataSystem
     from rlkit.data import build_prompts
     from rlkit.engine import load_tokenizer
 
     tok = load_tokenizer(str(demos.VLM_MODEL))
     files = [str(demos.COLOUR_DATA / "val.parquet")]
-    from_file = build_prompts(files, tok, DataConfig(train_files=files, val_files=[]), max_samples=8)
-    generated = build_prompts([], tok, DataConfig(task="colour_codeword", task_val_size=8), split="val")
+    from_file = build_prompts(files, tok, DataConfig(train_files=files), DataSystem(val_files=[]), max_samples=8)
+    generated = build_prompts([], tok, DataConfig(), DataSystem(task="colour_codeword", task_val_size=8), split="val")
     assert from_file.input_ids == generated.input_ids
     assert list(from_file.ground_truth) == list(generated.ground_truth)
     for a, b in zip(from_file.multi_modal_inputs, generated.multi_modal_inputs):
@@ -238,7 +238,7 @@ def test_vlm_grpo_step_on_ray_with_two_fsdp_workers(tmp_path):
 
     grpo = load_recipe("grpo")
     cfg = vlm_config(grpo, tmp_path, "embedded-vlm")
-    cfg.trainer.backend, cfg.trainer.n_workers = "ray", 2
+    cfg.system.scale_out.backend, cfg.system.scale_out.n_workers = "ray", 2
     init_ray(num_cpus=2)
     try:
         grpo.main(cfg)
@@ -311,7 +311,7 @@ def test_undecodable_images_and_literal_vision_tokens_are_one_line_errors_naming
 def test_an_image_column_not_named_images_is_refused_with_a_hint(tmp_path):
     import datasets
 
-    from rlkit.config import DataConfig
+    from rlkit.config import DataConfig, DataSystem
     from rlkit.data import build_prompts
     from rlkit.engine import load_tokenizer
     from rlkit.errors import ConfigError
@@ -322,4 +322,4 @@ def test_an_image_column_not_named_images_is_refused_with_a_hint(tmp_path):
         str(path)
     )
     with pytest.raises(ConfigError, match="column 'image' is not read; name it 'images'"):
-        build_prompts([str(path)], load_tokenizer(str(demos.VLM_MODEL)), DataConfig(train_files=[str(path)], val_files=[]))
+        build_prompts([str(path)], load_tokenizer(str(demos.VLM_MODEL)), DataConfig(train_files=[str(path)]), DataSystem(val_files=[]))

@@ -119,12 +119,12 @@ def run_sft(
     pq.write_table(pa.Table.from_pylist([{"messages": c} for c in convs]), work_dir / "sft.parquet")
     cfg = sft.Config(messages_key="messages", tools=tools)
     cfg.model.path = str(init_dir)
-    cfg.data.train_files, cfg.data.val_files, cfg.data.shuffle = [str(work_dir / "sft.parquet")], [], False
+    cfg.data.train_files, cfg.system.data.val_files, cfg.data.shuffle = [str(work_dir / "sft.parquet")], [], False
     cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = batch_size
     cfg.data.max_response_length, cfg.trainer.seed = max_response_length, seed
     cfg.actor.lr, cfg.actor.warmup_steps, cfg.actor.weight_decay, cfg.actor.grad_clip = lr, warmup, weight_decay, 1.0
-    t = cfg.trainer
-    t.total_training_steps, t.test_freq, t.val_before_train, t.save_freq, t.max_ckpt_to_keep = steps, 0, False, 0, 1
+    t = cfg.system.trainer  # validation, output, checkpoints
+    cfg.trainer.total_training_steps, t.test_freq, t.val_before_train, t.save_freq, t.max_ckpt_to_keep = steps, 0, False, 0, 1
     t.default_local_dir, t.experiment_name = str(work_dir / "run"), "sft"
     sft.main(cfg)
     return work_dir / "run" / "checkpoints" / f"global_step_{steps}" / "hf"
