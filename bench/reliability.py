@@ -719,7 +719,36 @@ def eval_unwritable(tmp: Path):
     )
 
 
+def python_moved_option(tmp: Path):
+    """A Python script written for the layout before cfg.system (cfg.trainer.backend = "ray") or with a misspelt option:
+    it must stop at that line, not train with the option silently unset."""
+    code = textwrap.dedent(f"""
+        import importlib.util, sys
+        from rlkit import config
+        spec = importlib.util.spec_from_file_location("grpo", {str(ROOT / "recipes" / "grpo.py")!r})
+        grpo = importlib.util.module_from_spec(spec); spec.loader.exec_module(grpo)
+        cfg = grpo.Config()
+        try:
+            config.set_flags(cfg, {{"trainer.backen": "ray"}})
+        except KeyError as e:
+            print("set_flags:", e)
+        cfg.trainer.backend = "ray"
+        grpo.main(cfg)
+    """)
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp)
+    if out.returncode == 0 or "step 1" in out.stdout:
+        return f"ran (status {out.returncode}); stdout tail: {out.stdout[-300:]!r}"
+    if "has no option --trainer.backen" not in out.stdout or "AttributeError" not in out.stderr or "backend" not in out.stderr:
+        return f"no error naming the option: stdout {out.stdout[-200:]!r}, stderr tail {out.stderr[-300:]!r}"
+    return None
+
+
 CASES = {  # name: (what it does / expects, the case, time limit in s)
+    "python_moved_option": (
+        "Python: cfg.trainer.backend = 'ray' (a system option, now cfg.system.scale_out) or a misspelt set_flags -> an error there",
+        python_moved_option,
+        120,
+    ),
     "grad_clip_0": ("--actor.grad-clip 0 -> one line", bad_flag("--actor.grad-clip", "0", phrases=("--actor.grad-clip 0.0",)), 120),
     "grad_clip_negative": (
         "--actor.grad-clip -1 -> one line",
