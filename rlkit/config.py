@@ -28,10 +28,13 @@ something (tests/test_options_read.py). The layered classes are each the one bef
     OptimSystem     < UpdateSystem   + token budget, non-finite steps          < ActorSystem  + off-policy, MoE replay
     RunSystem       < TrainerSystem  + sampled validation
 
-recipes/rm.py takes the first of each, recipes/sft.py UpdateConfig/UpdateSystem, the RL recipes the last. An option
-read only when another one opens its path (--data.task-seed without --data.task) is refused alone with one line. Each
-section checks its own values in `check` (next to its fields); `check_flags` runs them all, and the checks that read
-two sections, before any model loads.
+recipes/rm.py takes the first of each, recipes/sft.py UpdateConfig/UpdateSystem, the RL recipes the last; cfg.system is
+a System (PPOSystem: + critic, ToolsSystem: + agent, SFTSystem, RMSystem), all defined here, not in the recipes, since
+worker processes unpickle them. From Python, set_flags(cfg, {"trainer.backend": "ray"}) sets options by flag name and
+flag_values(cfg) lists them (a checkpoint's config.json holds these names). An option read only when another one
+opens its path (--data.task-seed without --data.task) is refused alone with one line. Each section checks its own
+values in `check` (next to its fields); `check_flags` runs them all, and the checks that read two sections, before any
+model loads.
 """
 
 from __future__ import annotations
@@ -536,8 +539,8 @@ class RewardSystem:
     """sequences per forward pass of the reward model"""
 
     def check(self) -> None:
-        if self.model_micro_batch_size < 0:
-            raise ConfigError(f"--reward.model-micro-batch-size {self.model_micro_batch_size}: must be 0 (auto) or a positive number")
+        if self.model_micro_batch_size < 1:  # (no auto: the reward model scores this many sequences per pass)
+            raise ConfigError(f"--reward.model-micro-batch-size {self.model_micro_batch_size}: must be at least 1")
 
 
 @system_section("trainer")

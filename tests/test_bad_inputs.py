@@ -111,6 +111,10 @@ CASES = {
         lambda c, t: set_flags(c, {"rollout.log_prob_micro_batch_size": -1}),
         ["--rollout.log-prob-micro-batch-size -1"],
     ),
+    "reward_model_micro_batch_0": (  # 0 passed to the reward model was range(0, n, 0): a ValueError after the model loaded
+        lambda c, t: set_flags(c, {"reward.model_micro_batch_size": 0}),
+        ["--reward.model-micro-batch-size 0", "at least 1"],
+    ),
     "lr_zero": (lambda c, t: set_flags(c, {"actor.lr": 0.0}), ["--actor.lr 0.0", "learning rate"]),
     "lr_absurd": (lambda c, t: set_flags(c, {"actor.lr": 3.0}), ["--actor.lr 3.0", "well below 1"]),
     "ppo_epochs_0": (lambda c, t: set_flags(c, {"actor.ppo_epochs": 0}), ["--actor.ppo-epochs 0"]),
