@@ -1,8 +1,10 @@
 """GRPO with tools: multi-turn rollouts in which the model calls tools, then GRPO as in grpo.py.
 
-The only differences from grpo.py: the prompts offer the tools (--agent.tools), the rollout is the
-turn loop `rlkit.agent.run_turns` (generate -> parse <tool_call> -> run the tools -> append their
-ids with mask 0 -> generate again, until an answer or a limit), and the metrics add tool use.
+The differences from grpo.py: the prompts offer the tools (--agent.tools) or an environment
+(--agent.env); the rollout is the turn loop `rlkit.agent.run_turns` (generate -> parse <tool_call>
+-> run the tools -> append their ids with mask 0 -> generate again, until an answer or a limit);
+the advantage can be credited per turn (--turn-credit; the default, outcome, is grpo.py's) and is
+grouped by seat in self-play (--agent.self-play); and the metrics add tool use.
 The tool responses are holes in the response mask: they are context for the later turns but never
 trained on (docs/agents.md).
 
