@@ -1223,7 +1223,10 @@ ROWS = {
     "judge": (check_judge,),
     "ulysses": (check_ulysses,),
 }
-LOAN_SKIP = {"ulysses": "not in the loan profile (its 8 minutes are spent; the row runs on CPU processes over gloo: --dry covers it)"}
+LOAN_SKIP = {
+    "ulysses": "not in the loan profile (its 8 minutes are spent; the row runs on CPU processes over gloo: --dry covers it)",
+    "moe-replay": "not in the loan profile (its 8 minutes are spent; --dry runs the same path on CPU)",
+}
 
 
 NEEDS = {"tools": ["vllm"]}  # what a row needs that its name does not say
