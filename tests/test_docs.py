@@ -347,6 +347,22 @@ def test_every_dotted_flag_named_in_the_docs_is_a_recipe_option():
     assert not bad, "flags named in the docs that no recipe's --help has (rename or remove them):\n" + "\n".join(bad)
 
 
+BOOL_VALUE = re.compile(r"(?<![\w-])(--[a-z][\w.-]*[a-z0-9])[ =](true|false|True|False)\b")
+
+
+def test_no_doc_gives_a_boolean_flag_a_value():
+    """tyro's booleans are `--model.remove-padding` / `--model.no-remove-padding`: `--model.remove-padding false` is an
+    unrecognized argument (two docs said so, found by a claim audit)."""
+    bad = [
+        f"{rel(doc)}:{n}: {m.group(0)}"
+        for doc in [*DOCS, *sorted((ROOT / "recipes").glob("*.py"))]
+        for n, line in enumerate(doc.read_text().splitlines(), start=1)
+        for m in BOOL_VALUE.finditer(line)
+    ]
+    assert not bad, "write a boolean flag as --x or --no-x:\n" + "\n".join(bad)
+    assert BOOL_VALUE.search("(`--actor.use-kl-loss false`, ...)") and not BOOL_VALUE.search("`--actor.no-use-kl-loss`")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 2b. The same for the text beside the code: recipe docstrings, asset READMEs, test docstrings
 # --------------------------------------------------------------------------------------------------------------
