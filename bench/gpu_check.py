@@ -17,7 +17,7 @@ SIGALRM timeout in --dry):
                  --actor.ppo-mini-batch-size below the batch (old log-probs with entropy, two optimizer steps per
                  step), an entropy bonus: the start-of-run line and what the update's linear layers computed with
                  (float32 weights, bf16 outputs); full-length responses; finite, nonzero losses and gradients; on a GPU, with 24 GB emulated (torch.cuda.set_per_process_memory_fraction): the peak of
-                 each phase against bench/gpu_memory.py's prediction (+-30 %); rollout tokens/s; update MFU
+                 each phase against bench/gpu_memory.py's prediction (+-15 %); rollout tokens/s; update MFU
   grpo-lora      the same with LoRA rank 16 (float32 adapters on a bf16 base)
   checkpointing  one forward/backward with gradient checkpointing on and off: equal loss and gradients, each layer's
                  forward recomputed in the backward, less memory (GPU)

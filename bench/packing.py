@@ -4,8 +4,8 @@ A random Qwen2-shaped model (vocabulary 151,936, small hidden size) and a GSM8K-
 ~200 tokens x n = 8 responses of 20..300 tokens (uniform), no generation (the batch is synthetic, so every arm
 gets exactly the same tokens). Each arm runs in its own process, so its peak RSS is its own:
 
-    padded     the rollout's padded rows (--model.remove-padding false): every prompt n times, every response to the longest
-    unshared   packed real tokens, each row its own prompt (--model.share-prompt false)
+    padded     the rollout's padded rows (--model.no-remove-padding): every prompt n times, every response to the longest
+    unshared   packed real tokens, each row its own prompt (--model.no-share-prompt)
     packed     packed, each group's prompt once (the default)
     budget     packed, micro-batches of at most --budget positions (--actor.max-token-len-per-micro-batch)
 

@@ -51,7 +51,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     baseline: bool = False
-    """REINFORCE++-baseline: subtract the group's mean score before whitening (rollout.n >= 2)"""
+    """REINFORCE++-baseline: subtract the group's mean total reward (score and KL terms) before
+    whitening (rollout.n >= 2)"""
     gamma: float = 1.0
     """discount of the return G_t = r_t + gamma * G_{t+1}"""
     use_kl_in_reward: bool = True

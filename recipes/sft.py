@@ -263,7 +263,8 @@ def main(cfg: Config) -> dict:
         raise ConfigError("SFT trains log pi at temperature 1: use --rollout.temperature 1")
     if cfg.actor.ppo_mini_batch_size != cfg.data.train_batch_size or cfg.actor.ppo_epochs != 1:
         raise ConfigError(
-            "SFT takes one optimizer step per batch: --actor.ppo-mini-batch-size = train size"
+            "SFT takes one optimizer step per batch: --actor.ppo-mini-batch-size = train size, "
+            "--actor.ppo-epochs 1"
         )
     # the conversations read and tokenized before the model loads: a bad row stops in seconds
     tok = load_tokenizer(resolved(cfg.model).path, cfg.model.trust_remote_code)

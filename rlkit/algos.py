@@ -1133,7 +1133,7 @@ def rollout_mismatch_metrics(
     float32: a mismatch no correction can rescue).  Names and formulas follow
     verl 0.9's rollout_corr/ metrics and TRL's sampling_logp_difference.  All
     values are python floats; 0.0 when no token is valid.  HF rollouts give
-    all zeros (same model code).
+    zeros up to rounding (same model code; KV-cached decoding vs one forward).
     """
     mask = mask.to(log_prob.dtype)
     delta = torch.where(mask > 0, (log_prob - rollout_log_prob).detach(), 0.0)  # (B, T); padding: 0, never inf * 0

@@ -18,8 +18,8 @@ A system section keeps its flags' names (`@system_section("model")`: `--model.dt
 --help shows it in a box of its own, `system.model`, after every learning option. The rule: `--X.field` is
 `cfg.X.field` when --help lists it in the `X` box, and `cfg.system.<box>.field` when in a `system.<box>` box.
 
-Sections by use: a recipe's Config takes only the fields its code reads, so every option its --help shows does
-something (tests/test_options_read.py). The layered classes are each the one before plus what a larger recipe reads:
+Sections by use: a recipe's Config takes only the fields its code reads, so every option its --help shows is read,
+or refused with one line where the recipe cannot honour it (sft.py's --trainer.async-steps; tests/test_options_read.py). The layered classes are each the one before plus what a larger recipe reads:
 
     BaseDataConfig  < DataConfig     + the difficulty sampler (RL prompt rows)
     OptimConfig     < UpdateConfig   + the update loop (mini-batches, epochs)  < ActorConfig  + the policy loss

@@ -17,7 +17,7 @@ log-probs.
 Layout. The passes run on real tokens only (rlkit/packing.py): sequences packed into rows with a block attention
 mask (built on the device from segment ids), each group's shared prompt computed once (GRPO's n rows of a prompt),
 position ids per sequence, the LM head on the positions read. Same log-probs as the padded rows to float rounding;
---model.remove-padding false keeps the padded layout. flash_attention_2 takes no 4D mask: its passes pack every
+--model.no-remove-padding keeps the padded layout. flash_attention_2 takes no 4D mask: its passes pack every
 prompt ++ response end to end in one row (varlen, no shared prompt). Micro-batches hold
 --actor.ppo-micro-batch-size rows, or with --actor.max-token-len-per-micro-batch > 0 as many rows as fit in that
 many positions, in as many micro-batches as the data-parallel process that needs the most (agreed_count); the
@@ -152,6 +152,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
+VLM_VALUE_MODEL = "a value model on a vision-language model is not supported yet: use a critic-free recipe (grpo, rloo, dapo)"
+
+
 def load_model(
     path: str,
     dtype: torch.dtype,
@@ -177,6 +180,9 @@ def load_model(
     try:
         if value_head:  # the new head is missing from a policy checkpoint, as expected: report only other gaps
             from transformers.utils import logging as hf_logging
+
+            if is_vlm_folder(path, trust_remote_code):  # (transformers has no token-classification class for one)
+                raise ConfigError(VLM_VALUE_MODEL)
 
             level = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()
@@ -437,8 +443,6 @@ class TorchEngine:
         from rlkit.vlm import is_vlm
 
         self.vlm = is_vlm(model.config)  # images: padded layout, M-RoPE positions from the model (rlkit/vlm.py)
-        if value_head and self.vlm:
-            raise ConfigError("a value model on a vision-language model is not supported yet: use a critic-free recipe (grpo, rloo, dapo)")
         if freeze_vision(model, model_sys) and not self.lora:
             for name, param in model.named_parameters():
                 if ".visual." in f".{name}":
@@ -571,7 +575,7 @@ class TorchEngine:
         """Per-token log-probs (and entropy) of mb['responses'] given the prompts: shapes (b, R).
 
         A value model returns (values, None) instead: V(s_t) read where the logits predicting y_t are.
-        Padding-free (rlkit/packing.py) unless --model.remove-padding false; 0 past each response.
+        Padding-free (rlkit/packing.py) unless --model.no-remove-padding; 0 past each response.
         """
         if self.sp_group is not None:  # Ulysses sequence parallelism: padded rows, positions split over the group
             return self.forward_sp(model, mb, temperature, with_entropy)

@@ -15,6 +15,7 @@ from rlkit.errors import ConfigError
 def run(cfg) -> None:
     """Every check below, cheapest first."""
     check_grad_clip(cfg)
+    check_critic(cfg)
     check_agent(cfg)
     check_async(cfg)
     check_moe(cfg)
@@ -31,6 +32,24 @@ def check_grad_clip(cfg) -> None:
     sections = {"actor": cfg.actor, "critic": getattr(cfg, "critic", None)}
     for name, section in sections.items():
         check_grad_clip_value(name, getattr(section, "grad_clip", None))
+
+
+def check_critic(cfg) -> None:
+    """PPO's value model (--critic.path, default --model.path) must not be a vision-language model: transformers has no
+    token-classification head for one (engine.load_model refuses it too, for an engine built directly)."""
+    c = getattr(cfg, "critic", None)
+    if c is None:
+        return
+    from rlkit.engine import VLM_VALUE_MODEL, is_vlm_folder
+    from rlkit.workers import resolved
+
+    path = c.path or resolved(cfg.model).path
+    try:
+        vlm = is_vlm_folder(path, cfg.model.trust_remote_code)
+    except Exception:  # unreadable here: the model load reports it
+        return
+    if vlm:
+        raise ConfigError(VLM_VALUE_MODEL)
 
 
 def check_agent(cfg) -> None:
@@ -58,6 +77,15 @@ def check_agent(cfg) -> None:
         raise ConfigError(f"--agent.max-observation-chars {a.max_observation_chars}: must be at least 1 (8192 is the default)")
     if not getattr(a, "max_step_seconds", 0) >= 0:  # NaN too
         raise ConfigError(f"--agent.max-step-seconds {a.max_step_seconds}: must be 0 (no limit) or more (120 is the default)")
+    c = _model_config(cfg)
+    if c is not None:
+        from rlkit.vlm import is_vlm
+
+        if is_vlm(c):  # the turn loop's samplers send token ids only: the rollout would not see the images the update sees
+            raise ConfigError(
+                f"the multi-turn turn loop (--agent.*) does not run on a vision-language model yet ({cfg.model.path}: its "
+                "samplers send no images); train it with a single-turn recipe (recipes/grpo.py)"
+            )
 
 
 def check_async(cfg) -> None:

@@ -296,13 +296,16 @@ def _parse_output(out) -> tuple[float, dict[str, float]]:
 @contextmanager
 def time_limit(seconds: float | None):
     """Raise TimeoutError in the block after `seconds` (SIGALRM; only on the main thread of a POSIX process,
-    elsewhere no limit). Interrupts Python code that loops or sleeps; not a C call that never returns."""
+    elsewhere no limit), marked .time_limit = True (a TimeoutError the scorer raises itself is not). Interrupts Python
+    code that loops or sleeps; not a C call that never returns."""
     if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
 
     def on_alarm(signum, frame):
-        raise TimeoutError(f"no result after {seconds:g} s")
+        error = TimeoutError(f"no result after {seconds:g} s")
+        error.time_limit = True
+        raise error
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -521,6 +524,7 @@ class RewardFn:
                     outs[i] = o
             except (Exception, SystemExit) as e:  # SystemExit: a scorer's sys.exit() must not end the run with status 0
                 failures.update({i: e for i in rows})
+                timeouts += getattr(e, "time_limit", False) * len(rows)  # in the trainer (the sandbox's: r.timed_out above)
         scores, extras, errors = [], {}, []
         for i in range(n):
             try:

@@ -426,6 +426,10 @@ def test_a_hanging_user_function_is_stopped_by_the_time_limit():
     off = RewardFn(f"{FIXTURE}:hanging_score", timeout_s=0.2, sandbox="off")  # in-process: SIGALRM on the main thread
     with pytest.raises(RuntimeError, match=r"TimeoutError: no result after 0.2 s"):
         off("rlkit/arith", ["12"], ["12"])
+    # counted in reward/timeouts in the trainer too (they were errors only: a doc audit found it)
+    off_zero = RewardFn(f"{FIXTURE}:hanging_score", on_error="zero", timeout_s=0.1, sandbox="off")
+    scores, metrics = off_zero("rlkit/arith", ["1", "2"], ["1", "2"])
+    assert metrics["reward/errors"] == 2.0 and metrics["reward/timeouts"] == 2.0
 
 
 def test_the_time_limit_is_for_the_users_function_not_the_built_in_scorers(monkeypatch):

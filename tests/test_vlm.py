@@ -209,6 +209,26 @@ def test_bad_vision_inputs_are_refused_with_one_line(processor, tmp_path):
         build_prompts([], load_tokenizer(str(demos.VLM_MODEL)), DataConfig(), data_sys, split="train")
 
 
+def test_a_critic_or_the_turn_loop_on_a_vlm_is_refused_in_one_line(tmp_path):
+    """docs/errors.md's last vision-language rows: PPO's value model, and grpo_tools.py's turn loop (its samplers send
+    token ids only: the rollout would sample without the images the update trains with), before any model loads."""
+    from rlkit import preflight
+    from rlkit.config import ModelConfig
+    from rlkit.engine import TorchEngine
+    from rlkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="a value model on a vision-language model is not supported yet"):
+        TorchEngine(ModelConfig(path=str(demos.VLM_MODEL)), None, "cpu", value_head=True)
+    ppo = load_recipe("ppo").Config()
+    ppo.model.path = str(demos.VLM_MODEL)
+    with pytest.raises(ConfigError, match="a value model on a vision-language model is not supported yet"):
+        preflight.check_critic(ppo)
+    cfg = load_recipe("grpo_tools").Config()
+    cfg.model.path = str(demos.VLM_MODEL)
+    with pytest.raises(ConfigError, match=r"the multi-turn turn loop \(--agent\.\*\) does not run on a vision-language model"):
+        preflight.check_agent(cfg)
+
+
 def test_colour_codeword_parquet_reads_back_as_the_generated_rows(tmp_path):
     """The shipped parquet is verl's format ({"bytes": PNG} images, <image> in the prompt) and renders like the
     generated task: same prompts, same pixels."""
