@@ -1,9 +1,9 @@
 """CISPO: Clipped IS-weight Policy Optimization (MiniMax-M1, 2025, arXiv 2506.13585), in one file.
 
 GRPO's group-relative advantage, but the loss is REINFORCE weighted by a clipped, stop-gradient
-importance weight. PPO's clip zeroes the gradient of every token whose ratio left the range (often
-the rare "fork" tokens of a reasoning chain); CISPO keeps every token's gradient and only caps its
-weight:
+importance weight. PPO's clip zeroes the gradient of every token whose ratio left the range in the
+direction its advantage pushes (often the rare "fork" tokens of a reasoning chain); CISPO keeps
+every token's gradient and only caps its weight:
 
     r_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t),    w_t = sg(clip(r_t, 1-eps_low, 1+eps_high))
     L   = -1/N sum_{i,t} w_t A_i log pi(y_t | x, y_<t) + beta * KL(pi || pi_ref)

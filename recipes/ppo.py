@@ -1,8 +1,8 @@
 """PPO: Proximal Policy Optimization with a learned critic (Schulman et al., 2017; for LMs
 Ziegler et al., 2019, Ouyang et al., 2022), in one file.
 
-Sample a response per prompt, score it with a verifiable reward, and turn the score into per-token
-rewards with a KL penalty to the reference (starting) policy:
+Sample n responses per prompt, score each with a verifiable reward, and turn each score into
+per-token rewards with a KL penalty to the reference (starting) policy:
 
     r_t = s * [t = last token] - beta * KL_t,    KL_t = kl_penalty(log pi_old(y_t), log pi_ref(y_t))
 
