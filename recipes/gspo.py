@@ -7,8 +7,8 @@ together and long responses do not pile up token-level noise:
     s_i = exp( 1/|y_i| * sum_t (log pi(y_it) - log pi_old(y_it)) )
     L   = -mean_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)     (no KL: the paper's setup)
 
-The clip range is the paper's, eps_low = 3e-4 and eps_high = 4e-4 -- three orders of magnitude below
-GRPO's 0.2, because a sequence ratio moves far less than a token ratio. With one optimizer step per
+The clip range is the paper's, eps_low = 3e-4 and eps_high = 4e-4 -- 500-670 times below GRPO's
+0.2, because a sequence ratio moves far less than a token ratio. With one optimizer step per
 batch (the default: mini-batch = batch) s_i = 1 and the clip never bites; it does with
 --actor.ppo-mini-batch-size < --data.train-batch-size or --actor.ppo-epochs > 1. --gspo-token uses
 GSPO-token (per-token advantages, sequence-level ratio value): the same gradient as GSPO when the
