@@ -763,17 +763,22 @@ def sections(cfg) -> list[tuple[str, object]]:
     return out
 
 
+def owner(cfg, name: str) -> tuple[object, str]:
+    """(the section that holds the option `name`, its field): owner(cfg, "trainer.backend") is (cfg.system.scale_out,
+    "backend"); a top-level option's owner is cfg itself. Dashes or underscores; a KeyError for an option cfg lacks."""
+    prefix, _, key = name.replace("-", "_").rpartition(".")
+    for p, section in [("", cfg), *sections(cfg)]:
+        if p == prefix and key in {f.name for f in dataclasses.fields(section)}:
+            return section, key
+    raise KeyError(f"{type(cfg).__name__} has no option --{name.replace('_', '-')}")
+
+
 def set_flags(cfg, values: dict):
     """Set options of a recipe's Config by their flag names, wherever their sections sit, as the command line would:
     set_flags(cfg, {"trainer.seed": 3, "trainer.backend": "ray"}) sets cfg.trainer.seed and cfg.system.scale_out.backend
-    (dashes or underscores). An option the Config lacks is a KeyError naming it. Returns cfg."""
-    owners = [("", cfg), *sections(cfg)]
+    (dashes or underscores). An option the Config lacks is a KeyError naming it (owner). Returns cfg."""
     for name, value in values.items():
-        prefix, _, key = name.replace("-", "_").rpartition(".")
-        owner = next((o for p, o in owners if p == prefix and key in {f.name for f in dataclasses.fields(o)}), None)
-        if owner is None:
-            raise KeyError(f"{type(cfg).__name__} has no option --{name.replace('_', '-')}")
-        setattr(owner, key, value)
+        setattr(*owner(cfg, name), value)
     return cfg
 
 

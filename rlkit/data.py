@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlkit.config import DataSystem
 from rlkit.errors import ConfigError, MissingFile
 from rlkit.protocol import DataProto
 
@@ -222,8 +223,6 @@ def build_prompts(
     system.task set the files are ignored; the split is `split`, or 'val' when `files` is system.val_files itself
     (what recipes pass), else 'train'. tools: JSON schemas of tools the prompts offer (see render_prompts).
     """
-    from rlkit.config import DataSystem
-
     s = system or DataSystem()
     if s.task:
         cols = task_columns(s, split or ("val" if files is s.val_files else "train"))

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from rlkit import algos, packing
+from rlkit.config import ModelSystem, UpdateSystem
 from rlkit.errors import ConfigError, MissingFile, NonFinite, RunFailed
 from rlkit.protocol import DataProto
 from rlkit.rollout import text_config
@@ -408,8 +409,6 @@ class TorchEngine:
         wrap: applied to the model (then to the reference copy) before the optimizer is built, e.g. FSDP2
         sharding (rlkit/fsdp_workers.py): how a distributed engine plugs in.
         """
-        from rlkit.config import ModelSystem, UpdateSystem
-
         model_sys = model_sys or ModelSystem()
         update_sys = update_sys or UpdateSystem()
         if actor_cfg is not None:  # before the model loads, as the recipes' preflight does (an engine built directly)

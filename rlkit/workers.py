@@ -118,7 +118,7 @@ class ActorRolloutRefWorker(CheckpointFiles):
         self.tokenizer = self.engine.tokenizer
         self.rollout = make_rollout(self.engine, rollout_sys, data_cfg, model_cfg.path, seed)
         self.actor_cfg, self.rollout_cfg, self.data_cfg, self.seed = actor_cfg, rollout_cfg, data_cfg, seed
-        self.system, self.rollout_sys = system, rollout_sys
+        self.rollout_sys = rollout_sys
         self.router_replay = getattr(update_sys, "router_replay", "none")  # MoE: none, r2, r3 (docs/moe.md)
         self.updates = 0
         self.dp_size = 1  # processes sharing each mini-batch (FSDP workers set it)

@@ -86,12 +86,6 @@ def options(cfg) -> list[str]:
     return list(config.flag_values(cfg))
 
 
-def owner(cfg, option: str):
-    """(the section object that holds `option`, its field name): cfg.system.scale_out for trainer.backend."""
-    prefix, _, key = option.rpartition(".")
-    return next(s for p, s in [("", cfg), *config.sections(cfg)] if p == prefix and key in {f.name for f in dataclasses.fields(s)}), key
-
-
 def flag(option: str) -> str:
     return "--" + option.replace("_", "-")
 
@@ -209,7 +203,7 @@ def refused(name: str, option: str, tmp: Path) -> bool:
 
     recipe = load_recipe(name)
     cfg = tiny_config(recipe, name, tmp)
-    section, last = owner(cfg, option)
+    section, last = config.owner(cfg, option)
     setattr(section, last, other_value(type(section), last, getattr(section, last)))
 
     def load(*a, **k):
