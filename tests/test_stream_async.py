@@ -5,7 +5,6 @@ the worker wiring (rlkit/async_rollout.py: the updates queue, Generator.on_new_w
 drop (sample_keep -> workers.update masks the rows out of the loss) and the flags' refusals. Two tiny grpo runs, ~1 min.
 """
 
-import dataclasses
 import functools
 import multiprocessing as mp
 
@@ -147,7 +146,7 @@ def test_the_generator_loads_weights_pushed_mid_generation():
     finds version 1 (weights B): tokens 0-1 carry 0, tokens from 2 on carry 1, the batch's policy_version is 0 (where
     it started), and the worker ends holding B exactly."""
     from rlkit.async_rollout import Generator
-    from rlkit.config import AsyncConfig, ModelConfig, TrainerConfig, TrainerSystem
+    from rlkit.config import AsyncConfig, ModelConfig, System, TrainerConfig, TrainerSystem
 
     trainer, actor, data, prompts = worker_setup(temperature=2.0)
     a = trainer.trainable_weights()
@@ -155,8 +154,11 @@ def test_the_generator_loads_weights_pushed_mid_generation():
         for p in trainer.engine.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     b = trainer.trainable_weights()
-    system = dataclasses.replace(
-        trainer.system, trainer=TrainerSystem(device="cpu"), async_rollout=AsyncConfig(async_steps=1, swap_every=2)
+    system = System(  # the trainer worker's own sections, with the generation worker's device and in-flight swaps
+        actor=trainer.engine.update_sys,
+        rollout=trainer.rollout_sys,
+        trainer=TrainerSystem(device="cpu"),
+        async_rollout=AsyncConfig(async_steps=1, swap_every=2),
     )
     gen = Generator(ModelConfig(), actor, trainer.rollout_cfg, data, system, TrainerConfig().seed, need_ref=False)
     gen.updates = Scripted(("shm", *a, 0), None, ("shm", *b, 1), None)
